@@ -1,0 +1,36 @@
+"""divjac: per-sample Jacobians and divergences of neural networks, in JAX and PyTorch.
+
+The framework backends live in :mod:`divjac.jax` and :mod:`divjac.torch`; importing this
+package imports neither framework.
+"""
+
+from ._errors import (
+    ArgnumsError as ArgnumsError,
+    BatchAxisError as BatchAxisError,
+    BatchCouplingError as BatchCouplingError,
+    BatchSizeMismatchError as BatchSizeMismatchError,
+    DenseFallbackWarning as DenseFallbackWarning,
+    DivjacError as DivjacError,
+    InputDtypeError as InputDtypeError,
+    MissingKeyError as MissingKeyError,
+    NonSquareJacobianError as NonSquareJacobianError,
+    NumProbesError as NumProbesError,
+    OutputError as OutputError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArgnumsError",
+    "BatchAxisError",
+    "BatchCouplingError",
+    "BatchSizeMismatchError",
+    "DenseFallbackWarning",
+    "DivjacError",
+    "InputDtypeError",
+    "MissingKeyError",
+    "NonSquareJacobianError",
+    "NumProbesError",
+    "OutputError",
+    "__version__",
+]

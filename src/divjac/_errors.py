@@ -1,0 +1,52 @@
+"""Exceptions and warnings raised by divjac.
+
+Every error subclasses both :class:`DivjacError` (catch everything divjac raises) and the built-in
+exception a user would expect (``ValueError`` for a bad value, ``TypeError`` for a bad type).
+Messages name the argument, say what was received and what to do instead.
+"""
+
+from __future__ import annotations
+
+
+class DivjacError(Exception):
+    """Base class of every error raised by divjac."""
+
+
+class BatchCouplingError(DivjacError, ValueError):
+    """The function mixes samples, so per-sample results from the batch trick would be wrong."""
+
+
+class NonSquareJacobianError(DivjacError, ValueError):
+    """A divergence (trace) was asked of a per-sample Jacobian that is not square."""
+
+
+class BatchSizeMismatchError(DivjacError, ValueError):
+    """The output's batch size differs from the differentiated input's batch size."""
+
+
+class InputDtypeError(DivjacError, TypeError):
+    """The differentiated input (or the output) does not have a real floating dtype."""
+
+
+class ArgnumsError(DivjacError, ValueError):
+    """``argnums`` does not select a positional argument of the call."""
+
+
+class BatchAxisError(DivjacError, ValueError):
+    """``batch_axis`` is not a valid axis of the differentiated input or of the output."""
+
+
+class OutputError(DivjacError, TypeError):
+    """The function's output is not what the transform needs (an array, a scalar per sample, ...)."""
+
+
+class NumProbesError(DivjacError, ValueError):
+    """``num_probes`` (or the given probes) does not fit the stochastic method."""
+
+
+class MissingKeyError(DivjacError, TypeError):
+    """A stochastic method was called without its source of randomness (``key`` / ``generator``)."""
+
+
+class DenseFallbackWarning(UserWarning):
+    """Sparsity detection met an operation it has no rule for and assumed it dense (still correct)."""
