@@ -1,0 +1,1 @@
+"""Backend-neutral core of divjac: patterns, coloring and estimator math (no framework)."""

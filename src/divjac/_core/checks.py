@@ -1,0 +1,129 @@
+"""Argument checks and error messages shared by the backends.
+
+Each message names the argument, says what was received and what to do instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from .._errors import (
+    ArgnumsError,
+    BatchAxisError,
+    BatchCouplingError,
+    BatchSizeMismatchError,
+    InputDtypeError,
+    NonSquareJacobianError,
+    OutputError,
+)
+from .pattern import Coupling
+
+__all__ = [
+    "batch_size_mismatch",
+    "check_coupling_option",
+    "check_square",
+    "coupling_error",
+    "normalize_argnum",
+    "normalize_batch_axis",
+    "not_an_array",
+    "not_floating",
+]
+
+_COUPLING_OPTIONS = ("raise", "exact")
+
+
+def normalize_argnum(argnums: object, n_args: int, *, fname: str) -> int:
+    """``argnums`` as a non-negative position, or :class:`ArgnumsError`."""
+    if isinstance(argnums, bool) or not isinstance(argnums, int):
+        raise ArgnumsError(
+            f"{fname}: argnums must be an int selecting one positional argument; got "
+            f"{argnums!r}. Pass e.g. argnums=0 (or a tuple of ints to `jacobian`)."
+        )
+    if not -n_args <= argnums < n_args:
+        raise ArgnumsError(
+            f"{fname}: argnums={argnums} is out of range for a call with {n_args} positional "
+            f"argument(s); valid values are 0..{n_args - 1} (or -{n_args}..-1). Pass the "
+            "differentiated array positionally, or change argnums."
+        )
+    return argnums % n_args
+
+
+def normalize_batch_axis(
+    batch_axis: int | None, shape: Sequence[int], *, what: str, fname: str
+) -> int | None:
+    """``batch_axis`` as a non-negative axis of ``shape``, or :class:`BatchAxisError`."""
+    if batch_axis is None:
+        return None
+    if isinstance(batch_axis, bool) or not isinstance(batch_axis, int):
+        raise BatchAxisError(f"{fname}: batch_axis must be an int or None; got {batch_axis!r}.")
+    ndim = len(shape)
+    if not -ndim <= batch_axis < ndim:
+        fix = (
+            "a scalar has no batch axis: pass batch_axis=None for a single-sample function"
+            if ndim == 0
+            else f"valid values are 0..{ndim - 1}, or None for a single-sample function"
+        )
+        raise BatchAxisError(
+            f"{fname}: batch_axis={batch_axis} is not an axis of the {what}, of shape "
+            f"{tuple(shape)}; {fix}."
+        )
+    return batch_axis % ndim
+
+
+def not_floating(dtype: object, *, argnum: int, fname: str, cast_hint: str) -> InputDtypeError:
+    return InputDtypeError(
+        f"{fname}: the differentiated argument (argnums={argnum}) has dtype {dtype}; derivatives "
+        f"need a real floating dtype. Cast it first, e.g. {cast_hint}."
+    )
+
+
+def not_an_array(obj: object, *, what: str, fname: str) -> OutputError:
+    return OutputError(
+        f"{fname}: the {what} must be a single array; got {type(obj).__name__}. Return one "
+        "array (use has_aux=True to return (output, aux)), or wrap the function so that it does."
+    )
+
+
+def batch_size_mismatch(
+    in_shape: Sequence[int], in_axis: int, out_shape: Sequence[int], out_axis: int, *, fname: str
+) -> BatchSizeMismatchError:
+    return BatchSizeMismatchError(
+        f"{fname}: the output has batch size {out_shape[out_axis]} (shape {tuple(out_shape)}, "
+        f"batch_axis={out_axis}) but the differentiated input has batch size "
+        f"{in_shape[in_axis]} (shape {tuple(in_shape)}). Per-sample derivatives need one output "
+        "sample per input sample: check batch_axis, or pass batch_axis=None to treat the whole "
+        "array as a single sample."
+    )
+
+
+def check_square(in_sample: Sequence[int], out_sample: Sequence[int], *, fname: str) -> None:
+    """Raise :class:`NonSquareJacobianError` unless input and output samples have one shape."""
+    if tuple(in_sample) != tuple(out_sample):
+        hint = (
+            "reshape the output to the input's per-sample shape"
+            if math.prod(in_sample) == math.prod(out_sample)
+            else "the divergence (trace) exists only for functions from a space to itself; use "
+            "`jacobian` for a rectangular Jacobian"
+        )
+        raise NonSquareJacobianError(
+            f"{fname}: the per-sample Jacobian is not square: the output sample has shape "
+            f"{tuple(out_sample)} but the input sample has shape {tuple(in_sample)}; {hint}."
+        )
+
+
+def check_coupling_option(coupling: str, *, fname: str) -> None:
+    if coupling not in _COUPLING_OPTIONS:
+        raise ValueError(f"{fname}: coupling must be one of {_COUPLING_OPTIONS}; got {coupling!r}.")
+
+
+def coupling_error(coupling: Coupling, *, fname: str) -> BatchCouplingError:
+    return BatchCouplingError(
+        f"{fname}: the function mixes samples: output sample {coupling.out_sample} depends on "
+        f"input sample {coupling.in_sample} ({coupling.n_pairs} cross-sample dependencies "
+        "found in the traced program), e.g. a mean over the batch or BatchNorm in training "
+        "mode. Per-sample results from the batch trick would be wrong. Either make the "
+        "function per-sample (BatchNorm in eval mode, statistics per sample), or pass "
+        "coupling='exact' to compute the true per-sample diagonal blocks of the batched "
+        "Jacobian at a higher cost (about batch_size times more passes)."
+    )

@@ -1,0 +1,116 @@
+"""Choosing how to compute: direction, colors, number of passes and chunk size.
+
+A *pass* is one batched JVP (forward) or VJP (reverse) of the whole batch. Passes are described
+by a coloring: pass ``c`` pushes the indicator of the elements of color ``c`` through the
+linearized function, in every sample at once (the batch is a free coloring). The dense method is
+the trivial coloring ``colors = arange(n)``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .pattern import SparsityPattern
+
+__all__ = [
+    "DIVERGENCE_METHODS",
+    "JACOBIAN_MODES",
+    "STOCHASTIC_METHODS",
+    "Plan",
+    "choose_chunk_size",
+    "divergence_plan",
+    "jacobian_plan",
+    "memory_budget",
+]
+
+JACOBIAN_MODES = ("auto", "fwd", "rev", "sparse")
+EXACT_METHODS = ("auto", "exact", "sparse")
+STOCHASTIC_METHODS = ("hutchinson", "hutch++", "xtrace", "probing")
+DIVERGENCE_METHODS = EXACT_METHODS + STOCHASTIC_METHODS
+
+# Sparse compression pays when it saves at least this fraction of the dense passes.
+_SPARSE_GAIN = 0.8
+
+
+def memory_budget() -> int:
+    """Bytes the passes of one call may use at once (``DIVJAC_MEMORY_BUDGET_MB``, default 1024)."""
+    return int(float(os.environ.get("DIVJAC_MEMORY_BUDGET_MB", "1024")) * (1 << 20))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a Jacobian or divergence is computed.
+
+    Attributes:
+        reverse: VJPs (rows) instead of JVPs (columns).
+        colors: color of each input element (forward) or output element (reverse);
+            ``None`` for the dense method (one pass per element).
+        n_passes: number of batched passes.
+    """
+
+    reverse: bool
+    colors: np.ndarray | None
+    n_passes: int
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.colors is not None
+
+
+def jacobian_plan(
+    mode: str,
+    n_in: int,
+    n_out: int,
+    pattern: SparsityPattern | None,
+    *,
+    prefer_reverse: bool = False,
+) -> Plan:
+    """Plan a per-sample Jacobian (``mode`` in :data:`JACOBIAN_MODES`)."""
+    if mode == "fwd":
+        return Plan(False, None, n_in)
+    if mode == "rev":
+        return Plan(True, None, n_out)
+    dense_reverse = n_out < n_in or (n_out == n_in and prefer_reverse)
+    dense = Plan(dense_reverse, None, n_out if dense_reverse else n_in)
+    if pattern is None:
+        if mode == "sparse":
+            raise AssertionError("mode='sparse' needs a detected pattern")
+        return dense
+    by_columns = Plan(False, pattern.colors, pattern.n_colors)
+    by_rows = Plan(True, pattern.row_colors, pattern.n_row_colors)
+    if by_rows.n_passes < by_columns.n_passes or (
+        by_rows.n_passes == by_columns.n_passes and prefer_reverse
+    ):
+        sparse = by_rows
+    else:
+        sparse = by_columns
+    if mode == "sparse" or sparse.n_passes <= _SPARSE_GAIN * dense.n_passes:
+        return sparse
+    return dense
+
+
+def divergence_plan(
+    method: str, n: int, pattern: SparsityPattern | None, *, prefer_reverse: bool = False
+) -> Plan:
+    """Plan an exact divergence (``method`` in ``("auto", "exact", "sparse")``)."""
+    if method == "exact" or pattern is None:
+        if method == "sparse":
+            raise AssertionError("method='sparse' needs a detected pattern")
+        return Plan(prefer_reverse, None, n)
+    n_colors = pattern.n_diagonal_colors
+    if method == "sparse" or n_colors <= _SPARSE_GAIN * n:
+        return Plan(prefer_reverse, pattern.diagonal_colors, n_colors)
+    return Plan(prefer_reverse, None, n)
+
+
+def choose_chunk_size(n_passes: int, bytes_per_pass: int, chunk_size: int | None) -> int:
+    """Passes computed at once: ``chunk_size`` if given, else as many as fit the budget."""
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int or None; got {chunk_size!r}.")
+        return min(chunk_size, max(n_passes, 1))
+    fit = memory_budget() // max(bytes_per_pass, 1)
+    return int(min(max(fit, 1), max(n_passes, 1)))
