@@ -1,0 +1,710 @@
+"""Sparsity detection for JAX: abstract interpretation of a jaxpr over dependency sets.
+
+Every primitive is mapped onto a backend-neutral rule of :mod:`divjac._core.deps`. Nested programs
+(``jit``, ``remat``, ``custom_jvp`` / ``custom_vjp``, ``cond``, ``while``, ``scan``) are followed.
+A primitive without a rule never raises and never under-approximates: its outputs depend on
+everything its inputs depend on, with a :class:`~divjac.DenseFallbackWarning` naming it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+import jax
+from jax import lax
+
+from .._core import deps as D
+from .._core.deps import Deps
+from .._errors import DenseFallbackWarning
+
+__all__ = ["Interpreter", "TooDense"]
+
+# Constant folding (for static gather indices, masks, ...) is limited to arrays of this size.
+_FOLD_LIMIT = 1 << 22
+# Loops: a fixpoint on the carried dependency sets, conservative after this many rounds.
+_MAX_FIXPOINT_ROUNDS = 64
+# Scans of at most this length are unrolled (exact per-iteration patterns).
+_UNROLL_SCAN = 16
+
+_ELEMENTWISE = {
+    "abs", "acos", "acosh", "add", "add_any", "asin", "asinh", "atan", "atan2", "atanh",
+    "bessel_i0e", "bessel_i1e", "cbrt", "clamp", "complex", "conj", "copy", "copy_p", "cos",
+    "cosh", "digamma", "div", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "igamma",
+    "igamma_grad_a", "igammac", "imag", "integer_pow", "lgamma", "log", "log1p", "logistic",
+    "max", "min", "mul", "neg", "nextafter", "polygamma", "pow", "random_gamma_grad", "real",
+    "reduce_precision", "regularized_incomplete_beta", "rem", "rsqrt", "sin", "sinh", "sqrt",
+    "square", "sub", "tan", "tanh", "zeta", "convert_element_type", "bitcast_convert_type",
+    "square_p", "erf_inv_p",
+}  # fmt: skip
+# Outputs whose derivative is zero everywhere it exists.
+_ZERO_DERIVATIVE = {
+    "ceil", "floor", "round", "sign", "stop_gradient", "iota", "eq", "ne", "lt", "le", "gt",
+    "ge", "and", "or", "not", "xor", "is_finite", "shift_left", "shift_right_logical",
+    "shift_right_arithmetic", "population_count", "clz", "argmax", "argmin", "random_bits",
+    "random_seed", "random_wrap", "random_unwrap", "random_fold_in", "random_split",
+    "threefry2x32", "rng_bit_generator", "rng_uniform", "lu_pivots_to_permutation",
+    "reduce_and", "reduce_or", "reduce_xor",
+}  # fmt: skip
+_IDENTITY = {"optimization_barrier", "sharding_constraint", "device_put", "mesh_cast", "reshard"}
+_REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"}
+_CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
+_WINDOW = {"reduce_window_sum", "reduce_window_max", "reduce_window_min"}
+_SCATTER = {"scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul",
+            "scatter-min", "scatter_min", "scatter-max", "scatter_max", "scatter-sub",
+            "scatter_sub"}  # fmt: skip
+# Batched linear algebra: leading axes are a batch, the trailing matrix axes are dense.
+_LINALG = {"cholesky", "triangular_solve", "lu", "qr", "geqrf", "geqp3", "householder_product",
+           "eigh", "eig", "svd", "schur", "hessenberg", "tridiagonal", "tridiagonal_solve",
+           "cholesky_update"}  # fmt: skip
+_CALLS = {"jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
+          "custom_lin", "named_call"}  # fmt: skip
+
+
+def _is_inexact(aval: Any) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _shape(aval: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in getattr(aval, "shape", ()))
+
+
+def _open(jaxpr: Any) -> tuple[jcore.Jaxpr, list[Any]]:
+    """(jaxpr, consts) of a ClosedJaxpr or an open Jaxpr."""
+    if isinstance(jaxpr, jcore.ClosedJaxpr):
+        return jaxpr.jaxpr, list(jaxpr.consts)
+    return jaxpr, []
+
+
+def _concrete(value: Any) -> np.ndarray | None:
+    """A NumPy copy of a concrete value, ``None`` for tracers and opaque values."""
+    if isinstance(value, jax.core.Tracer):
+        return None
+    try:
+        return np.asarray(value)
+    except Exception:
+        return None
+
+
+class _Scope:
+    """Dependency sets and known constant values of the variables of one jaxpr."""
+
+    def __init__(self, interp: Interpreter, jaxpr: jcore.Jaxpr) -> None:
+        self.interp = interp
+        self.deps: dict[Any, Deps] = {}
+        self.values: dict[Any, np.ndarray | None] = {}
+        self.producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+    def read(self, var: Any) -> Deps:
+        if isinstance(var, jcore.Literal):
+            return D.empty(_shape(var.aval), self.interp.n_labels)
+        found = self.deps.get(var)
+        return found if found is not None else D.empty(_shape(var.aval), self.interp.n_labels)
+
+    def value(self, var: Any) -> np.ndarray | None:
+        """The constant value of ``var`` if it is known at trace time (folded lazily)."""
+        if isinstance(var, jcore.Literal):
+            return _concrete(var.val)
+        if var in self.values:
+            return self.values[var]
+        self.values[var] = None  # guards against cycles while folding
+        eqn = self.producers.get(var)
+        if eqn is not None and self.read(var).is_empty:
+            self._fold(eqn)
+        return self.values[var]
+
+    def _fold(self, eqn: Any) -> None:
+        if any(math.prod(_shape(v.aval)) > _FOLD_LIMIT for v in eqn.outvars) or eqn.effects:
+            return
+        inputs = []
+        for v in eqn.invars:
+            val = self.value(v)
+            if val is None:
+                return
+            inputs.append(val)
+        outs = _evaluate(eqn, inputs)
+        if outs is not None:
+            for v, out in zip(eqn.outvars, outs, strict=True):
+                self.values[v] = out
+
+
+def _evaluate(eqn: Any, inputs: Sequence[Any]) -> list[np.ndarray] | None:
+    """Evaluate one equation on concrete values (outside any surrounding trace)."""
+    var_in = [v for v in eqn.invars if isinstance(v, jcore.Var)]
+    values = [x for v, x in zip(eqn.invars, inputs, strict=True) if isinstance(v, jcore.Var)]
+    fn = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jcore.Jaxpr([], var_in, eqn.outvars, [eqn]), []))
+    try:
+        with jax.ensure_compile_time_eval():
+            return [np.asarray(o) for o in fn(*values)]
+    except Exception:
+        return None
+
+
+def _single_eqn_fun(eqn: Any) -> tuple[Callable[..., Any], list[Any]]:
+    """The equation as a function of its variable inputs (literals stay inside)."""
+    var_in = [v for v in eqn.invars if isinstance(v, jcore.Var)]
+    closed = jcore.ClosedJaxpr(jcore.Jaxpr([], var_in, eqn.outvars, [eqn]), [])
+    return jcore.jaxpr_as_fun(closed), var_in
+
+
+class TooDense(Exception):
+    """Raised when an intermediate pattern exceeds the interpreter's ``max_entries``."""
+
+
+class Interpreter:
+    """Propagates dependency sets through jaxprs.
+
+    Args:
+        n_labels: number of labels (columns of every dependency matrix).
+        max_entries: abort with :class:`TooDense` once an intermediate holds more dependency
+            entries than this (used to skip sparse detection where it cannot pay off).
+
+    Attributes:
+        fallbacks: names of primitives that had no rule (handled as dense).
+        has_custom_vjp: whether a ``custom_vjp`` function was met (forward mode cannot
+            differentiate it; the caller should prefer reverse mode).
+    """
+
+    def __init__(self, n_labels: int, *, max_entries: int | None = None) -> None:
+        self.n_labels = n_labels
+        self.max_entries = max_entries
+        self.fallbacks: set[str] = set()
+        self.has_custom_vjp = False
+
+    def run(
+        self,
+        jaxpr: Any,
+        in_deps: Sequence[Deps],
+        consts: Sequence[Any] | None = None,
+        in_values: Sequence[np.ndarray | None] | None = None,
+    ) -> list[Deps]:
+        """Dependency sets of the outputs of ``jaxpr`` given those of its inputs."""
+        jaxpr, closed_consts = _open(jaxpr)
+        consts = closed_consts if consts is None else list(consts)
+        scope = _Scope(self, jaxpr)
+        for var, const in zip(jaxpr.constvars, consts, strict=True):
+            if isinstance(const, Deps):
+                scope.deps[var] = const
+            else:
+                scope.values[var] = _concrete(const)
+        for i, (var, dep) in enumerate(zip(jaxpr.invars, in_deps, strict=True)):
+            scope.deps[var] = dep
+            if in_values is not None and in_values[i] is not None:
+                scope.values[var] = in_values[i]
+        for eqn in jaxpr.eqns:
+            ins = [scope.read(v) for v in eqn.invars]
+            if all(d.is_empty for d in ins) and eqn.primitive.name not in ("while", "scan"):
+                continue  # constants and parameters: nothing depends on the labels
+            outs = self._eqn(scope, eqn, ins)
+            for var, dep in zip(eqn.outvars, outs, strict=True):
+                if _is_inexact(var.aval) and not dep.is_empty:
+                    if self.max_entries is not None and dep.matrix().nnz > self.max_entries:
+                        raise TooDense(eqn.primitive.name)
+                    scope.deps[var] = dep
+        return [scope.read(v) for v in jaxpr.outvars]
+
+    def warn_fallbacks(self) -> None:
+        """Emit one :class:`DenseFallbackWarning` naming every primitive without a rule."""
+        if self.fallbacks:
+            names = ", ".join(sorted(self.fallbacks))
+            warnings.warn(
+                f"divjac has no sparsity rule for the JAX primitive(s) {names}; their outputs were "
+                "assumed to depend on all of their inputs. Results stay correct, but the pattern "
+                "may be denser than the truth (and a batch may look coupled). Please report the "
+                "primitive name to the divjac issue tracker.",
+                DenseFallbackWarning,
+                stacklevel=4,
+            )
+
+    # --- dispatch -----------------------------------------------------------------------------
+
+    def _eqn(self, scope: _Scope, eqn: Any, ins: list[Deps]) -> list[Deps]:
+        name = eqn.primitive.name
+        params = eqn.params
+        out_shapes = [_shape(v.aval) for v in eqn.outvars]
+        if name in _ZERO_DERIVATIVE:
+            return [D.empty(s, self.n_labels) for s in out_shapes]
+        if name in _ELEMENTWISE:
+            return [D.elementwise(out_shapes[0], *ins)]
+        if name in _IDENTITY:
+            return list(ins[: len(out_shapes)])
+        rule = _RULES.get(name)
+        if rule is not None:
+            return rule(self, scope, eqn, ins, out_shapes)
+        sub = params.get("jaxpr", params.get("call_jaxpr"))
+        if name in _CALLS or (
+            sub is not None
+            and len(_open(sub)[0].invars) == len(ins)
+            and len(_open(sub)[0].outvars) == len(out_shapes)
+        ):
+            values = [scope.value(v) for v in eqn.invars]
+            return self.run(sub, ins, in_values=values)
+        if name in _LINALG:
+            return _linalg(self, ins, out_shapes, name)
+        self.fallbacks.add(name)
+        return [D.dense(s, *ins) for s in out_shapes]
+
+
+# --- rules: (interpreter, scope, eqn, input deps, output shapes) -> output deps -----------------
+
+Rule = Callable[[Interpreter, _Scope, Any, list[Deps], list[tuple[int, ...]]], list[Deps]]
+_RULES: dict[str, Rule] = {}
+
+
+def _rule(*names: str) -> Callable[[Rule], Rule]:
+    def register(fn: Rule) -> Rule:
+        for n in names:
+            _RULES[n] = fn
+        return fn
+
+    return register
+
+
+@_rule("reshape")
+def _reshape(it, scope, eqn, ins, outs):
+    if eqn.params.get("dimensions"):
+        ins = [D.transpose(ins[0], eqn.params["dimensions"])]
+    return [D.reshape(ins[0], outs[0])]
+
+
+@_rule("squeeze", "expand_dims")
+def _squeeze(it, scope, eqn, ins, outs):
+    return [D.reshape(ins[0], outs[0])]
+
+
+@_rule("transpose")
+def _transpose(it, scope, eqn, ins, outs):
+    return [D.transpose(ins[0], eqn.params["permutation"])]
+
+
+@_rule("broadcast_in_dim")
+def _broadcast_in_dim(it, scope, eqn, ins, outs):
+    return [D.broadcast_in_dim(ins[0], outs[0], eqn.params["broadcast_dimensions"])]
+
+
+@_rule("rev")
+def _rev(it, scope, eqn, ins, outs):
+    return [D.rev(ins[0], eqn.params["dimensions"])]
+
+
+@_rule("slice")
+def _slice(it, scope, eqn, ins, outs):
+    p = eqn.params
+    return [D.slice_(ins[0], p["start_indices"], p["limit_indices"], p["strides"])]
+
+
+@_rule("pad")
+def _pad(it, scope, eqn, ins, outs):
+    return [D.pad(ins[0], ins[1], eqn.params["padding_config"])]
+
+
+@_rule("concatenate")
+def _concatenate(it, scope, eqn, ins, outs):
+    return [D.concatenate(ins, eqn.params["dimension"])]
+
+
+@_rule("tile")
+def _tile(it, scope, eqn, ins, outs):
+    return [
+        D.gather(ins[0], np.tile(np.arange(ins[0].size).reshape(ins[0].shape), eqn.params["reps"]))
+    ]
+
+
+@_rule("split")
+def _split(it, scope, eqn, ins, outs):
+    axis = eqn.params["axis"]
+    bounds = np.cumsum([0, *eqn.params["sizes"]])
+    results = []
+    for lo, hi in itertools.pairwise(bounds):
+        start = [0] * len(ins[0].shape)
+        limit = list(ins[0].shape)
+        start[axis], limit[axis] = int(lo), int(hi)
+        results.append(D.slice_(ins[0], start, limit))
+    return results
+
+
+@_rule(*_REDUCTIONS)
+def _reduce(it, scope, eqn, ins, outs):
+    return [D.reduce(ins[0], eqn.params["axes"])]
+
+
+@_rule(*_CUMULATIVE)
+def _cumulative(it, scope, eqn, ins, outs):
+    return [D.cumulative(ins[0], eqn.params["axis"], reverse=eqn.params["reverse"])]
+
+
+@_rule("sort")
+def _sort(it, scope, eqn, ins, outs):
+    return [D.sort_along(d, eqn.params["dimension"]) for d in ins]
+
+
+@_rule("top_k")
+def _top_k(it, scope, eqn, ins, outs):
+    axis = eqn.params.get("axis", len(ins[0].shape) - 1)
+    line = D.reduce(ins[0], [axis], keepdims=True)
+    return [D.broadcast_to(line, outs[0]), D.empty(outs[1], it.n_labels)]
+
+
+@_rule("select_n")
+def _select_n(it, scope, eqn, ins, outs):
+    which = scope.value(eqn.invars[0])
+    cases = ins[1:]
+    if which is None:
+        return [D.elementwise(outs[0], *cases)]
+    offsets = np.cumsum([0] + [math.prod(outs[0])] * len(cases))
+    src = np.choose(np.broadcast_to(which.astype(np.int64), outs[0]), [
+        np.arange(math.prod(outs[0])).reshape(outs[0]) + off for off in offsets[:-1]
+    ])  # fmt: skip
+    full = [D.broadcast_to(c, outs[0]) for c in cases]
+    return [D.index_map(outs[0], full, src)]
+
+
+@_rule("dot_general")
+def _dot_general(it, scope, eqn, ins, outs):
+    contracting, batch = eqn.params["dimension_numbers"]
+    return [D.dot_general(ins[0], ins[1], contracting=contracting, batch=batch)]
+
+
+@_rule("conv_general_dilated")
+def _conv(it, scope, eqn, ins, outs):
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    return [
+        D.conv(
+            ins[0],
+            ins[1],
+            out_shape=outs[0],
+            lhs_spec=dn.lhs_spec,
+            rhs_spec=dn.rhs_spec,
+            out_spec=dn.out_spec,
+            window_strides=p["window_strides"],
+            padding=p["padding"],
+            lhs_dilation=p["lhs_dilation"],
+            rhs_dilation=p["rhs_dilation"],
+            feature_group_count=p["feature_group_count"],
+            batch_group_count=p["batch_group_count"],
+        )
+    ]
+
+
+def _window_args(p: dict) -> tuple:
+    return (
+        p["window_dimensions"],
+        p["window_strides"],
+        p["padding"],
+        p.get("base_dilation"),
+        p.get("window_dilation"),
+    )
+
+
+@_rule(*_WINDOW)
+def _reduce_window(it, scope, eqn, ins, outs):
+    return [D.window(ins[0], *_window_args(eqn.params))]
+
+
+@_rule("reduce_window")
+def _reduce_window_generic(it, scope, eqn, ins, outs):
+    n = len(outs)
+    operands, inits = ins[:n], ins[n:]
+    merged = D.union(*operands)
+    windowed = D.window(merged, *_window_args(eqn.params))
+    init = D.union(*(D.reshape(i, ()) for i in inits)) if inits else None
+    results = []
+    for s in outs:
+        parts = [windowed] + ([D.broadcast_to(init, s)] if init is not None else [])
+        results.append(D.union(*parts))
+    return results
+
+
+@_rule("select_and_gather_add")
+def _select_and_gather_add(it, scope, eqn, ins, outs):
+    return [D.window(ins[0], *_window_args(eqn.params))]
+
+
+@_rule("select_and_scatter_add")
+def _select_and_scatter_add(it, scope, eqn, ins, outs):
+    p = eqn.params
+    src = D.window_transposed(
+        ins[0], outs[0], p["window_dimensions"], p["window_strides"], p["padding"]
+    )
+    return [src]
+
+
+@_rule("fft")
+def _fft(it, scope, eqn, ins, outs):
+    n = len(eqn.params["fft_lengths"])
+    return [D.batched_dense(ins[0], n, outs[0], n)]
+
+
+def _linalg(it: Interpreter, ins: list[Deps], outs: list[tuple[int, ...]], name: str) -> list[Deps]:
+    core_in = 1 if name == "tridiagonal_solve" else 2
+    lead = len(ins[0].shape) - core_in
+    results = []
+    for s in outs:
+        parts = []
+        for d in ins:
+            if len(d.shape) < lead or len(s) < lead or d.shape[:lead] != s[:lead]:
+                it.fallbacks.add(name)
+                return [D.dense(o, *ins) for o in outs]
+            parts.append(D.batched_dense(d, len(d.shape) - lead, s, len(s) - lead))
+        results.append(D.union(*parts))
+    return results
+
+
+@_rule("custom_linear_solve")
+def _custom_linear_solve(it, scope, eqn, ins, outs):
+    lengths = eqn.params["const_lengths"]
+    jaxprs = eqn.params["jaxprs"]
+    n_consts = sum(lengths)
+    offset = lengths.matvec + lengths.vecmat
+    solve_consts = ins[offset : offset + lengths.solve]
+    rhs = ins[n_consts:]
+    matrix = D.union(*(D.reshape(c, (c.size,)) for c in ins[:n_consts])) if n_consts else None
+    solved = it.run(jaxprs.solve, [*solve_consts, *rhs]) if lengths.solve or rhs else []
+    if matrix is not None and not matrix.is_empty:
+        # d x = A^{-1} (d b - dA x): the matrix entries reach every output conservatively.
+        return [D.union(s, D.dense(s.shape, *ins[:n_consts])) for s in solved]
+    return solved
+
+
+@_rule("dynamic_slice")
+def _dynamic_slice(it, scope, eqn, ins, outs):
+    operand = ins[0]
+    sizes = eqn.params["slice_sizes"]
+    starts = [scope.value(v) for v in eqn.invars[1:]]
+    if all(s is not None for s in starts):
+        begin = [
+            int(np.clip(int(s), 0, dim - size))
+            for s, dim, size in zip(starts, operand.shape, sizes, strict=True)
+        ]
+        limit = [b + s for b, s in zip(begin, sizes, strict=True)]
+        return [D.slice_(operand, begin, limit)]
+    # Unknown start: along each partially sliced axis the element may come from anywhere.
+    axes = [a for a, (dim, size) in enumerate(zip(operand.shape, sizes, strict=True)) if size < dim]
+    smeared = D.broadcast_to(D.reduce(operand, axes, keepdims=True), operand.shape)
+    return [D.slice_(smeared, [0] * len(sizes), sizes)]
+
+
+@_rule("dynamic_update_slice")
+def _dynamic_update_slice(it, scope, eqn, ins, outs):
+    operand, update = ins[0], ins[1]
+    starts = [scope.value(v) for v in eqn.invars[2:]]
+    shape = operand.shape
+    if all(s is not None for s in starts):
+        begin = [
+            int(np.clip(int(s), 0, dim - size))
+            for s, dim, size in zip(starts, shape, update.shape, strict=True)
+        ]
+        src = np.arange(math.prod(shape)).reshape(shape)
+        window = tuple(slice(b, b + s) for b, s in zip(begin, update.shape, strict=True))
+        src[window] = np.arange(update.size).reshape(update.shape) + math.prod(shape)
+        return [D.index_map(shape, [operand, update], src)]
+    axes = [a for a, (dim, size) in enumerate(zip(shape, update.shape, strict=True)) if size < dim]
+    smeared = D.reduce(update, axes, keepdims=True)
+    return [D.union(operand, D.broadcast_to(smeared, shape))]
+
+
+def _gather_index_map(eqn: Any, operand_shape: tuple[int, ...], indices: np.ndarray) -> np.ndarray:
+    """Source index (or -1) of every gathered element, by gathering an index array."""
+    params = dict(eqn.params)
+    mode = params.get("mode")
+    params["fill_value"] = 0 if "FILL" in str(mode) else params.get("fill_value")
+    ids = jnp.arange(1, math.prod(operand_shape) + 1, dtype=jnp.int32).reshape(operand_shape)
+    with jax.ensure_compile_time_eval():
+        out = lax.gather_p.bind(ids, jnp.asarray(indices), **params)
+    return np.asarray(out).astype(np.int64) - 1
+
+
+@_rule("gather")
+def _gather(it, scope, eqn, ins, outs):
+    operand = ins[0]
+    indices = scope.value(eqn.invars[1])
+    if indices is not None:
+        return [D.gather(operand, _gather_index_map(eqn, operand.shape, indices))]
+    # Unknown indices: any position along the indexed axes (other axes stay exact).
+    dnums = eqn.params["dimension_numbers"]
+    smeared = D.broadcast_to(
+        D.reduce(operand, list(dnums.start_index_map), keepdims=True), operand.shape
+    )
+    zeros = np.zeros(_shape(eqn.invars[1].aval), np.int32)
+    return [D.gather(smeared, _gather_index_map(eqn, operand.shape, zeros))]
+
+
+def _scatter_as_gather(eqn: Any) -> tuple[Any, tuple[int, ...]]:
+    """Gather dimension numbers and slice sizes that read what a scatter writes."""
+    dn = eqn.params["dimension_numbers"]
+    operand_shape = _shape(eqn.invars[0].aval)
+    update_shape = _shape(eqn.invars[2].aval)
+    window_sizes = iter(update_shape[d] for d in dn.update_window_dims)
+    sizes = tuple(
+        1 if (a in dn.inserted_window_dims or a in dn.operand_batching_dims) else next(window_sizes)
+        for a in range(len(operand_shape))
+    )
+    gdn = lax.GatherDimensionNumbers(
+        offset_dims=dn.update_window_dims,
+        collapsed_slice_dims=dn.inserted_window_dims,
+        start_index_map=dn.scatter_dims_to_operand_dims,
+        operand_batching_dims=dn.operand_batching_dims,
+        start_indices_batching_dims=dn.scatter_indices_batching_dims,
+    )
+    return gdn, sizes
+
+
+@_rule(*_SCATTER)
+def _scatter(it, scope, eqn, ins, outs):
+    operand, updates = ins[0], ins[2]
+    indices = scope.value(eqn.invars[1])
+    shape = operand.shape
+    if indices is None:
+        return [D.union(operand, D.dense(shape, updates))]
+    gdn, sizes = _scatter_as_gather(eqn)
+    mode = eqn.params.get("mode")
+    ids = jnp.arange(1, math.prod(shape) + 1, dtype=jnp.int32).reshape(shape)
+    with jax.ensure_compile_time_eval():
+        dest = lax.gather(ids, jnp.asarray(indices), gdn, sizes, mode=mode, fill_value=0)
+    target = np.asarray(dest).astype(np.int64).ravel() - 1
+    landed = target >= 0
+    routed = D.compose(shape, target[landed], np.flatnonzero(landed), updates)
+    if eqn.primitive.name == "scatter":
+        keep = np.arange(math.prod(shape))
+        keep[target[landed]] = -1
+        operand = D.gather(operand, keep.reshape(shape))
+    return [D.union(operand, routed)]
+
+
+@_rule("cond")
+def _cond(it, scope, eqn, ins, outs):
+    operands = ins[1:]
+    values = [scope.value(v) for v in eqn.invars[1:]]
+    branches = [it.run(b, operands, in_values=values) for b in eqn.params["branches"]]
+    return [D.union(*parts) for parts in zip(*branches, strict=True)]
+
+
+def _same(a: Deps, b: Deps) -> bool:
+    if a.is_empty or b.is_empty:
+        return a.is_empty == b.is_empty
+    ma, mb = a.matrix(), b.matrix()
+    return bool(ma.nnz == mb.nnz and (ma != mb).nnz == 0)
+
+
+def _fixpoint(
+    it: Interpreter, body: Callable[[list[Deps]], list[Deps]], init: list[Deps], extra: list[Deps]
+) -> list[Deps]:
+    """Least fixpoint of ``carry = init | body(carry)``; conservative if it does not settle."""
+    carry = list(init)
+    for _ in range(_MAX_FIXPOINT_ROUNDS):
+        new = [D.union(c, n) for c, n in zip(carry, body(carry), strict=True)]
+        if all(_same(a, b) for a, b in zip(carry, new, strict=True)):
+            return new
+        carry = new
+    return [D.dense(c.shape, *carry, *extra) for c in carry]
+
+
+@_rule("while")
+def _while(it, scope, eqn, ins, outs):
+    p = eqn.params
+    body_consts = ins[p["cond_nconsts"] : p["cond_nconsts"] + p["body_nconsts"]]
+    init = ins[p["cond_nconsts"] + p["body_nconsts"] :]
+    values = [
+        scope.value(v)
+        for v in eqn.invars[p["cond_nconsts"] : p["cond_nconsts"] + p["body_nconsts"]]
+    ]
+
+    def run_body(carry):
+        return it.run(
+            p["body_jaxpr"], [*body_consts, *carry], in_values=[*values, *[None] * len(carry)]
+        )
+
+    return _fixpoint(it, run_body, init, list(body_consts))
+
+
+@_rule("scan")
+def _scan(it, scope, eqn, ins, outs):
+    p = eqn.params
+    n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
+    consts, init, xs = ins[:n_consts], ins[n_consts : n_consts + n_carry], ins[n_consts + n_carry :]
+    const_values = [scope.value(v) for v in eqn.invars[:n_consts]]
+    body = p["jaxpr"]
+    n_ys = len(outs) - n_carry
+
+    def x_at(x: Deps, i: int) -> Deps:
+        start = [i] + [0] * (len(x.shape) - 1)
+        limit = [i + 1, *x.shape[1:]]
+        return D.reshape(D.slice_(x, start, limit), x.shape[1:])
+
+    if length <= _UNROLL_SCAN:
+        carry, ys = list(init), []
+        order = range(length - 1, -1, -1) if p["reverse"] else range(length)
+        for i in order:
+            out = it.run(body, [*consts, *carry, *(x_at(x, i) for x in xs)], in_values=[
+                *const_values, *[None] * (n_carry + len(xs))
+            ])  # fmt: skip
+            carry, y = out[:n_carry], out[n_carry:]
+            ys.append(y)
+        if p["reverse"]:
+            ys = ys[::-1]
+        stacked = [
+            D.concatenate([D.reshape(step[k], (1, *step[k].shape)) for step in ys], 0)
+            for k in range(n_ys)
+        ]
+        return [*carry, *stacked]
+    x_any = [D.reduce(x, [0]) for x in xs]
+    values = [*const_values, *[None] * (n_carry + len(xs))]
+
+    def run_body(carry):
+        return it.run(body, [*consts, *carry, *x_any], in_values=values)[:n_carry]
+
+    carry = _fixpoint(it, run_body, init, [*consts, *x_any])
+    ys = it.run(body, [*consts, *carry, *x_any], in_values=values)[n_carry:]
+    return [*carry, *(D.broadcast_to(y, s) for y, s in zip(ys, outs[n_carry:], strict=True))]
+
+
+@_rule("custom_jvp_call")
+def _custom_jvp_call(it, scope, eqn, ins, outs):
+    primal = it.run(eqn.params["call_jaxpr"], ins)
+    fn, var_in = _single_eqn_fun(eqn)
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in var_in]
+    jvp_jaxpr = jax.make_jaxpr(lambda p, t: jax.jvp(fn, p, t)[1])(avals, avals)
+    var_deps = [scope.read(v) for v in var_in]
+    empties = [D.empty(d.shape, it.n_labels) for d in var_deps]
+    tangent = it.run(jvp_jaxpr, [*empties, *var_deps])
+    return [D.union(a, b) for a, b in zip(primal, tangent, strict=True)]
+
+
+@_rule("custom_vjp_call", "custom_vjp_call_jaxpr")
+def _custom_vjp_call(it, scope, eqn, ins, outs):
+    it.has_custom_vjp = True
+    primal = it.run(eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr")), ins)
+    fn, var_in = _single_eqn_fun(eqn)
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in var_in]
+    out_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+    vjp_jaxpr = jax.make_jaxpr(lambda p, c: jax.vjp(fn, *p)[1](c))(avals, out_avals)
+    # Local Jacobian pattern: label each output element, pull the labels back to the inputs.
+    sizes = [math.prod(s) for s in outs]
+    n_out = sum(sizes)
+    offsets = np.cumsum([0, *sizes])
+    seeds = [
+        D.from_labels(s, np.arange(n) + off, n_out)
+        for s, n, off in zip(outs, sizes, offsets[:-1], strict=True)
+    ]
+    local = Interpreter(n_out)
+    pulled = local.run(vjp_jaxpr, [*(D.empty(a.shape, n_out) for a in avals), *seeds])
+    it.fallbacks |= local.fallbacks
+    var_deps = [scope.read(v) for v in var_in]
+    stacked_in = D.concatenate([D.reshape(d, (d.size,)) for d in var_deps], 0)
+    pattern = D.concatenate([D.reshape(p, (p.size,)) for p in pulled], 0).matrix().T.tocoo()
+    results = []
+    for k, s in enumerate(outs):
+        lo, hi = offsets[k], offsets[k + 1]
+        mask = (pattern.row >= lo) & (pattern.row < hi)
+        routed = D.compose(s, pattern.row[mask] - lo, pattern.col[mask], stacked_in)
+        results.append(D.union(primal[k], routed))
+    return results

@@ -1,0 +1,107 @@
+"""Example models in plain JAX (no Flax needed): the ``net(params, x, t)`` MLP, a CNN, a blur."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax.scipy.signal import convolve2d
+
+import jax
+
+__all__ = [
+    "blur",
+    "cnn",
+    "gaussian_kernel",
+    "init_cnn",
+    "init_mlp",
+    "init_mlp_xt",
+    "mlp",
+    "mlp_xt",
+]
+
+Params = Any
+
+
+def _dense(key: jax.Array, n_in: int, n_out: int, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    wkey, bkey = jax.random.split(key)
+    w = jax.random.normal(wkey, (n_in, n_out), dtype) / math.sqrt(n_in)
+    b = 0.1 * jax.random.normal(bkey, (n_out,), dtype)
+    return w, b
+
+
+def init_mlp(
+    key: jax.Array, sizes: tuple[int, ...], dtype: Any = jnp.float32
+) -> list[tuple[jax.Array, jax.Array]]:
+    """Weights of an MLP with layer sizes ``sizes`` (e.g. ``(d, 256, 256, d)``)."""
+    keys = jax.random.split(key, len(sizes) - 1)
+    return [_dense(k, a, b, dtype) for k, a, b in zip(keys, sizes[:-1], sizes[1:], strict=True)]
+
+
+def mlp(params: Params, x: jax.Array) -> jax.Array:
+    """``tanh`` MLP on the last axis: ``[..., d_in] -> [..., d_out]`` (per sample)."""
+    for w, b in params[:-1]:
+        x = jnp.tanh(x @ w + b)
+    w, b = params[-1]
+    return x @ w + b
+
+
+def init_mlp_xt(
+    key: jax.Array, d: int, hidden: int = 100, dtype: Any = jnp.float32
+) -> list[tuple[jax.Array, jax.Array]]:
+    """Weights of ``net(x, t)``: ``hstack(x, t) -> Dense(hidden) tanh -> Dense(hidden) tanh -> Dense(d)``."""
+    return init_mlp(key, (d + 1, hidden, hidden, d), dtype)
+
+
+def mlp_xt(params: Params, x: jax.Array, t: jax.Array) -> jax.Array:
+    """The time-dependent vector field ``net(params, x, t)``: ``x (b, d)``, ``t (b, 1)`` -> ``(b, d)``."""
+    return mlp(params, jnp.concatenate([x, t], axis=-1))
+
+
+def init_cnn(
+    key: jax.Array,
+    *,
+    channels: int = 16,
+    layers: int = 3,
+    in_channels: int = 3,
+    out_channels: int = 3,
+    kernel: int = 3,
+    dtype: Any = jnp.float32,
+) -> list[tuple[jax.Array, jax.Array]]:
+    """Weights (HWIO kernels, biases) of a ``'same'`` conv stack with ``tanh`` in between."""
+    sizes = [in_channels] + [channels] * (layers - 1) + [out_channels]
+    keys = jax.random.split(key, layers)
+    params = []
+    for k, c_in, c_out in zip(keys, sizes[:-1], sizes[1:], strict=True):
+        wkey, bkey = jax.random.split(k)
+        fan_in = kernel * kernel * c_in
+        w = jax.random.normal(wkey, (kernel, kernel, c_in, c_out), dtype) / math.sqrt(fan_in)
+        params.append((w, 0.1 * jax.random.normal(bkey, (c_out,), dtype)))
+    return params
+
+
+def cnn(params: Params, x: jax.Array) -> jax.Array:
+    """Conv stack on images ``[k, H, W, C]`` (NHWC), ``'same'`` padding, ``tanh`` between layers."""
+    for i, (w, b) in enumerate(params):
+        x = jax.lax.conv_general_dilated(
+            x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+        x = x + b
+        if i < len(params) - 1:
+            x = jnp.tanh(x)
+    return x
+
+
+def gaussian_kernel(size: int = 11, sigma: float = 2.0, dtype: Any = jnp.float32) -> jax.Array:
+    """Normalized ``size x size`` Gaussian kernel."""
+    r = np.arange(size) - (size - 1) / 2
+    k = np.exp(-(r[:, None] ** 2 + r[None, :] ** 2) / (2 * sigma**2))
+    return jnp.asarray(k / k.sum(), dtype)
+
+
+def blur(x: jax.Array, kernel: jax.Array | None = None) -> jax.Array:
+    """Gaussian blur of a batch of images ``[k, H, W]`` (``'same'``, zero padding)."""
+    kernel = gaussian_kernel(dtype=x.dtype) if kernel is None else kernel
+    return jax.vmap(lambda img: convolve2d(img, kernel, mode="same"))(x)
