@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.divjac-installed
+CODE   := $(wildcard src tests benchmarks examples)
 
 .PHONY: install demo test lint typecheck pytest bench bench-quick clean
 
@@ -19,8 +20,8 @@ demo: install
 	$(BIN)/divjac demo
 
 lint: install
-	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/ruff check $(CODE)
+	$(BIN)/ruff format --check $(CODE)
 
 typecheck: install
 	$(BIN)/mypy

@@ -21,6 +21,7 @@ __all__ = [
     "STOCHASTIC_METHODS",
     "Plan",
     "choose_chunk_size",
+    "color_classes",
     "divergence_plan",
     "jacobian_plan",
     "memory_budget",
@@ -104,6 +105,23 @@ def divergence_plan(
     if method == "sparse" or n_colors <= _SPARSE_GAIN * n:
         return Plan(prefer_reverse, pattern.diagonal_colors, n_colors)
     return Plan(prefer_reverse, None, n)
+
+
+def color_classes(colors: np.ndarray | None, n: int) -> np.ndarray:
+    """Members of each color, ``(n_colors, max_class_size)``, padded with ``-1``.
+
+    ``None`` (the dense method) gives ``arange(n)[:, None]``. A pass then reads only its own
+    elements of the pushed tangent (a gather) instead of masking all ``n`` of them.
+    """
+    if colors is None:
+        return np.arange(n, dtype=np.int64)[:, None]
+    order = np.argsort(colors, kind="stable")
+    counts = np.bincount(colors, minlength=int(colors.max()) + 1 if len(colors) else 0)
+    classes = np.full((len(counts), int(counts.max()) if len(counts) else 0), -1, np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    slot = np.arange(len(colors)) - np.repeat(starts, counts)
+    classes[np.sort(colors), slot] = order
+    return classes
 
 
 def choose_chunk_size(n_passes: int, bytes_per_pass: int, chunk_size: int | None) -> int:

@@ -26,6 +26,7 @@ from .._core import checks, coloring, estimators as est, plan
 from .._core.pattern import SparsityPattern
 from .._errors import ArgnumsError, MissingKeyError, NumProbesError, OutputError
 from ._detect import Detection, Traced, is_array, trace
+from ._sink import shared_push
 
 __all__ = [
     "divergence",
@@ -258,10 +259,11 @@ def _compressed(
     seed_shape = call.out_sample if the_plan.reverse else call.in_sample
     n_seed = math.prod(seed_shape)
     dtype = call.xb.dtype
+    push_shared = shared_push(push, B, seed_shape, dtype)
 
     def pass_fn(c: jax.Array) -> jax.Array:
         t = _indicator(the_plan.colors, c, n_seed, dtype).reshape(seed_shape)
-        return push(jnp.broadcast_to(t, (B, *seed_shape))).reshape(B, -1)
+        return push_shared(t).reshape(B, -1)
 
     chunk = _chunk(call, the_plan.n_passes, chunk_size)
     return _run_passes(pass_fn, the_plan.n_passes, chunk, out_axis), aux
@@ -412,13 +414,23 @@ def _exact_divergence(call: _Call, ds: _DivSpec) -> tuple[jax.Array, jax.Array, 
         )
         colors, n_seed, batched = the_plan.colors, B * n, False
     y, aux, push = _linear_map(call, the_plan.reverse)
-    shape = (B, *call.in_sample)
     dtype = call.xb.dtype
+    if batched:
+        push_shared = shared_push(push, B, call.in_sample, dtype)
+
+    members = jnp.asarray(plan.color_classes(colors, n_seed))
 
     def pass_fn(c: jax.Array) -> jax.Array:
         t = _indicator(colors, c, n_seed, dtype)
-        t = jnp.broadcast_to(t.reshape(call.in_sample), shape) if batched else t.reshape(shape)
-        return jnp.sum((push(t) * t).reshape(B, -1), axis=1)
+        idx = members[c]
+        valid = idx >= 0
+        idx = jnp.maximum(idx, 0)
+        if batched:
+            out = push_shared(t.reshape(call.in_sample)).reshape(B, -1)
+            return jnp.sum(jnp.where(valid, jnp.take(out, idx, axis=1), 0), axis=1)
+        out = push(t.reshape(B, *call.in_sample)).reshape(-1)
+        vals = jnp.where(valid, out[idx], 0)
+        return jnp.zeros(B, vals.dtype).at[idx // n].add(vals)
 
     contributions = _run_passes(
         pass_fn, the_plan.n_passes, _chunk(call, the_plan.n_passes, ds.chunk_size)

@@ -1,0 +1,126 @@
+"""Shared helpers of the side-by-side benchmarks: timing and result records.
+
+Every benchmark module ``bench_*.py`` in this folder defines ``run(quick: bool) -> list[Result]``
+and measures divjac and the alternatives in the same process, one after the other, so the ratios
+compare like with like. Absolute times depend on the machine; the targets are on ratios.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Result:
+    """One measured comparison.
+
+    Attributes:
+        id: the target's id in DESIGN.md (``"P1"`` ...), or ``"-"`` for context rows.
+        case: what was measured (model, sizes).
+        ours: label of the divjac computation.
+        baseline: label of the alternative.
+        ours_value: divjac's measurement (seconds, error, ...).
+        baseline_value: the alternative's measurement, same unit.
+        unit: ``"s"`` for times, or the name of the metric.
+        kind: ``"ratio"`` (ours / baseline, lower is better, e.g. time ratio <= 1.10) or
+            ``"gain"`` (baseline / ours, higher is better, e.g. speedup >= 20).
+        target: the bound on ``value`` (``None``: reported only).
+        extra: anything else worth keeping (pass counts, max error, ...).
+    """
+
+    id: str
+    case: str
+    ours: str
+    baseline: str
+    ours_value: float
+    baseline_value: float
+    unit: str = "s"
+    kind: str = "ratio"
+    target: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def value(self) -> float:
+        """ours / baseline for ``"ratio"``, baseline / ours for ``"gain"``."""
+        if self.kind == "ratio":
+            return self.ours_value / self.baseline_value if self.baseline_value else float("inf")
+        return self.baseline_value / self.ours_value if self.ours_value else float("inf")
+
+    @property
+    def passed(self) -> bool | None:
+        if self.target is None:
+            return None
+        return self.value <= self.target if self.kind == "ratio" else self.value >= self.target
+
+    @property
+    def target_text(self) -> str:
+        if self.target is None:
+            return "-"
+        return f"<= {self.target:g}x" if self.kind == "ratio" else f">= {self.target:g}x"
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(value=self.value, passed=self.passed, target_text=self.target_text)
+        return out
+
+
+def block(value: Any) -> Any:
+    """Wait for asynchronous computations (JAX dispatch, CUDA kernels) to finish."""
+    try:
+        import jax
+
+        value = jax.block_until_ready(value)
+    except ImportError:  # pragma: no cover - jax not installed
+        pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    except ImportError:  # pragma: no cover - torch not installed
+        pass
+    return value
+
+
+def best_time(
+    fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1, min_time: float = 0.0
+) -> float:
+    """Best wall time of ``fn()`` in seconds over ``repeat`` runs after ``warmup`` runs.
+
+    A run shorter than ``min_time`` is repeated inside the timing loop and averaged, so short
+    kernels are not dominated by timer resolution.
+    """
+    for _ in range(warmup):
+        block(fn())
+    gc.collect()
+    best = float("inf")
+    for _ in range(repeat):
+        inner = 1
+        while True:
+            start = time.perf_counter()
+            for _ in range(inner):
+                block(fn())
+            elapsed = (time.perf_counter() - start) / inner
+            if elapsed * inner >= min_time or inner >= 1024:
+                break
+            inner *= 2
+        best = min(best, elapsed)
+    return best
+
+
+def interleaved_best_times(
+    fns: dict[str, Callable[[], Any]], *, repeat: int = 7, warmup: int = 1, min_time: float = 0.05
+) -> dict[str, float]:
+    """Best times of several functions measured in alternation (fair under machine noise)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            block(fn())
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            best[name] = min(best[name], best_time(fn, repeat=1, warmup=0, min_time=min_time))
+    return best
