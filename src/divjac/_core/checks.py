@@ -21,6 +21,7 @@ from .pattern import Coupling
 
 __all__ = [
     "batch_size_mismatch",
+    "check_choice",
     "check_coupling_option",
     "check_square",
     "coupling_error",
@@ -112,12 +113,27 @@ def check_square(in_sample: Sequence[int], out_sample: Sequence[int], *, fname: 
         )
 
 
+def check_choice(name: str, value: object, options: Sequence[str], *, fname: str) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of ``options`` (a mode, a method, ...)."""
+    if value not in options:
+        raise ValueError(f"{fname}: {name} must be one of {tuple(options)}; got {value!r}.")
+
+
 def check_coupling_option(coupling: str, *, fname: str) -> None:
     if coupling not in _COUPLING_OPTIONS:
         raise ValueError(f"{fname}: coupling must be one of {_COUPLING_OPTIONS}; got {coupling!r}.")
 
 
-def coupling_error(coupling: Coupling, *, fname: str) -> BatchCouplingError:
+def coupling_error(
+    coupling: Coupling, *, fname: str, fallbacks: frozenset[str] = frozenset()
+) -> BatchCouplingError:
+    note = ""
+    if fallbacks:
+        note = (
+            f" Note: the operation(s) {', '.join(sorted(fallbacks))} had no sparsity rule and were "
+            "assumed to mix all of their inputs, so this coupling may be an over-approximation; "
+            "coupling='exact' is correct either way."
+        )
     return BatchCouplingError(
         f"{fname}: the function mixes samples: output sample {coupling.out_sample} depends on "
         f"input sample {coupling.in_sample} ({coupling.n_pairs} cross-sample dependencies "
@@ -125,5 +141,5 @@ def coupling_error(coupling: Coupling, *, fname: str) -> BatchCouplingError:
         "mode. Per-sample results from the batch trick would be wrong. Either make the "
         "function per-sample (BatchNorm in eval mode, statistics per sample), or pass "
         "coupling='exact' to compute the true per-sample diagonal blocks of the batched "
-        "Jacobian at a higher cost (about batch_size times more passes)."
+        "Jacobian at a higher cost (about batch_size times more passes)." + note
     )

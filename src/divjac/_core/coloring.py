@@ -826,10 +826,46 @@ def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return shape_
 
 
+Distance = int | Sequence[int | None]
+"""A Chebyshev distance on the sample grid: one int for every axis, or one per axis, where
+``None`` keeps the whole axis (e.g. channels, which should never share a probe)."""
+
+
 def _check_distance(distance: int) -> int:
     if int(distance) != distance or distance < 0:
         raise ValueError(f"distance must be a non-negative integer, got {distance!r}.")
     return int(distance)
+
+
+def _axis_distances(shape: tuple[int, ...], distance: Distance) -> tuple[int, ...]:
+    """One non-negative distance per axis (``None`` -> the whole axis)."""
+    if isinstance(distance, int | np.integer):
+        d = _check_distance(int(distance))
+        return tuple(d for _ in shape)
+    per_axis = tuple(distance)
+    if len(per_axis) != len(shape):
+        raise ValueError(
+            f"distance has {len(per_axis)} entries but the shape {shape} has {len(shape)} axes."
+        )
+    return tuple(
+        max(size - 1, 0) if d is None else _check_distance(d)
+        for size, d in zip(shape, per_axis, strict=True)
+    )
+
+
+def _within(
+    rows: IntArray, cols: IntArray, shape: tuple[int, ...], dists: tuple[int, ...]
+) -> NDArray[np.bool_]:
+    """Whether flat indices ``rows`` and ``cols`` are within ``dists`` on every axis."""
+    rows = rows.astype(np.int64)
+    cols = cols.astype(np.int64)
+    ok = np.ones(rows.shape, dtype=bool)
+    for size, d in zip(reversed(shape), reversed(dists), strict=True):
+        if size > 1:
+            ok &= np.abs(rows % size - cols % size) <= d
+            rows = rows // size
+            cols = cols // size
+    return ok
 
 
 def _chebyshev(rows: IntArray, cols: IntArray, shape: tuple[int, ...]) -> IntArray:
@@ -856,17 +892,20 @@ def _pattern_for_shape(pattern: SparseLike, shape: tuple[int, ...]) -> sp.csr_ar
     return p
 
 
-def restrict_to_distance(pattern: SparseLike, shape: Sequence[int], distance: int) -> sp.csr_array:
+def restrict_to_distance(
+    pattern: SparseLike, shape: Sequence[int], distance: Distance
+) -> sp.csr_array:
     """Keep the entries ``(i, j)`` whose grid positions lie within Chebyshev ``distance``.
 
     ``i`` and ``j`` are flat indices into a per-sample array of shape ``shape`` (row-major);
-    ``(i, j)`` is kept when ``max_axis |i_axis - j_axis| <= distance``. A distance of at least
-    ``max(shape) - 1`` keeps the whole pattern.
+    ``(i, j)`` is kept when ``|i_axis - j_axis| <= distance_axis`` on every axis (``distance``
+    is one int for all axes, or one per axis with ``None`` for a whole axis). A distance of at
+    least ``size - 1`` on every axis keeps the whole pattern.
 
     Args:
         pattern: ``(n, n)`` scipy sparse matrix with ``n = prod(shape)``.
         shape: the per-sample array shape.
-        distance: non-negative integer.
+        distance: non-negative integer, or one per axis (``None``: the whole axis).
 
     Returns:
         The restricted pattern, a canonical boolean ``csr_array``.
@@ -883,12 +922,12 @@ def restrict_to_distance(pattern: SparseLike, shape: Sequence[int], distance: in
                [0, 0, 1, 1]])
     """
     shape_ = _check_shape(shape)
-    d = _check_distance(distance)
+    dists = _axis_distances(shape_, distance)
     p = _pattern_for_shape(pattern, shape_)
-    if d >= max(shape_, default=1) - 1:
+    if all(d >= size - 1 for d, size in zip(dists, shape_, strict=True)):
         return p
     rows = _row_ids(p.indptr, p.shape[0])
-    keep = _chebyshev(rows, p.indices, shape_) <= d
+    keep = _within(rows, p.indices, shape_, dists)
     indptr = np.zeros(p.shape[0] + 1, dtype=np.int64)
     np.cumsum(np.bincount(rows[keep], minlength=p.shape[0]), out=indptr[1:])
     return sp.csr_array(
@@ -896,7 +935,7 @@ def restrict_to_distance(pattern: SparseLike, shape: Sequence[int], distance: in
     )
 
 
-def lattice_pattern(shape: Sequence[int], distance: int) -> sp.csr_array:
+def lattice_pattern(shape: Sequence[int], distance: Distance) -> sp.csr_array:
     """Pattern of all pairs of grid points within Chebyshev ``distance`` (diagonal included).
 
     Built as the Kronecker product of one banded ``|a - b| <= distance`` matrix per axis, which
@@ -904,7 +943,7 @@ def lattice_pattern(shape: Sequence[int], distance: int) -> sp.csr_array:
 
     Args:
         shape: the per-sample array shape; ``n = prod(shape)``.
-        distance: non-negative integer.
+        distance: non-negative integer, or one per axis (``None``: the whole axis).
 
     Returns:
         ``(n, n)`` canonical boolean ``csr_array``.
@@ -916,9 +955,9 @@ def lattice_pattern(shape: Sequence[int], distance: int) -> sp.csr_array:
                [0, 1, 1]])
     """
     shape_ = _check_shape(shape)
-    d = _check_distance(distance)
+    dists = _axis_distances(shape_, distance)
     out = sp.csr_array(np.ones((1, 1), dtype=bool))
-    for size in shape_:
+    for size, d in zip(shape_, dists, strict=True):
         offsets = list(range(-min(d, size - 1), min(d, size - 1) + 1)) if size else [0]
         band = sp.diags_array(
             [np.ones(size - abs(o), dtype=bool) for o in offsets],
@@ -930,7 +969,7 @@ def lattice_pattern(shape: Sequence[int], distance: int) -> sp.csr_array:
     return as_pattern(out)
 
 
-def lattice_coloring(shape: Sequence[int], distance: int) -> IntArray:
+def lattice_coloring(shape: Sequence[int], distance: Distance) -> IntArray:
     """Optimal diagonal coloring of :func:`lattice_pattern` ``(shape, distance)``, in closed form.
 
     A point with multi-index ``x`` gets the mixed-radix number of ``x_axis mod m_axis`` with
@@ -941,7 +980,7 @@ def lattice_coloring(shape: Sequence[int], distance: int) -> IntArray:
 
     Args:
         shape: the per-sample array shape.
-        distance: non-negative integer.
+        distance: non-negative integer, or one per axis (``None``: the whole axis).
 
     Returns:
         int64 array of length ``prod(shape)`` with contiguous colors.
@@ -951,12 +990,12 @@ def lattice_coloring(shape: Sequence[int], distance: int) -> IntArray:
         array([0, 1, 0, 2, 3, 2])
     """
     shape_ = _check_shape(shape)
-    d = _check_distance(distance)
+    dists = _axis_distances(shape_, distance)
     n = math.prod(shape_)
     flat = np.arange(n, dtype=np.int64)
     colors = np.zeros(n, dtype=np.int64)
     stride = 1
-    for size in reversed(shape_):
+    for size, d in zip(reversed(shape_), reversed(dists), strict=True):
         if size > 0:
             m = min(d + 1, size)
             colors += (flat % size % m) * stride
@@ -970,6 +1009,7 @@ def probing_coloring(
     shape: Sequence[int],
     *,
     max_colors: int,
+    whole_axes: Sequence[int] = (),
     orders: Sequence[OrderName] = ORDERS,
 ) -> tuple[IntArray, int]:
     """Diagonal coloring of the largest distance-restricted pattern that fits in ``max_colors``.
@@ -996,6 +1036,8 @@ def probing_coloring(
         pattern: ``(n, n)`` scipy sparse matrix with ``n = prod(shape)``, or ``None``.
         shape: the per-sample array shape.
         max_colors: the largest number of colors (probes) allowed, at least 1.
+        whole_axes: axes never split by the distance (channels: elements of one pixel should not
+            share a probe); the distance ``d`` applies to the other axes.
         orders: vertex orders passed to :func:`diagonal_coloring`.
 
     Returns:
@@ -1016,26 +1058,34 @@ def probing_coloring(
     n = math.prod(shape_)
     if n == 0:
         return np.zeros(0, dtype=np.int64), 0
-    d_max = max(shape_) - 1
+    whole = {int(a) % len(shape_) for a in whole_axes} if shape_ else set()
+    split = [s for a, s in enumerate(shape_) if a not in whole]
+    d_max = max(split, default=1) - 1
+
+    def per_axis(d: int) -> tuple[int | None, ...]:
+        return tuple(None if a in whole else d for a in range(len(shape_)))
 
     if pattern is None:
         good = 0
+        fixed = math.prod(s for a, s in enumerate(shape_) if a in whole)
         for d in range(1, d_max + 1):  # prod(min(d + 1, s)) grows with d: stop at the first miss
-            if math.prod(min(d + 1, s) for s in shape_) > max_colors:
+            if fixed * math.prod(min(d + 1, s) for s in split) > max_colors:
                 break
             good = d
-        return lattice_coloring(shape_, good), good
+        return lattice_coloring(shape_, per_axis(good)), good
 
     p = _pattern_for_shape(pattern, shape_)
     farthest = _chebyshev(_row_ids(p.indptr, n), p.indices, shape_).max(initial=0)
     d_max = min(d_max, int(farthest))
-    cache: dict[int, IntArray] = {0: np.zeros(n, dtype=np.int64)}
+    cache: dict[int, IntArray] = {}
 
     def fits(d: int) -> bool:
-        colors = diagonal_coloring(restrict_to_distance(p, shape_, d), orders=orders_)
+        colors = diagonal_coloring(restrict_to_distance(p, shape_, per_axis(d)), orders=orders_)
         cache[d] = colors
         return int(colors.max()) + 1 <= max_colors
 
+    if not fits(0):  # even the whole axes alone need more colors: do not split them then
+        return np.zeros(n, dtype=np.int64) if not whole else _fallback(shape_, max_colors), 0
     good, bad = 0, d_max + 1  # invariant: good fits; bad does not (or lies past d_max)
     step = 1
     while good < d_max:
@@ -1052,3 +1102,8 @@ def probing_coloring(
         else:
             bad = mid
     return cache[good], good
+
+
+def _fallback(shape: tuple[int, ...], max_colors: int) -> IntArray:
+    """Element ``j`` gets color ``j mod max_colors`` (any coloring keeps probing unbiased)."""
+    return np.arange(math.prod(shape), dtype=np.int64) % max_colors

@@ -25,6 +25,7 @@ Shape = tuple[int, ...]
 
 __all__ = [
     "Deps",
+    "axis_map",
     "batched_dense",
     "broadcast_in_dim",
     "broadcast_to",
@@ -482,17 +483,26 @@ def conv(
     return transpose(canon_deps, [int(a) for a in np.argsort(out_spec)])
 
 
+# A constant operand's own zeros are used when it is at most this dense (else the cheaper
+# structural rule applies: a dense constant gains nothing).
+_CONSTANT_DENSITY = 0.5
+
+
 def dot_general(
     lhs: Deps,
     rhs: Deps,
     *,
     contracting: tuple[Sequence[int], Sequence[int]],
     batch: tuple[Sequence[int], Sequence[int]],
+    lhs_value: np.ndarray | None = None,
+    rhs_value: np.ndarray | None = None,
 ) -> Deps:
     """XLA ``dot_general``: output axes are (batch, lhs free, rhs free).
 
     An output element depends on its lhs row and its rhs column, i.e. each operand reduced over
-    its contracting axes and broadcast over the other operand's free axes.
+    its contracting axes and broadcast over the other operand's free axes. When one operand is a
+    known constant (``*_value``, e.g. the interpolation matrix of a resize, a mask), its zeros
+    are used: ``out[b, i, k]`` then depends on ``lhs[b, i, j]`` only where ``rhs[b, j, k] != 0``.
     """
     (lc, rc), (lb, rb) = contracting, batch
     lhs_free = [a for a in range(len(lhs.shape)) if a not in lc and a not in lb]
@@ -502,6 +512,16 @@ def dot_general(
         + tuple(lhs.shape[a] for a in lhs_free)
         + tuple(rhs.shape[a] for a in rhs_free)
     )
+    if rhs.is_empty and _sparse_constant(rhs_value):
+        assert rhs_value is not None
+        return _dot_with_constant(
+            lhs, rhs_value, (lb, lhs_free, lc), (rb, rc, rhs_free), out_shape, True
+        )
+    if lhs.is_empty and _sparse_constant(lhs_value):
+        assert lhs_value is not None
+        return _dot_with_constant(
+            rhs, lhs_value, (rb, rhs_free, rc), (lb, lc, lhs_free), out_shape, False
+        )
 
     def spread(
         operand: Deps,
@@ -525,3 +545,67 @@ def dot_general(
         return gather(reduced, np.broadcast_to(expanded, out_shape))
 
     return union(spread(lhs, lc, lb, lhs_free, True), spread(rhs, rc, rb, rhs_free, False))
+
+
+def _sparse_constant(value: np.ndarray | None) -> bool:
+    if value is None or value.size == 0:
+        return False
+    return bool(np.count_nonzero(value) <= _CONSTANT_DENSITY * value.size)
+
+
+def _dot_with_constant(
+    operand: Deps,
+    constant: np.ndarray,
+    operand_axes: tuple[Sequence[int], Sequence[int], Sequence[int]],
+    constant_axes: tuple[Sequence[int], Sequence[int], Sequence[int]],
+    out_shape: tuple[int, ...],
+    operand_first: bool,
+) -> Deps:
+    """``dot_general`` of a dependency-carrying operand with a constant, using its zeros.
+
+    ``operand_axes`` are (batch, free, contracting) axes of the operand, ``constant_axes`` the
+    constant's (batch, contracting, free). In canonical form the operand is ``(nb, ni, nj)``,
+    the constant ``(nb, nj, nk)`` and output element ``(b, i, k)`` reads ``(b, i, j)`` for every
+    ``j`` with ``constant[b, j, k] != 0`` (``(b, k, i)`` order when the constant comes first).
+    """
+    if operand.is_empty:
+        return empty(out_shape, operand.n_labels)
+    ob, of, oc = operand_axes
+    cb, cc, cf = constant_axes
+    nb = math.prod(operand.shape[a] for a in ob)
+    ni = math.prod(operand.shape[a] for a in of)
+    nj = math.prod(operand.shape[a] for a in oc)
+    nk = math.prod(constant.shape[a] for a in cf)
+    canon = reshape(transpose(operand, [*ob, *of, *oc]), (nb * ni * nj,))
+    mask = np.transpose(constant != 0, [*cb, *cc, *cf]).reshape(nb, nj, nk)
+    b, j, k = np.nonzero(mask)
+    i = np.arange(ni)
+    bb, jj, kk = (np.repeat(v, ni) for v in (b, j, k))
+    ii = np.tile(i, len(b))
+    cols = (bb * ni + ii) * nj + jj
+    if operand_first:  # output (b, i, k)
+        rows = (bb * ni + ii) * nk + kk
+    else:  # output (b, k, i): the constant's free axes come first
+        rows = (bb * nk + kk) * ni + ii
+    return compose(out_shape, rows, cols, canon)
+
+
+def axis_map(deps: Deps, axis: int, size: int, rows: np.ndarray, cols: np.ndarray) -> Deps:
+    """A local map along one axis: output index ``rows[k]`` reads input index ``cols[k]``.
+
+    The other axes are unchanged; the output has length ``size`` on ``axis``. Applied once per
+    axis, it gives every separable window: adaptive pooling (windows of varying size), pooling
+    geometry taken from the output shape, and the transposed maps of their gradients.
+    """
+    axis = axis % len(deps.shape)
+    pre = math.prod(deps.shape[:axis])
+    n = deps.shape[axis]
+    post = math.prod(deps.shape[axis + 1 :])
+    out_shape = (*deps.shape[:axis], int(size), *deps.shape[axis + 1 :])
+    rows = np.asarray(rows, np.int64)
+    cols = np.asarray(cols, np.int64)
+    p = np.arange(pre, dtype=np.int64)[:, None, None]
+    q = np.arange(post, dtype=np.int64)[None, None, :]
+    out_idx = ((p * size + rows[None, :, None]) * post + q).ravel()
+    in_idx = ((p * n + cols[None, :, None]) * post + q).ravel()
+    return compose(out_shape, out_idx, in_idx, deps)

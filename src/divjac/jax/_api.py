@@ -11,8 +11,8 @@ and one JVP with the same tangent in every sample yields that column of every sa
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
@@ -22,9 +22,9 @@ from jax.experimental import sparse as jsparse
 import jax
 from jax import lax
 
-from .._core import checks, coloring, estimators as est, plan
+from .._core import checks, estimators as est, plan, stochastic
 from .._core.pattern import SparsityPattern
-from .._errors import ArgnumsError, MissingKeyError, NumProbesError, OutputError
+from .._errors import ArgnumsError, OutputError
 from ._detect import Detection, Traced, is_array, trace
 from ._sink import shared_push
 
@@ -40,7 +40,6 @@ __all__ = [
 
 # Sparse detection in mode/method "auto" is abandoned once an intermediate holds more entries.
 _AUTO_DETECTION_ENTRIES = 20_000_000
-_DEFAULT_NUM_PROBES = {"hutchinson": 16, "hutch++": 15, "xtrace": 16, "probing": 16}
 
 
 # --- one prepared call --------------------------------------------------------------------------
@@ -56,7 +55,6 @@ class _Spec:
     has_aux: bool
     coupling: str
     fname: str
-    cache: dict[Hashable, Traced] = field(default_factory=dict)
 
 
 @dataclass
@@ -109,7 +107,9 @@ class _Call:
             found = self.traced.detect(per_sample=False)
         assert found is not None
         if found.coupling is not None and self.spec.coupling == "raise":
-            raise checks.coupling_error(found.coupling, fname=self.spec.fname)
+            raise checks.coupling_error(
+                found.coupling, fname=self.spec.fname, fallbacks=found.fallbacks
+            )
         return found
 
 
@@ -137,7 +137,6 @@ def _prepare(spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Cal
         argnum=argnum,
         batch_axis=axis,
         has_aux=spec.has_aux,
-        cache=spec.cache,
     )
     _check_output(spec, traced, np.shape(x), axis)
     spec = spec if axis == spec.batch_axis else _replace_axis(spec, axis)
@@ -154,7 +153,7 @@ def _prepare(spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Cal
 
 
 def _replace_axis(spec: _Spec, axis: int | None) -> _Spec:
-    return _Spec(spec.fun, spec.argnums, axis, spec.has_aux, spec.coupling, spec.fname, spec.cache)
+    return _Spec(spec.fun, spec.argnums, axis, spec.has_aux, spec.coupling, spec.fname)
 
 
 def _check_output(spec: _Spec, traced: Traced, x_shape: tuple[int, ...], axis: int | None) -> None:
@@ -446,18 +445,25 @@ def _stochastic_divergence(
     checks.check_square(call.in_sample, call.out_sample, fname=fname)
     found = call.detect(per_sample=ds.method == "probing", auto=True)
     if found.coupling is not None and ds.method in ("hutch++", "xtrace"):
-        raise checks.coupling_error(found.coupling, fname=fname)
+        raise checks.coupling_error(found.coupling, fname=fname, fallbacks=found.fallbacks)
     B, n = call.batch_size, call.n_in
     y, aux, push = _linear_map(call, found.has_custom_vjp)
     matvec = _batched_matvec(call, push, ds)
     if ds.method == "probing":
-        colors, exact, reps = _probing_plan(call, ds, found)
+        pattern = found.pattern if found.coupling is None else None
+        colors, exact, reps = stochastic.probing_plan(
+            pattern,
+            call.in_sample,
+            num_probes=ds.num_probes,
+            probing_distance=ds.probing_distance,
+            need_stderr=ds.return_stderr,
+        )
         signs = _draw(key, probes, (B, n, reps), "rademacher", call, fname)
         estimate, stderr = est.probing(
             matvec, colors, signs, exact=exact, num_colors=int(colors.max()) + 1
         )
         return y, estimate, stderr, aux
-    num = ds.num_probes or _default_probes(ds.method, n)
+    num = ds.num_probes or stochastic.default_num_probes(ds.method, n)
     k = est.num_random_vectors(ds.method, num, n)
     V = _draw(key, probes, (B, n, k), ds.distribution, call, fname)
     estimate, stderr = est.estimate_trace(ds.method, matvec, V)
@@ -480,15 +486,6 @@ def _batched_matvec(
     return matvec
 
 
-def _default_probes(method: str, n: int) -> int:
-    num = _DEFAULT_NUM_PROBES[method]
-    if method == "hutch++":
-        return min(num, 3 * n)
-    if method == "xtrace":
-        return min(num, 2 * n)
-    return num
-
-
 def _draw(
     key: jax.Array | None,
     probes: jax.Array | None,
@@ -501,69 +498,20 @@ def _draw(
     B, n, k = shape
     if probes is not None:
         probes = jnp.asarray(probes, call.xb.dtype)
-        x_shape = _caller_shape(call)
-        if probes.shape == x_shape:
-            probes = probes[None]
-        if probes.shape[1:] != x_shape:
-            raise NumProbesError(
-                f"{fname}: probes must have the shape of the differentiated input {x_shape} "
-                f"(one probe) or (k, *{x_shape}); got {probes.shape}."
-            )
-        if probes.shape[0] != k:
-            raise NumProbesError(
-                f"{fname}: this method needs {k} random vectors per sample for the requested "
-                f"num_probes; got {probes.shape[0]} probes. Pass num_probes matching the probes "
-                "(hutchinson: k, hutch++: 3k/2, xtrace: 2k, probing: repetitions) or draw k."
-            )
         axis = call.spec.batch_axis
+        x_shape = stochastic.caller_shape(call.in_sample, B, axis)
+        if stochastic.check_probes_shape(probes.shape, x_shape, k, fname=fname):
+            probes = probes[None]
         moved = probes[:, None] if axis is None else jnp.moveaxis(probes, axis + 1, 1)
         return jnp.moveaxis(moved.reshape(k, B, n), 0, -1)
     if key is None:
-        raise MissingKeyError(
-            f"{fname}: a stochastic method needs randomness: call the transformed function "
-            "with key=jax.random.key(0) (the same key gives the same estimate: reuse it to keep "
-            "the noise fixed, e.g. across an ODE solve), or pass your own probes=."
-        )
+        raise stochastic.missing_randomness(fname, "key=jax.random.key(0)")
     dtype = call.xb.dtype
     if distribution == "rademacher":
         raw = jax.random.rademacher(key, shape, dtype)
     else:
         raw = jax.random.normal(key, shape, dtype)
     return est.normalize_probes(raw, distribution)
-
-
-def _caller_shape(call: _Call) -> tuple[int, ...]:
-    axis = call.spec.batch_axis
-    if axis is None:
-        return call.in_sample
-    shape = list(call.in_sample)
-    shape.insert(axis, call.batch_size)
-    return tuple(shape)
-
-
-def _probing_plan(call: _Call, ds: _DivSpec, found: Detection) -> tuple[np.ndarray, bool, int]:
-    """(colors, exact, repetitions) of probing within the matvec budget."""
-    budget = ds.num_probes or _DEFAULT_NUM_PROBES["probing"]
-    pattern = found.pattern
-    csr = pattern.csr if pattern is not None and found.coupling is None else None
-    if (
-        ds.probing_distance is None
-        and csr is not None
-        and pattern is not None
-        and pattern.n_diagonal_colors <= budget
-    ):
-        return pattern.diagonal_colors, True, 1
-    if ds.probing_distance is not None:
-        local = (
-            coloring.restrict_to_distance(csr, call.in_sample, ds.probing_distance)
-            if csr is not None
-            else coloring.lattice_pattern(call.in_sample, ds.probing_distance)
-        )
-        colors = coloring.diagonal_coloring(local)
-    else:
-        colors, _ = coloring.probing_coloring(csr, call.in_sample, max_colors=max(budget // 2, 1))
-    n_colors = int(colors.max()) + 1
-    return colors, False, max(budget // n_colors, 1)
 
 
 def _check_choice(name: str, value: str, options: Sequence[str], fname: str) -> None:

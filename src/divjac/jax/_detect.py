@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,11 +34,13 @@ class Detection:
             pattern was too dense to be worth detecting).
         coupling: ``None`` if the batch is independent, else evidence of coupling.
         has_custom_vjp: a ``custom_vjp`` function is on the path (prefer reverse mode).
+        fallbacks: primitives without a sparsity rule, assumed dense.
     """
 
     pattern: SparsityPattern | None
     coupling: Coupling | None
     has_custom_vjp: bool
+    fallbacks: frozenset[str] = frozenset()
 
 
 @dataclass(eq=False)
@@ -58,7 +61,7 @@ class Traced:
     out: jax.ShapeDtypeStruct
     out_tree: Any
     max_intermediate: int
-    _detections: dict[Hashable, Detection | None] = field(default_factory=dict)
+    _detections: dict[tuple[bool, bool, int | None], Detection | None] = field(default_factory=dict)
 
     @property
     def x_shape(self) -> tuple[int, ...]:
@@ -73,6 +76,10 @@ class Traced:
         ``(B*n_out, B*n_in)`` one (used to compute exact diagonal blocks of coupled functions).
         """
         key = (per_sample, whole_batch, max_entries)
+        if not per_sample:  # a per-sample detection also decided coupling: reuse it
+            for (ps, wb, _), found in self._detections.items():
+                if ps and wb == whole_batch and found is not None:
+                    return found
         if key not in self._detections:
             self._detections[key] = self._detect(per_sample, whole_batch, max_entries)
         return self._detections[key]
@@ -105,12 +112,47 @@ class Traced:
                 coupling=coupling,
                 dense_fallbacks=frozenset(interp.fallbacks),
             )
-        return Detection(pattern, coupling, interp.has_custom_vjp)
+        return Detection(pattern, coupling, interp.has_custom_vjp, frozenset(interp.fallbacks))
 
 
-def _key(leaves: list[Any], dynamic: list[bool], treedef: Any) -> Hashable | None:
+class _LRU:
+    """A small least-recently-used cache of traced functions, shared by all transforms.
+
+    Keys hold the function itself (compared with ``==``, so ``net.apply`` bound again to the same
+    module hits), so creating a transform per call (common in eager loops) still reuses the
+    detection. At most ``size`` functions are kept alive.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: OrderedDict[Hashable, Traced] = OrderedDict()
+
+    def get(self, key: Hashable) -> Traced | None:
+        found = self._items.get(key)
+        if found is not None:
+            self._items.move_to_end(key)
+        return found
+
+    def put(self, key: Hashable, value: Traced) -> None:
+        self._items[key] = value
+        self._items.move_to_end(key)
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+
+CACHE = _LRU(128)
+
+
+def _key(
+    fun: Any, static: tuple[Any, ...], leaves: list[Any], dynamic: list[bool], treedef: Any
+) -> Hashable | None:
     try:
         key = (
+            fun,
+            static,
             treedef,
             tuple(
                 (np.shape(leaf), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)))
@@ -133,19 +175,20 @@ def trace(
     argnum: int,
     batch_axis: int | None,
     has_aux: bool,
-    cache: dict[Hashable, Traced],
 ) -> Traced:
     """Trace ``fun`` batch-first in its argument ``argnum``.
 
-    Non-array arguments are static (as in ``jax.jacfwd``); the cache key holds the structure,
-    shapes and dtypes of the array arguments and the static values, like ``jax.jit``'s.
+    Non-array arguments are static (as in ``jax.jacfwd``). Results are cached (:data:`CACHE`)
+    by the function, the structure, shapes and dtypes of the array arguments and the static
+    values, like ``jax.jit``'s cache.
     """
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     dynamic = [is_array(leaf) for leaf in leaves]
     x_leaf = len(jax.tree_util.tree_leaves(tuple(args[:argnum])))
-    key = _key(leaves, dynamic, treedef)
-    if key is not None and key in cache:
-        return cache[key]
+    key = _key(fun, (argnum, batch_axis, has_aux), leaves, dynamic, treedef)
+    cached = CACHE.get(key) if key is not None else None
+    if cached is not None:
+        return cached
     x_pos = sum(dynamic[:x_leaf])
     dyn = [leaf for leaf, d in zip(leaves, dynamic, strict=True) if d]
     x = leaves[x_leaf]
@@ -182,7 +225,7 @@ def trace(
         max(sizes, default=0),
     )
     if key is not None:
-        cache[key] = traced
+        CACHE.put(key, traced)
     return traced
 
 

@@ -138,9 +138,8 @@ class _Scope:
 
 def _evaluate(eqn: Any, inputs: Sequence[Any]) -> list[np.ndarray] | None:
     """Evaluate one equation on concrete values (outside any surrounding trace)."""
-    var_in = [v for v in eqn.invars if isinstance(v, jcore.Var)]
+    fn, _ = _single_eqn_fun(eqn)
     values = [x for v, x in zip(eqn.invars, inputs, strict=True) if isinstance(v, jcore.Var)]
-    fn = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jcore.Jaxpr([], var_in, eqn.outvars, [eqn]), []))
     try:
         with jax.ensure_compile_time_eval():
             return [np.asarray(o) for o in fn(*values)]
@@ -148,11 +147,18 @@ def _evaluate(eqn: Any, inputs: Sequence[Any]) -> list[np.ndarray] | None:
         return None
 
 
-def _single_eqn_fun(eqn: Any) -> tuple[Callable[..., Any], list[Any]]:
+def _single_eqn_fun(eqn: Any) -> tuple[Callable[..., list[Any]], list[Any]]:
     """The equation as a function of its variable inputs (literals stay inside)."""
     var_in = [v for v in eqn.invars if isinstance(v, jcore.Var)]
-    closed = jcore.ClosedJaxpr(jcore.Jaxpr([], var_in, eqn.outvars, [eqn]), [])
-    return jcore.jaxpr_as_fun(closed), var_in
+    params = eqn.primitive.get_bind_params(eqn.params)
+
+    def fn(*args: Any) -> list[Any]:
+        it = iter(args)
+        full = [next(it) if isinstance(v, jcore.Var) else v.val for v in eqn.invars]
+        out = eqn.primitive.bind(*full, **params)
+        return list(out) if eqn.primitive.multiple_results else [out]
+
+    return fn, var_in
 
 
 class TooDense(Exception):
@@ -178,6 +184,7 @@ class Interpreter:
         self.max_entries = max_entries
         self.fallbacks: set[str] = set()
         self.has_custom_vjp = False
+        self.deriving: set[tuple[str, int]] = set()
 
     def run(
         self,
@@ -249,6 +256,12 @@ class Interpreter:
             return self.run(sub, ins, in_values=values)
         if name in _LINALG:
             return _linalg(self, ins, out_shapes, name)
+        # No rule: the primitive's own derivative rules, traced, give a precise pattern.
+        derived = _via_jvp(self, scope, eqn)
+        if derived is None:
+            derived = _via_vjp(self, scope, eqn)
+        if derived is not None:
+            return derived
         self.fallbacks.add(name)
         return [D.dense(s, *ins) for s in out_shapes]
 
@@ -370,7 +383,17 @@ def _select_n(it, scope, eqn, ins, outs):
 @_rule("dot_general")
 def _dot_general(it, scope, eqn, ins, outs):
     contracting, batch = eqn.params["dimension_numbers"]
-    return [D.dot_general(ins[0], ins[1], contracting=contracting, batch=batch)]
+    values = [scope.value(v) if d.is_empty else None for v, d in zip(eqn.invars, ins, strict=True)]
+    return [
+        D.dot_general(
+            ins[0],
+            ins[1],
+            contracting=contracting,
+            batch=batch,
+            lhs_value=values[0],
+            rhs_value=values[1],
+        )
+    ]
 
 
 @_rule("conv_general_dilated")
@@ -463,15 +486,19 @@ def _linalg(it: Interpreter, ins: list[Deps], outs: list[tuple[int, ...]], name:
 def _custom_linear_solve(it, scope, eqn, ins, outs):
     lengths = eqn.params["const_lengths"]
     jaxprs = eqn.params["jaxprs"]
-    n_consts = sum(lengths)
+    matvec_consts = ins[: lengths.matvec]
     offset = lengths.matvec + lengths.vecmat
     solve_consts = ins[offset : offset + lengths.solve]
-    rhs = ins[n_consts:]
-    matrix = D.union(*(D.reshape(c, (c.size,)) for c in ins[:n_consts])) if n_consts else None
-    solved = it.run(jaxprs.solve, [*solve_consts, *rhs]) if lengths.solve or rhs else []
-    if matrix is not None and not matrix.is_empty:
-        # d x = A^{-1} (d b - dA x): the matrix entries reach every output conservatively.
-        return [D.union(s, D.dense(s.shape, *ins[:n_consts])) for s in solved]
+    rhs = ins[sum(lengths) :]
+    solved = it.run(jaxprs.solve, [*solve_consts, *rhs])
+    if any(not c.is_empty for c in matvec_consts):
+        # x = A^{-1} b gives dx = A^{-1} (db - dA x): route the matrix's dependencies through
+        # the matvec (dA x) and the solve, which keeps batched solves per batch entry.
+        moved = it.run(jaxprs.matvec, [*matvec_consts, *solved])
+        solved = [
+            D.union(s, m)
+            for s, m in zip(solved, it.run(jaxprs.solve, [*solve_consts, *moved]), strict=True)
+        ]
     return solved
 
 
@@ -562,18 +589,25 @@ def _scatter_as_gather(eqn: Any) -> tuple[Any, tuple[int, ...]]:
 def _scatter(it, scope, eqn, ins, outs):
     operand, updates = ins[0], ins[2]
     indices = scope.value(eqn.invars[1])
-    shape = operand.shape
+    static = indices is not None
     if indices is None:
-        return [D.union(operand, D.dense(shape, updates))]
+        # Unknown indices: route as if they were zero, then let each update land anywhere
+        # along the scattered axes (the other axes, batching axes included, stay exact).
+        indices = np.zeros(_shape(eqn.invars[1].aval), np.int32)
+    shape = operand.shape
     gdn, sizes = _scatter_as_gather(eqn)
-    mode = eqn.params.get("mode")
     ids = jnp.arange(1, math.prod(shape) + 1, dtype=jnp.int32).reshape(shape)
     with jax.ensure_compile_time_eval():
-        dest = lax.gather(ids, jnp.asarray(indices), gdn, sizes, mode=mode, fill_value=0)
+        dest = lax.gather(
+            ids, jnp.asarray(indices), gdn, sizes, mode=eqn.params.get("mode"), fill_value=0
+        )
     target = np.asarray(dest).astype(np.int64).ravel() - 1
     landed = target >= 0
     routed = D.compose(shape, target[landed], np.flatnonzero(landed), updates)
-    if eqn.primitive.name == "scatter":
+    if not static:
+        axes = list(eqn.params["dimension_numbers"].scatter_dims_to_operand_dims)
+        routed = D.broadcast_to(D.reduce(routed, axes, keepdims=True), shape)
+    elif eqn.primitive.name == "scatter":
         keep = np.arange(math.prod(shape))
         keep[target[landed]] = -1
         operand = D.gather(operand, keep.reshape(shape))
@@ -667,27 +701,73 @@ def _scan(it, scope, eqn, ins, outs):
     return [*carry, *(D.broadcast_to(y, s) for y, s in zip(ys, outs[n_carry:], strict=True))]
 
 
-@_rule("custom_jvp_call")
-def _custom_jvp_call(it, scope, eqn, ins, outs):
-    primal = it.run(eqn.params["call_jaxpr"], ins)
+class _Recursive(Exception):
+    """A derivative rule applied its own primitive to tangents (abandon that rule)."""
+
+    def __init__(self, key: tuple[str, int]) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _guarded(derive: Callable[..., list[Deps] | None]) -> Callable[..., list[Deps] | None]:
+    """Refuse to derive an equation's pattern from a rule that applies the equation again.
+
+    A linear primitive's JVP rule is often the primitive itself; interpreting it would recurse
+    forever. The guard is keyed by the primitive and (for custom functions) by their program.
+    """
+
+    def wrapper(it: Interpreter, scope: _Scope, eqn: Any) -> list[Deps] | None:
+        key = (eqn.primitive.name, id(eqn.params.get("call_jaxpr")))
+        if key in it.deriving:
+            raise _Recursive(key)
+        it.deriving.add(key)
+        try:
+            return derive(it, scope, eqn)
+        except _Recursive as err:
+            if err.key != key:
+                raise
+            return None
+        finally:
+            it.deriving.discard(key)
+
+    return wrapper
+
+
+@_guarded
+def _via_jvp(it: Interpreter, scope: _Scope, eqn: Any) -> list[Deps] | None:
+    """Dependencies from the equation's JVP rule: tangents in, tangents out.
+
+    The JVP is linear in the tangents, so seeding each tangent input with its primal's
+    dependency sets gives the outputs' dependency sets (primal inputs act as constants).
+    ``None`` if the rule cannot be traced or refers to the primitive itself.
+    """
     fn, var_in = _single_eqn_fun(eqn)
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in var_in]
-    jvp_jaxpr = jax.make_jaxpr(lambda p, t: jax.jvp(fn, p, t)[1])(avals, avals)
+    try:
+        jvp_jaxpr = jax.make_jaxpr(lambda p, t: jax.jvp(fn, p, t)[1])(avals, avals)
+    except Exception:
+        return None
     var_deps = [scope.read(v) for v in var_in]
     empties = [D.empty(d.shape, it.n_labels) for d in var_deps]
-    tangent = it.run(jvp_jaxpr, [*empties, *var_deps])
-    return [D.union(a, b) for a, b in zip(primal, tangent, strict=True)]
+    return it.run(jvp_jaxpr, [*empties, *var_deps])
 
 
-@_rule("custom_vjp_call", "custom_vjp_call_jaxpr")
-def _custom_vjp_call(it, scope, eqn, ins, outs):
-    it.has_custom_vjp = True
-    primal = it.run(eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr")), ins)
+@_guarded
+def _via_vjp(it: Interpreter, scope: _Scope, eqn: Any) -> list[Deps] | None:
+    """Dependencies from the equation's VJP (transpose) rule, as a local Jacobian pattern.
+
+    Each output element gets its own label; pulling the labels back through the VJP gives the
+    local pattern (inputs x outputs), which is then composed with the inputs' dependency sets.
+    ``None`` if the rule cannot be traced or refers to the primitive itself.
+    """
     fn, var_in = _single_eqn_fun(eqn)
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in var_in]
+    outs = [_shape(v.aval) for v in eqn.outvars]
     out_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
-    vjp_jaxpr = jax.make_jaxpr(lambda p, c: jax.vjp(fn, *p)[1](c))(avals, out_avals)
-    # Local Jacobian pattern: label each output element, pull the labels back to the inputs.
+    try:
+        vjp_jaxpr = jax.make_jaxpr(lambda p, c: jax.vjp(fn, *p)[1](c))(avals, out_avals)
+    except Exception:
+        return None
     sizes = [math.prod(s) for s in outs]
     n_out = sum(sizes)
     offsets = np.cumsum([0, *sizes])
@@ -696,6 +776,7 @@ def _custom_vjp_call(it, scope, eqn, ins, outs):
         for s, n, off in zip(outs, sizes, offsets[:-1], strict=True)
     ]
     local = Interpreter(n_out)
+    local.deriving = it.deriving
     pulled = local.run(vjp_jaxpr, [*(D.empty(a.shape, n_out) for a in avals), *seeds])
     it.fallbacks |= local.fallbacks
     var_deps = [scope.read(v) for v in var_in]
@@ -705,6 +786,26 @@ def _custom_vjp_call(it, scope, eqn, ins, outs):
     for k, s in enumerate(outs):
         lo, hi = offsets[k], offsets[k + 1]
         mask = (pattern.row >= lo) & (pattern.row < hi)
-        routed = D.compose(s, pattern.row[mask] - lo, pattern.col[mask], stacked_in)
-        results.append(D.union(primal[k], routed))
+        results.append(D.compose(s, pattern.row[mask] - lo, pattern.col[mask], stacked_in))
     return results
+
+
+@_rule("custom_jvp_call")
+def _custom_jvp_call(it, scope, eqn, ins, outs):
+    """The primal program and the custom JVP rule (a straight-through estimator's rule too)."""
+    primal = it.run(eqn.params["call_jaxpr"], ins)
+    tangent = _via_jvp(it, scope, eqn)
+    if tangent is None:
+        return [D.dense(s, *ins) for s in outs]
+    return [D.union(a, b) for a, b in zip(primal, tangent, strict=True)]
+
+
+@_rule("custom_vjp_call", "custom_vjp_call_jaxpr")
+def _custom_vjp_call(it, scope, eqn, ins, outs):
+    """The primal program and the custom VJP rule (forward mode cannot use this function)."""
+    it.has_custom_vjp = True
+    primal = it.run(eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr")), ins)
+    pulled = _via_vjp(it, scope, eqn)
+    if pulled is None:
+        return [D.dense(s, *ins) for s in outs]
+    return [D.union(a, b) for a, b in zip(primal, pulled, strict=True)]

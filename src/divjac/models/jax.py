@@ -18,8 +18,10 @@ __all__ = [
     "init_cnn",
     "init_mlp",
     "init_mlp_xt",
+    "init_unet",
     "mlp",
     "mlp_xt",
+    "unet",
 ]
 
 Params = Any
@@ -92,6 +94,61 @@ def cnn(params: Params, x: jax.Array) -> jax.Array:
         if i < len(params) - 1:
             x = jnp.tanh(x)
     return x
+
+
+def init_unet(
+    key: jax.Array, *, channels: int = 8, in_channels: int = 3, dtype: Any = jnp.float32
+) -> dict[str, Any]:
+    """Weights of :func:`unet` (3x3 HWIO kernels and biases)."""
+    c = channels
+    shapes = {
+        "enc1": (in_channels, c),
+        "enc2": (c, 2 * c),
+        "mid": (2 * c, 2 * c),
+        "dec2": (4 * c, c),
+        "dec1": (2 * c, in_channels),
+    }
+    keys = jax.random.split(key, len(shapes) + 1)
+    params: dict[str, Any] = {}
+    for k, (name, (c_in, c_out)) in zip(keys, shapes.items(), strict=False):
+        wkey, bkey = jax.random.split(k)
+        w = jax.random.normal(wkey, (3, 3, c_in, c_out), dtype) / math.sqrt(9 * c_in)
+        params[name] = (w, 0.1 * jax.random.normal(bkey, (c_out,), dtype))
+    params["global"] = 0.1 * jax.random.normal(keys[-1], (2 * c, 2 * c), dtype) / math.sqrt(2 * c)
+    return params
+
+
+def unet(params: Params, x: jax.Array) -> jax.Array:
+    """A small U-Net on ``[k, H, W, C]`` (H, W divisible by 4) whose receptive field is the image.
+
+    Two 2x average-pool downsamplings, a global-context branch (spatial mean, dense layer,
+    broadcast back), nearest upsampling with skip connections. The per-sample Jacobian is
+    structurally dense but numerically concentrated near the diagonal, as in score networks.
+    """
+
+    def conv(name: str, h: jax.Array) -> jax.Array:
+        w, b = params[name]
+        return (
+            jax.lax.conv_general_dilated(
+                h, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+            )
+            + b
+        )
+
+    def down(h: jax.Array) -> jax.Array:
+        k, H, W, C = h.shape
+        return h.reshape(k, H // 2, 2, W // 2, 2, C).mean(axis=(2, 4))
+
+    def up(h: jax.Array) -> jax.Array:
+        return jnp.repeat(jnp.repeat(h, 2, axis=1), 2, axis=2)
+
+    e1 = jnp.tanh(conv("enc1", x))
+    e2 = jnp.tanh(conv("enc2", down(e1)))
+    m = jnp.tanh(conv("mid", down(e2)))
+    context = jnp.tanh(m.mean(axis=(1, 2)) @ params["global"])
+    m = m + context[:, None, None, :]
+    d2 = jnp.tanh(conv("dec2", jnp.concatenate([up(m), e2], axis=-1)))
+    return conv("dec1", jnp.concatenate([up(d2), e1], axis=-1))
 
 
 def gaussian_kernel(size: int = 11, sigma: float = 2.0, dtype: Any = jnp.float32) -> jax.Array:
