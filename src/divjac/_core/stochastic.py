@@ -151,7 +151,7 @@ def missing_randomness(fname: str, how: str) -> MissingKeyError:
 
     Example:
         >>> str(missing_randomness("divergence", "key=jax.random.key(0)"))[:42]
-        'divergence: a stochastic method needs ran'
+        'divergence: a stochastic method needs rand'
     """
     return MissingKeyError(
         f"{fname}: a stochastic method needs randomness: call the transformed function with "
