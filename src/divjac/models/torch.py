@@ -1,0 +1,199 @@
+"""Example models in PyTorch, the same architectures as :mod:`divjac.models.jax`.
+
+The functional forms (``mlp(params, x)``, ``cnn(params, x)``, ...) take the same parameter
+layouts as the JAX models (dense weights ``(n_in, n_out)``); the CNN works on ``NCHW`` images
+with ``OIHW`` kernels. :func:`from_jax` converts JAX parameters (the same weights give the same
+functions in both frameworks), and :class:`MLP` / :class:`CNN` wrap the same computations as
+``nn.Module`` s. Importing this module never imports JAX.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch.nn.functional as F
+
+import torch
+from torch import nn
+
+__all__ = [
+    "CNN",
+    "MLP",
+    "blur",
+    "cnn",
+    "cnn_params_from_jax",
+    "from_jax",
+    "gaussian_kernel",
+    "init_cnn",
+    "init_mlp",
+    "init_mlp_xt",
+    "mlp",
+    "mlp_xt",
+]
+
+Params = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _generator(seed: int | torch.Generator) -> torch.Generator:
+    return seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+
+
+def init_mlp(
+    seed: int | torch.Generator, sizes: Sequence[int], dtype: torch.dtype = torch.float32
+) -> Params:
+    """Weights ``(n_in, n_out)`` and biases of an MLP with layer sizes ``sizes``."""
+    gen = _generator(seed)
+    params = []
+    for a, b in itertools.pairwise(sizes):
+        w = torch.randn(a, b, generator=gen, dtype=dtype) / math.sqrt(a)
+        params.append((w, 0.1 * torch.randn(b, generator=gen, dtype=dtype)))
+    return params
+
+
+def mlp(params: Params, x: torch.Tensor) -> torch.Tensor:
+    """``tanh`` MLP on the last axis: ``[..., d_in] -> [..., d_out]`` (per sample)."""
+    for w, b in params[:-1]:
+        x = torch.tanh(x @ w + b)
+    w, b = params[-1]
+    return x @ w + b
+
+
+def init_mlp_xt(
+    seed: int | torch.Generator, d: int, hidden: int = 100, dtype: torch.dtype = torch.float32
+) -> Params:
+    """Weights of ``net(x, t)``: ``cat(x, t) -> hidden tanh -> hidden tanh -> d``."""
+    return init_mlp(seed, (d + 1, hidden, hidden, d), dtype)
+
+
+def mlp_xt(params: Params, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The time-dependent vector field ``net(params, x, t)``: ``x (b, d)``, ``t (b, 1)``."""
+    return mlp(params, torch.cat([x, t], dim=-1))
+
+
+def init_cnn(
+    seed: int | torch.Generator,
+    *,
+    channels: int = 16,
+    layers: int = 3,
+    in_channels: int = 3,
+    out_channels: int = 3,
+    kernel: int = 3,
+    dtype: torch.dtype = torch.float32,
+) -> Params:
+    """Weights (``OIHW`` kernels, biases) of a ``'same'`` conv stack with ``tanh`` in between."""
+    gen = _generator(seed)
+    sizes = [in_channels] + [channels] * (layers - 1) + [out_channels]
+    params = []
+    for c_in, c_out in itertools.pairwise(sizes):
+        fan_in = kernel * kernel * c_in
+        w = torch.randn(c_out, c_in, kernel, kernel, generator=gen, dtype=dtype)
+        params.append((w / math.sqrt(fan_in), 0.1 * torch.randn(c_out, generator=gen, dtype=dtype)))
+    return params
+
+
+def cnn(params: Params, x: torch.Tensor) -> torch.Tensor:
+    """Conv stack on images ``[k, C, H, W]`` (NCHW), ``'same'`` padding, ``tanh`` in between."""
+    for i, (w, b) in enumerate(params):
+        x = F.conv2d(x, w, b, padding="same")
+        if i < len(params) - 1:
+            x = torch.tanh(x)
+    return x
+
+
+def gaussian_kernel(
+    size: int = 11, sigma: float = 2.0, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Normalized ``size x size`` Gaussian kernel."""
+    r = np.arange(size) - (size - 1) / 2
+    k = np.exp(-(r[:, None] ** 2 + r[None, :] ** 2) / (2 * sigma**2))
+    return torch.as_tensor(k / k.sum(), dtype=dtype)
+
+
+def blur(x: torch.Tensor, kernel: torch.Tensor | None = None) -> torch.Tensor:
+    """Gaussian blur of a batch of images ``[k, H, W]`` (``'same'``, zero padding).
+
+    A true convolution (the kernel is flipped), like ``jax.scipy.signal.convolve2d``.
+    """
+    kernel = gaussian_kernel(dtype=x.dtype) if kernel is None else kernel.to(x.dtype)
+    weight = torch.flip(kernel, (0, 1))[None, None].to(x.device)
+    return F.conv2d(x[:, None], weight, padding="same")[:, 0]
+
+
+# --- weights from JAX -------------------------------------------------------------------------
+
+
+def from_jax(params: Any, dtype: torch.dtype | None = None) -> Params:
+    """Dense-layer parameters of :mod:`divjac.models.jax` (``mlp``, ``mlp_xt``) as tensors.
+
+    Works on JAX arrays without importing JAX (through ``numpy.asarray``).
+    """
+    return [(_tensor(w, dtype), _tensor(b, dtype)) for w, b in params]
+
+
+def cnn_params_from_jax(params: Any, dtype: torch.dtype | None = None) -> Params:
+    """CNN parameters of :mod:`divjac.models.jax`: ``HWIO`` kernels become ``OIHW``."""
+    return [
+        (_tensor(np.transpose(np.asarray(w), (3, 2, 0, 1)), dtype), _tensor(b, dtype))
+        for w, b in params
+    ]
+
+
+def _tensor(value: Any, dtype: torch.dtype | None) -> torch.Tensor:
+    return torch.as_tensor(np.array(value), dtype=dtype)
+
+
+# --- the same models as nn.Modules --------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    """The ``tanh`` MLP of :func:`mlp` as an ``nn.Module`` (``nn.Linear`` layers).
+
+    Args:
+        params: weights ``(n_in, n_out)`` and biases, e.g. from :func:`init_mlp` or
+            :func:`from_jax`.
+    """
+
+    def __init__(self, params: Params) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for w, b in params:
+            layer = nn.Linear(w.shape[0], w.shape[1], dtype=w.dtype)
+            with torch.no_grad():
+                layer.weight.copy_(w.T)
+                layer.bias.copy_(b)
+            self.layers.append(layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:-1]:
+            x = torch.tanh(layer(x))
+        return self.layers[-1](x)
+
+
+class CNN(nn.Module):
+    """The conv stack of :func:`cnn` as an ``nn.Module`` (``nn.Conv2d`` layers, NCHW).
+
+    Args:
+        params: ``OIHW`` kernels and biases, e.g. from :func:`init_cnn` or
+            :func:`cnn_params_from_jax`.
+    """
+
+    def __init__(self, params: Params) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for w, b in params:
+            c_out, c_in, kh, kw = w.shape
+            conv = nn.Conv2d(c_in, c_out, (kh, kw), padding="same", dtype=w.dtype)
+            assert conv.bias is not None
+            with torch.no_grad():
+                conv.weight.copy_(w)
+                conv.bias.copy_(b)
+            self.layers.append(conv)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:-1]:
+            x = torch.tanh(layer(x))
+        return self.layers[-1](x)

@@ -1,0 +1,27 @@
+"""divjac for PyTorch: per-sample Jacobians, divergences and sparsity of batched functions.
+
+Built on ``torch.func`` (``jvp``, ``vjp``, ``vmap``); sparsity is detected on the ATen graph
+traced with ``make_fx``. Importing this module imports PyTorch (and never JAX).
+"""
+
+from .._core.pattern import SparsityPattern as SparsityPattern
+from ._api import (
+    divergence as divergence,
+    grad_divergence as grad_divergence,
+    jacobian as jacobian,
+    laplacian as laplacian,
+    sparse_jacobian as sparse_jacobian,
+    sparsity as sparsity,
+    value_and_divergence as value_and_divergence,
+)
+
+__all__ = [
+    "SparsityPattern",
+    "divergence",
+    "grad_divergence",
+    "jacobian",
+    "laplacian",
+    "sparse_jacobian",
+    "sparsity",
+    "value_and_divergence",
+]

@@ -1,0 +1,137 @@
+"""The same architecture with the same weights gives the same numbers in JAX and PyTorch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax")
+
+import jax.numpy as jnp
+
+import divjac.jax as dj
+import divjac.torch as dt
+import jax
+import torch
+from divjac.models import jax as jmodels, torch as tmodels
+
+RTOL, ATOL = 1e-10, 1e-12
+
+
+def _nchw_to_nhwc_index(c: int, h: int, w: int) -> np.ndarray:
+    """``perm[i]``: the NHWC flat index of the element with NCHW flat index ``i``."""
+    ci, hi, wi = np.unravel_index(np.arange(c * h * w), (c, h, w))
+    return (hi * w + wi) * c + ci
+
+
+def _mlp():
+    params = jmodels.init_mlp(jax.random.key(0), (4, 16, 16, 4), jnp.float64)
+    x = np.array(jax.random.normal(jax.random.key(1), (5, 4), jnp.float64))
+    return (jmodels.mlp, params, jnp.asarray(x)), (tmodels.mlp, tmodels.from_jax(params), x)
+
+
+def _cnn():
+    params = jmodels.init_cnn(jax.random.key(0), channels=4, layers=3, dtype=jnp.float64)
+    x = np.array(jax.random.normal(jax.random.key(2), (2, 8, 8, 3), jnp.float64))
+    jax_case = (jmodels.cnn, params, jnp.asarray(x))
+    torch_case = (tmodels.cnn, tmodels.cnn_params_from_jax(params), x.transpose(0, 3, 1, 2))
+    return jax_case, torch_case
+
+
+def test_mlp_jacobian_and_divergences():
+    (jf, jp, jx), (tf, tp, tx) = _mlp()
+    tx = torch.as_tensor(tx)
+    np.testing.assert_allclose(
+        dt.jacobian(tf, 1)(tp, tx), dj.jacobian(jf, 1)(jp, jx), rtol=RTOL, atol=ATOL
+    )
+    for method in ("exact", "sparse", "auto"):
+        np.testing.assert_allclose(
+            dt.divergence(tf, 1, method=method)(tp, tx),
+            dj.divergence(jf, 1, method=method)(jp, jx),
+            rtol=RTOL,
+            atol=ATOL,
+        )
+
+
+def test_mlp_xt_time_derivative():
+    params = jmodels.init_mlp_xt(jax.random.key(3), 3, hidden=8, dtype=jnp.float64)
+    x = jax.random.normal(jax.random.key(4), (4, 3), jnp.float64)
+    t = jax.random.uniform(jax.random.key(5), (4, 1), jnp.float64)
+    tp = tmodels.from_jax(params)
+    got = dt.jacobian(tmodels.mlp_xt, 2)(
+        tp, torch.as_tensor(np.array(x)), torch.as_tensor(np.array(t))
+    )
+    np.testing.assert_allclose(got, dj.jacobian(jmodels.mlp_xt, 2)(params, x, t), rtol=RTOL)
+
+
+def test_cnn_jacobian_divergence_pattern_and_colors():
+    (jf, jp, jx), (tf, tp, tx) = _cnn()
+    tx = torch.as_tensor(tx)
+    # Jacobians: NHWC x NHWC in JAX, NCHW x NCHW in torch.
+    J_jax = np.asarray(dj.jacobian(jf, 1, mode="sparse")(jp, jx))
+    J_torch = dt.jacobian(tf, 1, mode="sparse")(tp, tx).numpy()
+    np.testing.assert_allclose(J_torch, J_jax.transpose(0, 3, 1, 2, 6, 4, 5), rtol=RTOL, atol=ATOL)
+    for method in ("exact", "sparse"):
+        np.testing.assert_allclose(
+            dt.divergence(tf, 1, method=method)(tp, tx),
+            dj.divergence(jf, 1, method=method)(jp, jx),
+            rtol=RTOL,
+            atol=ATOL,
+        )
+    # Patterns: identical up to the NCHW <-> NHWC permutation of both axes.
+    p_jax = dj.sparsity(jf, jp, jx, argnums=1)
+    p_torch = dt.sparsity(tf, tp, tx, argnums=1)
+    perm = _nchw_to_nhwc_index(3, 8, 8)
+    permuted = p_jax.csr[perm][:, perm]
+    assert (permuted != p_torch.csr).nnz == 0
+    assert p_torch.is_batch_independent and p_jax.is_batch_independent
+    assert p_torch.n_colors == p_jax.n_colors
+    assert p_torch.n_row_colors == p_jax.n_row_colors
+    assert p_torch.n_diagonal_colors == p_jax.n_diagonal_colors
+
+
+def test_cnn_module_matches_the_functional_model():
+    (_, jp, jx), (tf, tp, tx) = _cnn()
+    net = tmodels.CNN(tp)
+    tx = torch.as_tensor(tx)
+    np.testing.assert_allclose(net(tx).detach(), tf(tp, tx), rtol=1e-12)
+    np.testing.assert_allclose(
+        dt.divergence(net)(tx).detach(), dj.divergence(jmodels.cnn, 1)(jp, jx), rtol=RTOL
+    )
+    mlp_params = tmodels.init_mlp(0, (3, 5, 3), torch.float64)
+    mlp_net = tmodels.MLP(mlp_params)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    np.testing.assert_allclose(mlp_net(x).detach(), tmodels.mlp(mlp_params, x), rtol=1e-12)
+
+
+def test_blur_sparse_jacobian_and_pattern():
+    x = jax.random.normal(jax.random.key(6), (2, 12, 12), jnp.float64)
+    kernel = jmodels.gaussian_kernel(5, 1.0, jnp.float64)
+    tk = torch.as_tensor(np.array(kernel))
+    tx = torch.as_tensor(np.array(x))
+    np.testing.assert_allclose(tmodels.blur(tx, tk), jmodels.blur(x, kernel), rtol=1e-12)
+    J_jax = dj.sparse_jacobian(jmodels.blur)(x, kernel).todense()
+    J_torch = dt.sparse_jacobian(tmodels.blur)(tx, tk).to_dense()
+    np.testing.assert_allclose(J_torch, J_jax, rtol=RTOL, atol=ATOL)
+    p_jax, p_torch = dj.sparsity(jmodels.blur, x, kernel), dt.sparsity(tmodels.blur, tx, tk)
+    assert (p_jax.csr != p_torch.csr).nnz == 0
+    assert (p_jax.n_colors, p_jax.n_diagonal_colors) == (
+        p_torch.n_colors,
+        p_torch.n_diagonal_colors,
+    )
+
+
+def test_stochastic_estimates_agree_for_the_same_probes():
+    (jf, jp, jx), (tf, tp, tx) = _mlp()
+    # Gaussian probes: Rademacher sketches in 4 dimensions are often collinear, and the
+    # low-rank part of Hutch++/XTrace then depends on an arbitrary basis (both stay unbiased).
+    probes = np.array(jax.random.normal(jax.random.key(7), (6, 5, 4), jnp.float64))
+    for method, num, k in (("hutchinson", 6, 6), ("hutch++", 6, 4), ("xtrace", 6, 3)):
+        got = dt.divergence(tf, 1, method=method, num_probes=num, return_stderr=True)(
+            tp, torch.as_tensor(tx), probes=torch.as_tensor(probes[:k])
+        )
+        expected = dj.divergence(jf, 1, method=method, num_probes=num, return_stderr=True)(
+            jp, jx, probes=jnp.asarray(probes[:k])
+        )
+        np.testing.assert_allclose(got[0], expected[0], rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(got[1], expected[1], rtol=1e-7, atol=1e-12)

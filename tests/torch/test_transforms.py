@@ -1,0 +1,398 @@
+"""divjac.torch transforms against brute-force float64 references (loops over samples)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import torch
+from divjac.models import torch as models
+from divjac.torch import (
+    divergence,
+    grad_divergence,
+    jacobian,
+    laplacian,
+    value_and_divergence,
+)
+from tests.reference import torch_diagonal_blocks, traces
+from torch import nn
+
+D = torch.float64
+
+
+def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = D) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+class Net(nn.Module):
+    """The ``net(x, t)`` of the user story: cat(x, t) -> 100 tanh -> 100 tanh -> d."""
+
+    def __init__(self, d: int, hidden: int = 100) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Linear(d + 1, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh()
+        )
+        self.head = nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(torch.cat([x, t], dim=1)))
+
+
+def _mlp_case(dtype=D):
+    params = models.init_mlp(0, (5, 16, 16, 5), dtype)
+    return models.mlp, (params, _randn(4, 5, seed=1, dtype=dtype)), 1
+
+
+def _cnn_case(dtype=D):
+    params = models.init_cnn(0, channels=4, layers=2, dtype=dtype)
+    return models.cnn, (params, _randn(3, 3, 5, 4, seed=2, dtype=dtype)), 1
+
+
+def _elementwise_case(dtype=D):
+    return (lambda x: torch.sin(x) * x**2), (_randn(6, 2, 3, seed=3, dtype=dtype),), 0
+
+
+def _module_case(dtype=D):
+    torch.manual_seed(0)
+    net = Net(3).to(dtype)
+    x, t = _randn(5, 3, seed=4, dtype=dtype), torch.rand(5, 1, dtype=dtype)
+    return net, (x, t), 0
+
+
+def _nonsquare_case(dtype=D):
+    params = models.init_mlp(0, (4, 8, 7), dtype)
+    return models.mlp, (params, _randn(5, 4, seed=6, dtype=dtype)), 1
+
+
+def _batchnorm_eval_case(dtype=D):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.BatchNorm2d(2), nn.Tanh())
+    net = net.to(dtype).eval()
+    with torch.no_grad():
+        net[1].running_mean.uniform_(-1, 1)
+        net[1].running_var.uniform_(0.5, 2)
+    return net, (_randn(3, 2, 4, 4, seed=7, dtype=dtype),), 0
+
+
+CASES = {
+    "mlp": _mlp_case,
+    "cnn": _cnn_case,
+    "elementwise": _elementwise_case,
+    "module_xt": _module_case,
+    "nonsquare": _nonsquare_case,
+    "batchnorm_eval": _batchnorm_eval_case,
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("mode", ["auto", "fwd", "rev", "sparse"])
+def test_jacobian_matches_loop_over_samples(case, mode):
+    f, args, argnum = CASES[case]()
+    expected = torch_diagonal_blocks(f, args, argnum)
+    got = jacobian(f, argnum, mode=mode)(*args)
+    assert tuple(got.shape) == expected.shape
+    np.testing.assert_allclose(got.detach(), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["mlp", "cnn", "elementwise", "module_xt", "batchnorm_eval"])
+@pytest.mark.parametrize("method", ["auto", "exact", "sparse"])
+@pytest.mark.parametrize("chunk_size", [None, 1, 3])
+def test_divergence_matches_trace(case, method, chunk_size):
+    f, args, argnum = CASES[case]()
+    blocks = torch_diagonal_blocks(f, args, argnum)
+    expected = traces(blocks, tuple(args[argnum].shape[1:]))
+    got = divergence(f, argnum, method=method, chunk_size=chunk_size)(*args)
+    np.testing.assert_allclose(got.detach(), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dtypes_follow_the_input(dtype):
+    f, args, argnum = _mlp_case(dtype)
+    jac = jacobian(f, argnum)(*args)
+    div = divergence(f, argnum)(*args)
+    assert jac.dtype == dtype and div.dtype == dtype
+    assert jac.device == args[argnum].device
+    expected = torch_diagonal_blocks(f, args, argnum)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    np.testing.assert_allclose(jac, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors():
+    f, (params, x), _ = _mlp_case()
+    params = [(w.cuda(), b.cuda()) for w, b in params]
+    jac = jacobian(f, 1)(params, x.cuda())
+    assert jac.is_cuda
+    np.testing.assert_allclose(jac.cpu(), jacobian(f, 1)(_mlp_case()[1][0], x), rtol=1e-10)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    est = divergence(f, 1, method="hutchinson")(params, x.cuda(), generator=gen)
+    assert est.is_cuda
+
+
+def test_value_and_divergence_shares_the_forward_value():
+    f, args, argnum = _cnn_case()
+    value, div = value_and_divergence(f, argnum)(*args)
+    np.testing.assert_allclose(value, f(*args), rtol=1e-12)
+    np.testing.assert_allclose(div, divergence(f, argnum)(*args), rtol=1e-12)
+    for method in ["exact", "sparse", "hutchinson"]:
+        value, _ = value_and_divergence(f, argnum, method=method)(
+            *args, generator=torch.Generator().manual_seed(0)
+        )
+        np.testing.assert_allclose(value, f(*args), rtol=1e-12)
+
+
+def test_module_time_derivative_and_space_jacobian():
+    net, (x, t), _ = _module_case()
+    d_dt = jacobian(net, 1)(x, t)
+    assert tuple(d_dt.shape) == (5, 3, 1)
+    np.testing.assert_allclose(
+        d_dt.detach(), torch_diagonal_blocks(net, (x, t), 1), rtol=1e-10, atol=1e-12
+    )
+    per_sample = torch.func.vmap(torch.func.jacrev(lambda xi, ti: net(xi[None], ti[None])[0], 1))
+    np.testing.assert_allclose(d_dt[..., 0].detach(), per_sample(x, t)[..., 0].detach())
+    assert tuple(jacobian(net, 0)(x, t).shape) == (5, 3, 3)
+
+
+def test_seed_story_time_argument_and_image_batch():
+    """``g(t, x)``, ``t (k,)``, ``x (k, d1, d2, d3)``: the Jacobian and divergence per sample."""
+    conv = nn.Conv2d(2, 2, 3, padding=1).to(D)
+
+    def g(t, x):
+        return torch.tanh(conv(x)) * t[:, None, None, None] + x**2
+
+    k, shape = 3, (2, 4, 5)
+    t, x = torch.rand(k, dtype=D), _randn(k, *shape, seed=8)
+    full = torch.autograd.functional.jacobian(lambda x: g(t, x), x)  # (k, *s, k, *s): k^2 work
+    blocks = torch.stack([full[b, ..., b, :, :, :] for b in range(k)])
+    J = jacobian(g, argnums=1)(t, x)
+    assert tuple(J.shape) == (k, *shape, *shape)
+    np.testing.assert_allclose(J.detach(), blocks, rtol=1e-10, atol=1e-12)
+    mats = J.reshape(k, 40, 40)
+    div = divergence(g, argnums=1)(t, x)
+    assert tuple(div.shape) == (k,)
+    np.testing.assert_allclose(
+        div.detach(), torch.diagonal(mats, dim1=1, dim2=2).sum(1).detach(), rtol=1e-10
+    )
+
+
+def test_flatten_pitfall():
+    """``autograd.grad`` w.r.t. a flattened view of ``x`` is None: the graph starts at ``x``."""
+    x = _randn(2, 3, 4).requires_grad_()
+    flat = x.flatten(1)
+    y = torch.tanh(x).flatten(1)
+    (grad,) = torch.autograd.grad(y.sum(), flat, allow_unused=True)
+    assert grad is None
+    J = jacobian(lambda x: torch.tanh(x).flatten(1))(x)  # differentiate w.r.t. x itself
+    assert tuple(J.shape) == (2, 12, 3, 4)
+
+
+def test_batch_axis_not_zero():
+    W = _randn(3, 3)
+
+    def f(x):  # batch on axis 1: x (d, B)
+        return torch.tanh(W @ x) * x
+
+    x = _randn(3, 6, seed=9)
+    got = jacobian(f, batch_axis=1)(x)
+    moved = lambda xb: f(xb.T).T  # noqa: E731  (batch first, for the reference)
+    expected = torch_diagonal_blocks(moved, (x.T,), 0)
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+    np.testing.assert_allclose(
+        divergence(f, batch_axis=1)(x), np.trace(expected, axis1=1, axis2=2), rtol=1e-12
+    )
+    assert tuple(divergence(f, batch_axis=-1)(x).shape) == (6,)
+
+
+def test_single_sample_function():
+    W = _randn(4, 4)
+    f = lambda x: torch.tanh(W @ x)  # noqa: E731
+    x = _randn(4, seed=10)
+    expected = torch.autograd.functional.jacobian(f, x)
+    np.testing.assert_allclose(jacobian(f, batch_axis=None)(x), expected, rtol=1e-12)
+    np.testing.assert_allclose(divergence(f, batch_axis=None)(x), torch.trace(expected), rtol=1e-12)
+
+
+def test_tuple_argnums_and_has_aux():
+    net, (x, t), _ = _module_case()
+
+    def with_aux(x, t):
+        out = net(x, t)
+        return out, {"norm": torch.sum(out**2), "label": "scalar"}
+
+    (d_dx, d_dt), aux = jacobian(with_aux, (0, 1), has_aux=True)(x, t)
+    assert tuple(d_dx.shape) == (5, 3, 3) and tuple(d_dt.shape) == (5, 3, 1)
+    np.testing.assert_allclose(aux["norm"].detach(), torch.sum(net(x, t) ** 2).detach())
+    for method in ["exact", "sparse", "hutchinson"]:
+        div, aux2 = divergence(with_aux, 0, has_aux=True, method=method)(
+            x, t, generator=torch.Generator().manual_seed(0)
+        )
+        assert set(aux2) == {"norm", "label"}
+        if method != "hutchinson":
+            np.testing.assert_allclose(
+                div.detach(), torch.diagonal(d_dx, dim1=1, dim2=2).sum(1).detach(), rtol=1e-12
+            )
+    (value, _), _div2 = value_and_divergence(with_aux, 0, has_aux=True)(x, t)
+    np.testing.assert_allclose(value.detach(), net(x, t).detach())
+
+
+def _param_grads(module: nn.Module) -> list[torch.Tensor]:
+    return [
+        p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in module.parameters()
+    ]
+
+
+@pytest.mark.parametrize("method", ["exact", "sparse"])
+def test_divergence_loss_backpropagates_to_module_parameters(method):
+    net, (x, t), _ = _module_case()
+    loss = torch.sum(divergence(net, method=method)(x, t) ** 2)
+    loss.backward()
+    got = _param_grads(net)
+    net.zero_grad()
+    blocks = torch.stack(
+        [
+            torch.autograd.functional.jacobian(
+                lambda xi, b=b: net(xi[None], t[b : b + 1])[0], x[b], create_graph=True
+            )
+            for b in range(x.shape[0])
+        ]
+    )
+    brute = torch.sum(torch.diagonal(blocks, dim1=1, dim2=2).sum(1) ** 2)
+    np.testing.assert_allclose(loss.detach(), brute.detach(), rtol=1e-12)
+    brute.backward()
+    for g, e in zip(got, _param_grads(net), strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-9, atol=1e-12)
+
+
+def test_jacobian_backpropagates_to_parameters_and_composes_with_vmap():
+    f, (params, x), _ = _mlp_case()
+    params = [(w.clone().requires_grad_(), b.clone().requires_grad_()) for w, b in params]
+    jacobian(f, 1, mode="sparse")(params, x).sum().backward()
+    assert all(w.grad is not None for w, _ in params)
+    xs = torch.stack([x, 2 * x])
+    got = torch.func.vmap(lambda xx: divergence(f, 1)(params, xx))(xs)
+    np.testing.assert_allclose(got[1].detach(), divergence(f, 1)(params, 2 * x).detach())
+
+
+def test_grad_divergence_matches_finite_differences():
+    f, (params, x), _ = _mlp_case()
+    div = divergence(f, 1)
+    got = grad_divergence(f, 1)(params, x)
+    assert got.shape == x.shape
+    eps = 1e-6
+    fd = torch.zeros_like(x)
+    for i in range(x.shape[1]):
+        e = torch.zeros_like(x)
+        e[:, i] = eps
+        fd[:, i] = (div(params, x + e) - div(params, x - e)) / (2 * eps)
+    np.testing.assert_allclose(got, fd, rtol=1e-6, atol=1e-8)
+    # Not scaled by 1/B: the same as each sample's gradient computed alone.
+    np.testing.assert_allclose(got[:1], grad_divergence(f, 1)(params, x[:1]), rtol=1e-10)
+
+
+def test_grad_divergence_backpropagates_to_parameters():
+    net, (x, t), _ = _module_case()
+    grad_divergence(net)(x, t).pow(2).sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in net.parameters())
+
+
+def test_laplacian_matches_hessian_trace():
+    W = _randn(4, 4)
+
+    def u(x):
+        return torch.sum(torch.tanh(x @ W) ** 2, dim=1)
+
+    x = _randn(6, 4, seed=11)
+    hess = torch.stack(
+        [torch.autograd.functional.hessian(lambda xi: u(xi[None])[0], x[b]) for b in range(6)]
+    )
+    expected = torch.diagonal(hess, dim1=1, dim2=2).sum(1)
+    for method in ["exact", "sparse", "auto"]:
+        np.testing.assert_allclose(laplacian(u, method=method)(x), expected, rtol=1e-10)
+    np.testing.assert_allclose(laplacian(lambda x: u(x)[:, None])(x), expected, rtol=1e-10)
+
+
+def test_laplacian_of_a_cnn_energy_is_sparse_and_exact():
+    params = models.init_cnn(0, channels=2, layers=2, dtype=D)
+
+    def energy(x):
+        return torch.sum(torch.tanh(models.cnn(params, x)) ** 2, dim=(1, 2, 3))
+
+    x = _randn(2, 3, 5, 5, seed=12)
+    hess = [
+        torch.autograd.functional.hessian(lambda xi: energy(xi[None])[0], x[b]).reshape(75, 75)
+        for b in range(2)
+    ]
+    expected = torch.stack([torch.trace(h) for h in hess])
+    np.testing.assert_allclose(laplacian(energy, method="sparse")(x), expected, rtol=1e-10)
+
+
+def test_sum_of_gradient_of_sum_is_not_the_divergence():
+    """A popular wrong answer: summing the gradient of sum(f) adds the off-diagonal terms."""
+    W = torch.tensor([[1.0, 2.0], [0.5, -1.0]], dtype=D)
+    f = lambda x: torch.tanh(x @ W)  # noqa: E731  (not elementwise)
+    x = _randn(3, 2)
+    xg = x.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(f(xg).sum(), xg)
+    wrong = grad.sum(1)
+    right = divergence(f)(x)
+    assert torch.all((wrong - right).abs() > 1e-3)
+    (grad,) = torch.autograd.grad(torch.sin(xg).sum(), xg)
+    np.testing.assert_allclose(grad.sum(1), divergence(torch.sin)(x), rtol=1e-12)
+
+
+def test_value_dependent_control_flow_is_traced_on_values():
+    W = _randn(3, 3)
+
+    def f(x):
+        if x.sum() > 0:  # cannot be traced on fake tensors: traced on the values instead
+            return torch.tanh(x @ W)
+        return x * 2.0
+
+    for sign in (1.0, -1.0):
+        x = sign * _randn(4, 3, seed=13).abs()
+        np.testing.assert_allclose(
+            jacobian(f)(x), torch_diagonal_blocks(f, (x,)), rtol=1e-12, atol=1e-14
+        )
+
+
+def test_train_and_eval_mode_are_traced_separately():
+    net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).to(D)
+    x = _randn(6, 3, seed=14)
+    div = divergence(net)
+    net.eval()
+    div(x)
+    net.train()
+    from divjac import BatchCouplingError
+
+    with pytest.raises(BatchCouplingError):
+        div(x)
+    assert int(net[1].num_batches_tracked) == 0  # divjac never updates running statistics
+
+
+@given(
+    batch=st.integers(1, 4),
+    sample=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+    axis=st.integers(0, 3),
+    mode=st.sampled_from(["fwd", "rev", "auto"]),
+)
+def test_random_shapes_and_batch_axes(batch, sample, axis, mode):
+    axis = axis % (len(sample) + 1)
+    shape = list(sample)
+    shape.insert(axis, batch)
+    x = _randn(*shape)
+    n = int(np.prod(sample))
+    W = _randn(n, n, seed=1)
+
+    def f(x):
+        xs = torch.movedim(x, axis, 0).reshape(batch, n)
+        ys = torch.tanh(xs @ W) + xs**2
+        return torch.movedim(ys.reshape(batch, *sample), 0, axis)
+
+    moved = lambda xb: torch.movedim(f(torch.movedim(xb, 0, axis)), axis, 0)  # noqa: E731
+    expected = torch_diagonal_blocks(moved, (torch.movedim(x, axis, 0),), 0)
+    got = jacobian(f, batch_axis=axis, mode=mode)(x)
+    np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(
+        divergence(f, batch_axis=axis)(x), traces(expected, tuple(sample)), rtol=1e-9, atol=1e-12
+    )
