@@ -1,0 +1,386 @@
+"""``divjac inspect MODULE:FUNCTION --shape B,...``: what divjac sees in the user's function.
+
+The function is called as ``f(x)`` with one array ``x`` of the given shape, the batch on axis 0
+(functions of several arguments: wrap them, e.g. ``def f(x): return net(params, x)``). The report
+gives the per-sample Jacobian pattern, its colorings, batch independence and the plans that
+``jacobian(mode="auto")`` and ``divergence(method="auto")`` would follow, with their pass counts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._core import plan
+from .._errors import DivjacError
+from ._common import FRAMEWORKS, UsageError, backend_or_none, format_count, require_backend
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from .._core.pattern import SparsityPattern
+
+__all__ = ["DTYPES", "Inspection", "inspect_function", "load_function", "parse_shape", "render"]
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclass
+class Plan:
+    """What an ``auto`` transform would do: its method and passes versus the dense method."""
+
+    method: str
+    passes: int | None
+    dense_passes: int
+    note: str = ""
+
+
+@dataclass
+class Inspection:
+    """The report of ``divjac inspect`` (``--json`` prints :meth:`to_json`)."""
+
+    target: str
+    framework: str
+    input_shape: list[int]
+    output_shape: list[int]
+    dtype: str
+    n_in: int
+    n_out: int
+    nnz: int
+    density: float
+    batch_independent: bool
+    coupling: str | None
+    column_colors: int
+    row_colors: int
+    diagonal_colors: int | None
+    jacobian: Plan
+    divergence: Plan | None
+    dense_fallbacks: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    detect_seconds: float = 0.0
+    spy: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --- command-line arguments -------------------------------------------------------------------
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"8,32,32,3"`` (or ``8x32x32x3``) as a tuple of positive ints, batch first."""
+    parts = [p.strip() for p in text.replace("x", ",").split(",")]
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        shape = ()
+    if not shape or any(s < 1 for s in shape):
+        raise UsageError(
+            f"--shape must be comma-separated positive integers with the batch first, "
+            f"e.g. --shape 8,32,32,3; got {text!r}."
+        )
+    return shape
+
+
+def load_function(target: str) -> Callable[..., Any]:
+    """The function ``FUNCTION`` of ``MODULE:FUNCTION`` (a ``.py`` file path or a module name)."""
+    module_part, sep, name = target.rpartition(":")
+    if not sep or not module_part or not name:
+        raise UsageError(
+            f"expected MODULE:FUNCTION, e.g. my_model.py:f or my_package.models:f; got {target!r}."
+        )
+    path = Path(module_part)
+    if module_part.endswith(".py") or path.is_file():
+        module = _import_path(path)
+    else:
+        module = _import_name(module_part)
+    obj: Any = module
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            defined = sorted(
+                k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+            )
+            listing = ", ".join(defined[:20]) or "none"
+            raise UsageError(
+                f"{module_part!r} has no function {name!r}. Callables it defines: {listing}."
+            )
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UsageError(f"{target!r} is not a function (its type is {type(obj).__name__}).")
+    return obj
+
+
+def _import_path(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise UsageError(f"no such file: {str(path)!r} (from MODULE:FUNCTION).")
+    resolved = path.resolve()
+    name = f"_divjac_inspect_{resolved.stem}_{abs(hash(str(resolved)))}"
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"cannot import {str(path)!r} as a Python module.")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    sys.path.insert(0, str(resolved.parent))  # sibling imports work as with `python file.py`
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        sys.modules.pop(name, None)
+        raise UsageError(f"importing {str(path)!r} raised {type(err).__name__}: {err}") from None
+    finally:
+        sys.path.remove(str(resolved.parent))
+    return module
+
+
+def _import_name(name: str) -> ModuleType:
+    cwd = str(Path.cwd())
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)  # as `python -m` does
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        missing = err.name or ""
+        if missing and (name == missing or name.startswith(missing + ".")):
+            raise UsageError(
+                f"no module named {name!r} (looked in the current directory and on sys.path). "
+                "Pass a module name that Python can import, or a file path such as "
+                "path/to/model.py:f."
+            ) from None
+        raise UsageError(f"importing {name!r} failed: {err}") from None
+    except Exception as err:
+        raise UsageError(f"importing {name!r} raised {type(err).__name__}: {err}") from None
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
+def guess_framework(fn: Callable[..., Any]) -> str:
+    """The framework ``fn``'s module imports (JAX when both or neither, if installed)."""
+    module = sys.modules.get(getattr(fn, "__module__", "") or "")
+    roots = set()
+    for value in vars(module).values() if module is not None else ():
+        origin = (
+            value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", "")
+        )
+        if isinstance(origin, str):
+            roots.add(origin.split(".")[0])
+    if "torch" in roots and "jax" not in roots:
+        return "torch"
+    if "jax" in roots or backend_or_none("jax")[0] is not None:
+        return "jax"
+    return "torch"
+
+
+# --- the inspection ---------------------------------------------------------------------------
+
+
+def _make_input(framework: str, shape: tuple[int, ...], dtype: str) -> Any:
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}; got {dtype!r}.")
+    data = np.random.default_rng(0).standard_normal(shape)
+    if framework == "jax":
+        import jax.numpy as jnp
+
+        import jax
+
+        if dtype == "float64" and not jax.config.read("jax_enable_x64"):
+            jax.config.update("jax_enable_x64", True)
+        return jnp.asarray(data, getattr(jnp, dtype))
+    import torch
+
+    return torch.as_tensor(data, dtype=getattr(torch, dtype))
+
+
+def _is_array(framework: str, value: Any) -> bool:
+    if framework == "jax":
+        import jax
+
+        return isinstance(value, jax.Array)
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def inspect_function(
+    target: str, shape_text: str, *, framework: str | None = None, dtype: str = "float32"
+) -> tuple[Inspection, SparsityPattern]:
+    """Import, call and analyze ``MODULE:FUNCTION``; every bad input is a :class:`UsageError`."""
+    shape = parse_shape(shape_text)
+    if framework is not None and framework not in FRAMEWORKS:
+        raise UsageError(f"--framework must be one of {', '.join(FRAMEWORKS)}; got {framework!r}.")
+    fn = load_function(target)
+    framework = framework or guess_framework(fn)
+    api = require_backend(framework)
+    x = _make_input(framework, shape, dtype)
+    described = f"an input of shape {shape} ({dtype}, {framework})"
+    try:
+        y = fn(x)
+    except Exception as err:
+        raise UsageError(
+            f"calling {target} on {described} raised {type(err).__name__}: "
+            f"{str(err).strip().rstrip('.')}. Check --shape (batch first; the function is "
+            "called as f(x)), --dtype and --framework."
+        ) from None
+    if not _is_array(framework, y):
+        raise UsageError(
+            f"{target} returned a {type(y).__name__} on {described}, not a {framework} array. "
+            "inspect needs f(x) -> array with the batch on axis 0 (return the array, not a "
+            "tuple or a dict)."
+        )
+    out_shape = tuple(int(s) for s in y.shape)
+    if not out_shape or out_shape[0] != shape[0]:
+        raise UsageError(
+            f"{target} maps {described} to shape {out_shape}: the output's first axis must be "
+            f"the batch ({shape[0]}). Check --shape, or return one output row per sample."
+        )
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            pattern: SparsityPattern = api.sparsity(fn, x)
+            colors = (pattern.n_colors, pattern.n_row_colors)
+            diagonal = pattern.n_diagonal_colors if pattern.is_square else None
+        except DivjacError as err:
+            raise UsageError(str(err)) from None
+    seconds = time.perf_counter() - start
+    n_out, n_in = pattern.shape
+    coupling = None
+    if pattern.coupling is not None:
+        c = pattern.coupling
+        coupling = f"output sample {c.out_sample} depends on input sample {c.in_sample}"
+    report = Inspection(
+        target=target,
+        framework=framework,
+        input_shape=list(shape),
+        output_shape=list(out_shape),
+        dtype=dtype,
+        n_in=n_in,
+        n_out=n_out,
+        nnz=pattern.nnz,
+        density=pattern.density,
+        batch_independent=pattern.is_batch_independent,
+        coupling=coupling,
+        column_colors=colors[0],
+        row_colors=colors[1],
+        diagonal_colors=diagonal,
+        jacobian=_jacobian_plan(pattern, shape[0]),
+        divergence=_divergence_plan(pattern, shape[0]),
+        dense_fallbacks=sorted(pattern.dense_fallbacks),
+        warnings=sorted({str(w.message) for w in caught}),
+        detect_seconds=seconds,
+    )
+    return report, pattern
+
+
+_REFUSED = (
+    "refused with BatchCouplingError (the function mixes samples); coupling='exact' computes "
+    "the true per-sample blocks with B x more passes"
+)
+
+
+def _jacobian_plan(pattern: SparsityPattern, batch: int) -> Plan:
+    n_out, n_in = pattern.shape
+    dense = min(n_in, n_out)
+    if not pattern.is_batch_independent:
+        return Plan("refused", None, dense, _REFUSED)
+    chosen = plan.jacobian_plan("auto", n_in, n_out, pattern)
+    direction = "reverse: one VJP per row" if chosen.reverse else "forward: one JVP per column"
+    if chosen.is_sparse:
+        direction = "reverse, by row colors" if chosen.reverse else "forward, by column colors"
+    method = "sparse" if chosen.is_sparse else ("rev" if chosen.reverse else "fwd")
+    return Plan(method, chosen.n_passes, dense, direction)
+
+
+def _divergence_plan(pattern: SparsityPattern, batch: int) -> Plan | None:
+    if not pattern.is_square:
+        return None
+    n = pattern.shape[1]
+    if not pattern.is_batch_independent:
+        return Plan("refused", None, n, _REFUSED)
+    chosen = plan.divergence_plan("auto", n, pattern)
+    method = "sparse" if chosen.is_sparse else "exact"
+    note = (
+        "one pass per diagonal color"
+        if chosen.is_sparse
+        else f"{pattern.n_diagonal_colors} diagonal colors would save too little"
+    )
+    return Plan(method, chosen.n_passes, n, note)
+
+
+# --- output -----------------------------------------------------------------------------------
+
+
+def _passes(p: Plan) -> str:
+    if p.passes is None:
+        return p.note
+    if p.method != "sparse":
+        return f"{p.method}: {format_count(p.passes)} batched passes, dense ({p.note})"
+    gain = p.dense_passes / max(p.passes, 1)
+    return (
+        f"sparse: {format_count(p.passes)} batched passes instead of "
+        f"{format_count(p.dense_passes)} dense ({gain:.1f}x fewer; {p.note})"
+    )
+
+
+def render(report: Inspection, console: Console) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=escape(f"divjac inspect {report.target}"), show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    dims = f"{report.input_shape} -> {report.output_shape}"
+    table.add_row("call", f"f(x), x {dims}, {report.dtype}, {report.framework}")
+    n_in, n_out = report.n_in, report.n_out
+    table.add_row("per-sample Jacobian", f"{format_count(n_out)} x {format_count(n_in)}")
+    table.add_row(
+        "pattern density",
+        f"{report.density:.4%} ({format_count(report.nnz)} structural nonzeros)",
+    )
+    table.add_row(
+        "batch independent",
+        "yes" if report.batch_independent else f"[red]no[/]: {escape(str(report.coupling))}",
+    )
+    table.add_row("column colors (forward)", f"{report.column_colors} of {format_count(n_in)}")
+    table.add_row("row colors (reverse)", f"{report.row_colors} of {format_count(n_out)}")
+    if report.diagonal_colors is not None:
+        table.add_row(
+            "diagonal colors (trace)", f"{report.diagonal_colors} of {format_count(n_in)}"
+        )
+    table.add_row("jacobian(mode='auto')", _passes(report.jacobian))
+    if report.divergence is not None:
+        table.add_row("divergence(method='auto')", _passes(report.divergence))
+    else:
+        table.add_row("divergence", "not defined: the per-sample Jacobian is not square")
+    if report.dense_fallbacks:
+        table.add_row(
+            "[yellow]assumed dense",
+            escape(", ".join(report.dense_fallbacks))
+            + " (no sparsity rule; the pattern is still safe)",
+        )
+    table.add_row("detection + coloring", f"{report.detect_seconds:.2f} s")
+    if report.spy:
+        table.add_row("spy plot", escape(report.spy))
+    console.print(table, soft_wrap=False)
+    for message in report.warnings:
+        console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False)
+
+
+def write_spy(pattern: SparsityPattern, path: Path, title: str) -> str:
+    from . import _plots
+
+    if path.suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise UsageError(f"--spy needs a .png (or .pdf, .svg) file name; got {str(path)!r}.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _plots.spy(pattern.csr, path, title)
+    return str(path)
