@@ -94,9 +94,7 @@ class _Call:
 
     def bytes_per_pass(self) -> int:
         itemsize = jnp.dtype(self.xb.dtype).itemsize
-        per_pass = (
-            self.xb.size + math.prod(self.traced.out.shape) + 2 * self.traced.max_intermediate
-        )
+        per_pass = self.xb.size + math.prod(self.traced.out.shape) + self.traced.pass_elements
         return itemsize * per_pass
 
     def detect(self, *, per_sample: bool, auto: bool = False) -> Detection:

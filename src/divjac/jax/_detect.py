@@ -10,6 +10,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jcore
 
 import jax
 
@@ -53,14 +54,15 @@ class Traced:
         x_pos: position of the differentiated leaf among the jaxpr inputs.
         out: shape/dtype of the (batch-first) output.
         out_tree: shapes/dtypes of what the function returns, in its own layout (for checks).
-        max_intermediate: elements of the largest intermediate (memory planning).
+        pass_elements: elements one pass may hold at once: every intermediate of the program
+            plus the workspace of its convolutions (memory planning; an upper bound).
     """
 
     closed: Any
     x_pos: int
     out: jax.ShapeDtypeStruct
     out_tree: Any
-    max_intermediate: int
+    pass_elements: int
     _detections: dict[tuple[bool, bool, int | None], Detection | None] = field(default_factory=dict)
 
     @property
@@ -215,18 +217,38 @@ def trace(
     avals = [jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype) for leaf in dyn]
     avals[x_pos] = xb_aval
     closed = jax.make_jaxpr(batch_first)(*avals)
-    sizes = [math.prod(v.aval.shape) for e in closed.jaxpr.eqns for v in e.outvars]
     out_aval = closed.out_avals[0]
     traced = Traced(
         closed,
         x_pos,
         jax.ShapeDtypeStruct(out_aval.shape, out_aval.dtype),
         out_tree[0],
-        max(sizes, default=0),
+        _pass_elements(closed.jaxpr),
     )
     if key is not None:
         CACHE.put(key, traced)
     return traced
+
+
+def _pass_elements(jaxpr: Any) -> int:
+    """Elements of all intermediates (nested programs included), plus convolution workspaces.
+
+    XLA frees buffers as it goes, so this over-estimates what one pass holds; that is the safe
+    side for choosing how many passes to run at once. A convolution is counted with its
+    im2col-like workspace (output size times kernel taps), which XLA's CPU backend can allocate.
+    """
+    total = 0
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            total += math.prod(getattr(var.aval, "shape", ()))
+        if eqn.primitive.name == "conv_general_dilated":
+            taps = math.prod(
+                eqn.invars[1].aval.shape[a] for a in eqn.params["dimension_numbers"].rhs_spec[2:]
+            )
+            total += math.prod(eqn.outvars[0].aval.shape) * taps
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            total += _pass_elements(sub)
+    return total
 
 
 def _moved(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
