@@ -425,13 +425,13 @@ def test_detection_runs_once_per_shape(monkeypatch):
     from divjac.jax import _detect
 
     calls = []
-    original = _detect.Traced._detect
+    original = _detect.Traced._propagate
 
     def counting(self, *args, **kwargs):
         calls.append(self.x_shape)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(_detect.Traced, "_detect", counting)
+    monkeypatch.setattr(_detect.Traced, "_propagate", counting)
     f = lambda x: jnp.tanh(conv(x, K33[..., :2]))  # noqa: E731
     div = divergence(f, method="sparse")
     x = _normal(18, IMAGE)

@@ -7,16 +7,29 @@ them and lives here (NumPy/SciPy only).
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass
-from typing import Generic, TypeVar
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
+from .._errors import DenseFallbackWarning
 from . import pattern as P
 from .deps import Deps
 from .pattern import BatchLayout, Coupling, SparsityPattern
 
-__all__ = ["AUTO_DETECTION_ENTRIES", "LRU", "Detection", "Propagated", "TooDense", "detect"]
+__all__ = [
+    "AUTO_DETECTION_ENTRIES",
+    "LRU",
+    "Detection",
+    "Propagated",
+    "TooDense",
+    "Traced",
+    "batch_first_shape",
+    "detect",
+    "rule_registry",
+    "warn_fallbacks",
+]
 
 AUTO_DETECTION_ENTRIES = 20_000_000
 """In mode/method ``"auto"``, sparse detection is abandoned once an intermediate holds more
@@ -25,6 +38,48 @@ dependency entries (the pattern is then too dense for coloring to pay off)."""
 
 class TooDense(Exception):
     """Raised by a propagation when an intermediate exceeds its ``max_entries``."""
+
+
+def batch_first_shape(shape: Sequence[int], axis: int | None) -> tuple[int, ...]:
+    """``shape`` with its batch axis ``axis`` moved first (``None``: a batch of one added)."""
+    if axis is None:
+        return (1, *shape)
+    return (shape[axis], *shape[:axis], *shape[axis + 1 :])
+
+
+R = TypeVar("R", bound=Callable[..., Any])
+
+
+def rule_registry(table: dict[str, R]) -> Callable[..., Callable[[R], R]]:
+    """The decorator ``@rule(*names)`` that registers an interpreter's rule in ``table``."""
+
+    def rule(*names: str) -> Callable[[R], R]:
+        def register(fn: R) -> R:
+            for n in names:
+                table[n] = fn
+            return fn
+
+        return register
+
+    return rule
+
+
+def warn_fallbacks(fallbacks: Iterable[str], *, kind: str, stacklevel: int) -> None:
+    """Emit one :class:`~divjac.DenseFallbackWarning` naming every operation without a rule.
+
+    ``kind`` names the operations (``"JAX primitive"``); ``stacklevel`` counts from the caller.
+    """
+    names = ", ".join(sorted(fallbacks))
+    if names:
+        noun = kind.split()[-1]
+        warnings.warn(
+            f"divjac has no sparsity rule for the {kind}(s) {names}; their outputs were assumed "
+            "to depend on all of their inputs. Results stay correct, but the pattern may be "
+            "denser than the truth (and a batch may look coupled). Please report the "
+            f"{noun} name to the divjac issue tracker.",
+            DenseFallbackWarning,
+            stacklevel=stacklevel + 1,
+        )
 
 
 @dataclass(frozen=True)
@@ -96,6 +151,56 @@ def detect(
             dense_fallbacks=found.fallbacks,
         )
     return Detection(pattern, coupling, found.has_custom_vjp, found.fallbacks)
+
+
+@dataclass(eq=False)
+class Traced:
+    """A batched function traced batch-first by a backend, with its detections cached.
+
+    A backend subclasses it with its program (a jaxpr, an ATen graph) and :meth:`_propagate`.
+
+    Attributes:
+        x_shape: batch-first shape of the differentiated input.
+        out_shape: batch-first shape of the output.
+        out_tree: shapes/dtypes of what the function returns, in its own layout (for checks).
+        pass_elements: elements one pass may hold at once (memory planning; an upper bound).
+    """
+
+    x_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    out_tree: Any
+    pass_elements: int
+    _detections: dict[tuple[bool, bool, int | None], Detection | None] = field(
+        default_factory=dict, init=False, repr=False
+    )
+
+    def detect(
+        self, *, per_sample: bool, whole_batch: bool = False, max_entries: int | None = None
+    ) -> Detection | None:
+        """Detect the pattern and coupling; ``None`` if ``max_entries`` was exceeded.
+
+        With ``whole_batch=True`` the whole batch is one sample: the pattern is the full
+        ``(B*n_out, B*n_in)`` one (used to compute exact diagonal blocks of coupled functions).
+        """
+        key = (per_sample, whole_batch, max_entries)
+        if not per_sample:  # a per-sample detection also decided coupling: reuse it
+            for (ps, wb, _), found in self._detections.items():
+                if ps and wb == whole_batch and found is not None:
+                    return found
+        if key not in self._detections:
+            self._detections[key] = detect(
+                self.x_shape,
+                self.out_shape,
+                self._propagate,
+                per_sample=per_sample,
+                whole_batch=whole_batch,
+                max_entries=max_entries,
+            )
+        return self._detections[key]
+
+    def _propagate(self, seeded: Deps, max_entries: int | None) -> Propagated:
+        """The dependency sets of the output given the seeded input (the backend's program)."""
+        raise NotImplementedError
 
 
 V = TypeVar("V")

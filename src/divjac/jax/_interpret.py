@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,11 +20,11 @@ from jax.extend import core as jcore
 import jax
 from jax import lax
 
-from .._core import deps as D
+from .._core import deps as D, detection
 from .._core.deps import Deps
-from .._errors import DenseFallbackWarning
+from .._core.detection import TooDense
 
-__all__ = ["Interpreter", "TooDense"]
+__all__ = ["Interpreter"]
 
 # Constant folding (for static gather indices, masks, ...) is limited to arrays of this size.
 _FOLD_LIMIT = 1 << 22
@@ -161,17 +160,14 @@ def _single_eqn_fun(eqn: Any) -> tuple[Callable[..., list[Any]], list[Any]]:
     return fn, var_in
 
 
-class TooDense(Exception):
-    """Raised when an intermediate pattern exceeds the interpreter's ``max_entries``."""
-
-
 class Interpreter:
     """Propagates dependency sets through jaxprs.
 
     Args:
         n_labels: number of labels (columns of every dependency matrix).
-        max_entries: abort with :class:`TooDense` once an intermediate holds more dependency
-            entries than this (used to skip sparse detection where it cannot pay off).
+        max_entries: abort with :class:`~divjac._core.detection.TooDense` once an intermediate
+            holds more dependency entries than this (used to skip sparse detection where it
+            cannot pay off).
 
     Attributes:
         fallbacks: names of primitives that had no rule (handled as dense).
@@ -220,16 +216,7 @@ class Interpreter:
 
     def warn_fallbacks(self) -> None:
         """Emit one :class:`DenseFallbackWarning` naming every primitive without a rule."""
-        if self.fallbacks:
-            names = ", ".join(sorted(self.fallbacks))
-            warnings.warn(
-                f"divjac has no sparsity rule for the JAX primitive(s) {names}; their outputs were "
-                "assumed to depend on all of their inputs. Results stay correct, but the pattern "
-                "may be denser than the truth (and a batch may look coupled). Please report the "
-                "primitive name to the divjac issue tracker.",
-                DenseFallbackWarning,
-                stacklevel=4,
-            )
+        detection.warn_fallbacks(self.fallbacks, kind="JAX primitive", stacklevel=5)
 
     # --- dispatch -----------------------------------------------------------------------------
 
@@ -272,13 +259,7 @@ Rule = Callable[[Interpreter, _Scope, Any, list[Deps], list[tuple[int, ...]]], l
 _RULES: dict[str, Rule] = {}
 
 
-def _rule(*names: str) -> Callable[[Rule], Rule]:
-    def register(fn: Rule) -> Rule:
-        for n in names:
-            _RULES[n] = fn
-        return fn
-
-    return register
+_rule = detection.rule_registry(_RULES)
 
 
 @_rule("reshape")

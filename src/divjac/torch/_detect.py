@@ -16,7 +16,7 @@ import functools
 import inspect
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch.fx
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .._core import deps as D, detection
-from .._core.detection import LRU, Detection, Propagated
+from .._core.detection import LRU, Propagated
 from .._errors import DivjacError
 from ._interpret import Interpreter, decompositions
 
@@ -43,50 +43,26 @@ class TensorSpec:
 
 
 @dataclass(eq=False)
-class Traced:
+class Traced(detection.Traced):
     """The ATen graph of a batched function, batch-first in and out, with cached detections.
+
+    ``pass_elements`` is twice the largest intermediate (memory planning).
 
     Attributes:
         gm: graph whose inputs are the tensor leaves of ``(args, kwargs)``, the differentiated
             one with its batch axis moved first (or a leading batch of one added).
         x_pos: position of the differentiated leaf among the graph inputs.
-        x_shape: batch-first shape of the differentiated input.
-        out: shape/dtype of the (batch-first) output.
-        out_tree: shapes/dtypes of what the function returns, in its own layout (for checks).
-        max_intermediate: elements of the largest intermediate (memory planning).
+        module_refs: weak references to the modules the function may run (part of the cache
+            key, so the same for every call that reuses this trace).
     """
 
     gm: torch.fx.GraphModule
     x_pos: int
-    x_shape: tuple[int, ...]
-    out: TensorSpec
-    out_tree: Any
-    max_intermediate: int
-    _detections: dict[tuple[bool, bool, int | None], Detection | None] = field(default_factory=dict)
+    module_refs: tuple[weakref.ref[nn.Module], ...]
 
-    def detect(
-        self, *, per_sample: bool, whole_batch: bool = False, max_entries: int | None = None
-    ) -> Detection | None:
-        """Detect the pattern and coupling; ``None`` if ``max_entries`` was exceeded.
-
-        With ``whole_batch=True`` the whole batch is one sample: the pattern is the full
-        ``(B*n_out, B*n_in)`` one (used to compute exact diagonal blocks of coupled functions).
-        """
-        key = (per_sample, whole_batch, max_entries)
-        if not per_sample:  # a per-sample detection also decided coupling: reuse it
-            for (ps, wb, _), found in self._detections.items():
-                if ps and wb == whole_batch and found is not None:
-                    return found
-        if key not in self._detections:
-            self._detections[key] = detection.detect(
-                self.x_shape,
-                self.out.shape,
-                self._propagate,
-                per_sample=per_sample,
-                whole_batch=whole_batch,
-                max_entries=max_entries,
-            )
-        return self._detections[key]
+    def modules(self) -> list[nn.Module]:
+        """The modules the function may run (alive while a call runs it)."""
+        return [m for m in (r() for r in self.module_refs) if m is not None]
 
     def _propagate(self, seeded: D.Deps, max_entries: int | None) -> Propagated:
         interp = Interpreter(seeded.n_labels, max_entries=max_entries)
@@ -226,12 +202,6 @@ def _weak(obj: Any) -> Any:
         return obj
 
 
-def _moved(shape: Sequence[int], axis: int | None) -> tuple[int, ...]:
-    if axis is None:
-        return (1, *shape)
-    return (shape[axis], *shape[:axis], *shape[axis + 1 :])
-
-
 def _is_wrapped(t: torch.Tensor) -> bool:
     """Whether ``t`` is a ``torch.func`` wrapper (its values are not plain data)."""
     return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
@@ -283,7 +253,7 @@ def trace(
         return torch.movedim(y, batch_axis, 0) if y.ndim > batch_axis else y
 
     def shapes(t: torch.Tensor, i: int) -> tuple[int, ...]:
-        return _moved(t.shape, batch_axis) if i == x_pos else tuple(t.shape)
+        return detection.batch_first_shape(t.shape, batch_axis) if i == x_pos else tuple(t.shape)
 
     with outside_transforms(), quiet_batch_norm(modules):
         gm, for_all_values = _trace_graph(batch_first, tensors, x_pos, batch_axis, out_tree)
@@ -298,12 +268,13 @@ def trace(
         if isinstance(v, torch.Tensor)
     ]
     traced = Traced(
-        gm,
-        x_pos,
-        _moved(tuple(tensors[x_pos].shape), batch_axis),
-        TensorSpec(tuple(out_val.shape), out_val.dtype),
-        out_tree[0],
-        max(sizes, default=0),
+        x_shape=detection.batch_first_shape(tuple(tensors[x_pos].shape), batch_axis),
+        out_shape=tuple(out_val.shape),
+        out_tree=out_tree[0],
+        pass_elements=2 * max(sizes, default=0),
+        gm=gm,
+        x_pos=x_pos,
+        module_refs=tuple(weakref.ref(m) for m in modules),
     )
     if key is not None:
         CACHE.put(key, traced)
@@ -327,7 +298,11 @@ def _trace_graph(
     from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
 
     def shape(t: torch.Tensor, i: int) -> tuple[int, ...]:
-        return _moved(tuple(t.shape), batch_axis) if i == x_pos else tuple(t.shape)
+        return (
+            detection.batch_first_shape(tuple(t.shape), batch_axis)
+            if i == x_pos
+            else tuple(t.shape)
+        )
 
     def real(t: torch.Tensor, i: int) -> torch.Tensor:
         t = t.detach()

@@ -26,7 +26,6 @@ import functools
 import math
 import operator
 import re
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,10 +35,9 @@ from torch.utils import _pytree as pytree
 
 import torch
 
-from .._core import deps as D
+from .._core import deps as D, detection
 from .._core.deps import Deps
 from .._core.detection import TooDense
-from .._errors import DenseFallbackWarning
 
 __all__ = ["Interpreter", "decompositions"]
 
@@ -206,16 +204,7 @@ class Interpreter:
 
     def warn_fallbacks(self) -> None:
         """Emit one :class:`DenseFallbackWarning` naming every operation without a rule."""
-        if self.fallbacks:
-            names = ", ".join(sorted(self.fallbacks))
-            warnings.warn(
-                f"divjac has no sparsity rule for the ATen operation(s) {names}; their outputs "
-                "were assumed to depend on all of their inputs. Results stay correct, but the "
-                "pattern may be denser than the truth (and a batch may look coupled). Please "
-                "report the operation name to the divjac issue tracker.",
-                DenseFallbackWarning,
-                stacklevel=2,
-            )
+        detection.warn_fallbacks(self.fallbacks, kind="ATen operation", stacklevel=2)
 
     # --- dependency sets and constant values of graph values ---------------------------------
 
@@ -467,13 +456,7 @@ Rule = Callable[[Interpreter, torch.fx.Node, list[Any]], list[Any]]
 _RULES: dict[str, Rule] = {}
 
 
-def _rule(*names: str) -> Callable[[Rule], Rule]:
-    def register(fn: Rule) -> Rule:
-        for n in names:
-            _RULES[n] = fn
-        return fn
-
-    return register
+_rule = detection.rule_registry(_RULES)
 
 
 def _index_smear(it: Interpreter, node: torch.fx.Node) -> dict[torch.fx.Node, list[int]]:

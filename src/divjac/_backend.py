@@ -1,0 +1,208 @@
+"""What the transforms need from a framework: the interface of a backend (imports no framework).
+
+The transforms of :mod:`divjac._transforms` are written once; each framework provides one
+:class:`Backend` (``divjac.jax._backend.JaxBackend``, ``divjac.torch._backend.TorchBackend``)
+with its primitives: array predicates, tracing, the linearized function and its batched passes,
+indicators, gathers and scatters, random draws and sparse matrices. Arrays are the framework's
+own (``jax.Array``, ``torch.Tensor``); the transforms only index, reshape and sum them.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from ._core.detection import Traced
+    from ._transforms import Call
+
+__all__ = ["Array", "Backend", "Finish", "Linear", "Seed"]
+
+Array: TypeAlias = Any
+"""An array of the backend's framework."""
+
+Seed: TypeAlias = Callable[[Array], Array]
+"""``c -> t``: the tangent (or cotangent) pushed by the pass of input ``c``."""
+
+Finish: TypeAlias = Callable[[Array, Array, Array], Array]
+"""``(c, t, pushed) -> result``: what a pass keeps of the pushed ``t``."""
+
+
+class Linear(abc.ABC):
+    """The linearized batch-first function of one call: its JVP (or VJP), run as batched passes.
+
+    Attributes:
+        value: the batch-first output of the function (known once passes have run).
+        aux: its auxiliary output (``has_aux``), else ``None`` (known once passes have run).
+    """
+
+    value: Array = None
+    aux: Any = None
+
+    @abc.abstractmethod
+    def passes(
+        self, inputs: Array, seed: Seed, finish: Finish, chunk: int, *, shared: bool
+    ) -> Array:
+        """``stack([finish(c, t, push(t)) for c in inputs])`` with ``t = seed(c)``.
+
+        ``chunk`` passes are run at once. With ``shared``, ``seed`` gives one sample's tangent
+        (shape ``seed_sample``), the same in every sample; otherwise a whole batch of them.
+        """
+
+
+class Backend(abc.ABC):
+    """A framework's primitives, as the transforms use them.
+
+    Attributes:
+        array_noun: what the framework calls an array (in messages).
+        param_grad_hint: how to differentiate w.r.t. parameters instead (in messages).
+        input_cast_hint: how to cast an integer input to floats (in messages).
+        output_cast_hint: how to cast an integer output to floats (in messages).
+        randomness_keyword: the keyword of a transformed function that takes the randomness of
+            a stochastic method (``key`` or ``generator``).
+        randomness_example: that keyword with an example value (in messages).
+        prefer_reverse: push rows (VJPs) rather than columns when both take as many passes.
+    """
+
+    array_noun: str
+    param_grad_hint: str
+    input_cast_hint: str
+    output_cast_hint: str
+    randomness_keyword: str
+    randomness_example: str
+    prefer_reverse: bool
+
+    # --- arrays and dtypes --------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def is_array(self, x: Any) -> bool:
+        """Whether ``x`` is an array the framework differentiates."""
+
+    @abc.abstractmethod
+    def is_array_spec(self, x: Any) -> bool:
+        """Whether ``x`` describes an array in a traced function's output tree."""
+
+    @abc.abstractmethod
+    def is_floating_input(self, dtype: Any) -> bool:
+        """Whether an input of ``dtype`` can be differentiated."""
+
+    @abc.abstractmethod
+    def is_floating_output(self, dtype: Any) -> bool:
+        """Whether an output of ``dtype`` can be differentiated."""
+
+    @abc.abstractmethod
+    def itemsize(self, x: Array) -> int:
+        """Bytes of one element of ``x``."""
+
+    @abc.abstractmethod
+    def asarray(self, x: Any, like: Array) -> Array:
+        """``x`` as an array of the dtype (and device) of ``like``."""
+
+    @abc.abstractmethod
+    def moveaxis(self, x: Array, source: int, destination: int) -> Array:
+        """``x`` with axis ``source`` moved to ``destination``."""
+
+    @abc.abstractmethod
+    def zeros_like(self, x: Array) -> Array:
+        """Zeros of the shape, dtype (and device) of ``x``."""
+
+    # --- tracing and differentiating ----------------------------------------------------------
+
+    @abc.abstractmethod
+    def trace(
+        self,
+        fun: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        argnum: int,
+        batch_axis: int | None,
+        has_aux: bool,
+    ) -> Traced:
+        """``fun`` traced batch-first in argument ``argnum`` (cached)."""
+
+    @abc.abstractmethod
+    def linearize(self, call: Call, reverse: bool) -> Linear:
+        """The JVP (or, with ``reverse``, the VJP) of the call's batch-first function."""
+
+    @abc.abstractmethod
+    def grad_of_sum(self, fn: Callable[[Array], Array], x: Array) -> Array:
+        """The gradient of ``sum(fn(x))`` w.r.t. ``x``, differentiable again."""
+
+    # --- seeds and reading the passes ---------------------------------------------------------
+
+    @abc.abstractmethod
+    def indicators(
+        self, colors: np.ndarray | None, n: int, n_passes: int, like: Array
+    ) -> tuple[Array, Callable[[Array], Array]]:
+        """The passes' inputs and the flat indicator (length ``n``) of the elements of each.
+
+        Pass ``c`` takes the elements of color ``c`` (element ``c`` with ``colors=None``), in
+        the dtype of ``like``.
+        """
+
+    @abc.abstractmethod
+    def stacked_seeds(self, seeds: Array) -> tuple[Array, Seed]:
+        """The passes' inputs and seed for the given seeds, stacked on the first axis."""
+
+    @abc.abstractmethod
+    def arange(self, n: int, like: Array) -> Array:
+        """``0 .. n-1`` (on the device of ``like``)."""
+
+    @abc.abstractmethod
+    def one_hot(self, i: Array, n: int, like: Array) -> Array:
+        """The ``i``-th unit vector of length ``n``, in the dtype of ``like``."""
+
+    @abc.abstractmethod
+    def take_sample(self, rows: Array, i: Array) -> Array:
+        """Row ``i`` of ``rows`` (``(B, m)``), ``i`` traced."""
+
+    @abc.abstractmethod
+    def diagonal_sums(
+        self, colors: np.ndarray | None, n_seed: int, batch_size: int, batched: bool
+    ) -> Callable[[Array, Array, Array], Array]:
+        """The finish of a divergence pass: ``(c, t, pushed) -> (B,)``, per sample the sum of the
+        pushed entries at the pass's own elements (those of color ``c``).
+
+        ``batched``: the tangent ``t`` is one sample's (``n_seed`` elements), shared by all;
+        otherwise it spans the whole batch (``n_seed = B * n``).
+        """
+
+    @abc.abstractmethod
+    def take_entries(self, compressed: Array, which: np.ndarray, within: np.ndarray) -> Array:
+        """``compressed[which, :, within]``: one entry per sample of the given passes."""
+
+    @abc.abstractmethod
+    def densify(
+        self, values: Array, rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int, int]
+    ) -> Array:
+        """The dense ``(B, n_out, n_in)`` array holding ``values`` (``(B, nnz)``) at ``rows, cols``."""
+
+    # --- randomness and sparse results --------------------------------------------------------
+
+    @abc.abstractmethod
+    def draw(self, randomness: Any, shape: Sequence[int], distribution: str, like: Array) -> Array:
+        """Raw probes: Rademacher signs or standard normals, in the dtype (and device) of
+        ``like``, from the caller's source of randomness."""
+
+    @abc.abstractmethod
+    def sparse_format(self) -> Any:
+        """The sparse format a ``sparse_jacobian`` was asked for, checked. Its keyword-only
+        parameters are the framework's extra ``sparse_jacobian`` keywords."""
+
+    @abc.abstractmethod
+    def sparse_matrix(
+        self,
+        rows: np.ndarray,
+        cols: np.ndarray,
+        values: Array,
+        shape: tuple[int, int, int],
+        *,
+        single: bool,
+        sparse_format: Any,
+    ) -> Any:
+        """Per-sample ``values`` (``(B, nnz)``) at (row-major sorted) ``rows, cols`` as a sparse
+        matrix batch of ``shape`` (one matrix with ``single``)."""

@@ -1,0 +1,191 @@
+"""JAX's primitives for the transforms of :mod:`divjac._transforms`.
+
+Passes are batched with ``jax.vmap`` (``lax.map`` with ``batch_size`` when chunked) over the JVP of
+``jax.linearize`` (or the VJP of ``jax.vjp``). A tangent that is the same in every sample is
+pushed through :func:`~divjac.jax._sink.shared_push`, so that the batch-constant prefix of the
+linear program (the first matmul of an MLP, the first convolution of a CNN) is computed once.
+Passes read their own entries with gathers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import sparse as jsparse
+
+import jax
+from jax import lax
+
+from .._backend import Array, Backend, Finish, Linear, Seed
+from .._core import plan
+from .._transforms import Call
+from ._detect import is_array, trace
+from ._sink import shared_push
+
+__all__ = ["BACKEND", "JaxBackend"]
+
+
+class _Linearized(Linear):
+    """``jax.linearize`` (or ``jax.vjp``) of the batch-first function, at the call's input."""
+
+    def __init__(self, call: Call, reverse: bool) -> None:
+        aux = None
+        if reverse:
+            if call.spec.has_aux:
+                y, vjp_fn, aux = jax.vjp(call.g, call.xb, has_aux=True)
+            else:
+                y, vjp_fn = jax.vjp(call.g, call.xb)
+
+            def push(ct: jax.Array) -> jax.Array:
+                return vjp_fn(ct)[0]
+
+        elif call.spec.has_aux:
+            y, push, aux = jax.linearize(call.g, call.xb, has_aux=True)
+        else:
+            y, push = jax.linearize(call.g, call.xb)
+        self.value, self.aux = y, aux
+        self._push: Callable[[jax.Array], jax.Array] = push
+        self._batch_size = call.batch_size
+        self._seed_sample = call.out_sample if reverse else call.in_sample
+        self._dtype = call.xb.dtype
+
+    def passes(
+        self, inputs: jax.Array, seed: Seed, finish: Finish, chunk: int, *, shared: bool
+    ) -> jax.Array:
+        push = self._push
+        if shared:
+            push = shared_push(push, self._batch_size, self._seed_sample, self._dtype)
+
+        def pass_fn(c: jax.Array) -> jax.Array:
+            t = seed(c)
+            return finish(c, t, push(t))
+
+        if chunk >= inputs.shape[0]:
+            return jax.vmap(pass_fn)(inputs)
+        return lax.map(pass_fn, inputs, batch_size=chunk)
+
+
+class JaxBackend(Backend):
+    """The transforms on JAX arrays (``jax.linearize``, ``jax.vjp``, ``jax.vmap``)."""
+
+    array_noun = "array"
+    param_grad_hint = "take jax.grad of a loss built on the result"
+    input_cast_hint = "x.astype(jnp.float32)"
+    output_cast_hint = "cast integer or boolean results"
+    randomness_keyword = "key"
+    randomness_example = "key=jax.random.key(0)"
+    prefer_reverse = False
+
+    def is_array(self, x: Any) -> bool:
+        return is_array(x)
+
+    def is_array_spec(self, x: Any) -> bool:
+        return isinstance(x, jax.ShapeDtypeStruct)
+
+    def is_floating_input(self, dtype: Any) -> bool:
+        return bool(jnp.issubdtype(dtype, jnp.floating))
+
+    is_floating_output = is_floating_input
+
+    def itemsize(self, x: Array) -> int:
+        return int(jnp.dtype(x.dtype).itemsize)
+
+    def asarray(self, x: Any, like: Array) -> jax.Array:
+        return jnp.asarray(x, like.dtype)
+
+    def moveaxis(self, x: Array, source: int, destination: int) -> jax.Array:
+        return jnp.moveaxis(x, source, destination)
+
+    def zeros_like(self, x: Array) -> jax.Array:
+        return jnp.zeros_like(x)
+
+    trace = staticmethod(trace)
+
+    def linearize(self, call: Call, reverse: bool) -> Linear:
+        return _Linearized(call, reverse)
+
+    def grad_of_sum(self, fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+        return jax.grad(lambda x: jnp.sum(fn(x)))(x)
+
+    def indicators(
+        self, colors: np.ndarray | None, n: int, n_passes: int, like: Array
+    ) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+        dtype = like.dtype
+        if colors is None:
+            return jnp.arange(n_passes), lambda c: jax.nn.one_hot(c, n, dtype=dtype)
+        labels = jnp.asarray(colors)
+        return jnp.arange(n_passes), lambda c: (labels == c).astype(dtype)
+
+    def stacked_seeds(self, seeds: jax.Array) -> tuple[jax.Array, Seed]:
+        """Maps over indices, gathering each seed inside its pass (mapping over the seeds
+        themselves makes XLA's CPU backend stall on large vmapped batches of them)."""
+        return jnp.arange(seeds.shape[0]), lambda i: seeds[i]
+
+    def arange(self, n: int, like: Array) -> jax.Array:
+        return jnp.arange(n)
+
+    def one_hot(self, i: jax.Array, n: int, like: Array) -> jax.Array:
+        return jax.nn.one_hot(i, n, dtype=like.dtype)
+
+    def take_sample(self, rows: jax.Array, i: jax.Array) -> jax.Array:
+        return rows[i]
+
+    def diagonal_sums(
+        self, colors: np.ndarray | None, n_seed: int, batch_size: int, batched: bool
+    ) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+        """Gathers the class members of color ``c`` (:func:`~divjac._core.plan.color_classes`)
+        instead of masking all ``n`` elements."""
+        members = jnp.asarray(plan.color_classes(colors, n_seed))
+        B = batch_size
+        n = n_seed // B
+
+        def read(c: jax.Array, t: jax.Array, pushed: jax.Array) -> jax.Array:
+            idx = members[c]
+            valid = idx >= 0
+            idx = jnp.maximum(idx, 0)
+            if batched:
+                own = jnp.take(pushed.reshape(B, -1), idx, axis=1)
+                return jnp.sum(jnp.where(valid, own, 0), axis=1)
+            vals = jnp.where(valid, pushed.reshape(-1)[idx], 0)
+            return jnp.zeros(B, vals.dtype).at[idx // n].add(vals)
+
+        return read
+
+    def take_entries(self, compressed: jax.Array, which: np.ndarray, within: np.ndarray) -> Any:
+        return compressed[which, :, within]
+
+    def densify(
+        self, values: jax.Array, rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int, int]
+    ) -> jax.Array:
+        return jnp.zeros(shape, values.dtype).at[:, rows, cols].set(values)
+
+    def draw(
+        self, randomness: Any, shape: Sequence[int], distribution: str, like: Array
+    ) -> jax.Array:
+        if distribution == "rademacher":
+            return jax.random.rademacher(randomness, tuple(shape), like.dtype)
+        return jax.random.normal(randomness, tuple(shape), like.dtype)
+
+    def sparse_format(self) -> None:
+        return None
+
+    def sparse_matrix(
+        self,
+        rows: np.ndarray,
+        cols: np.ndarray,
+        values: jax.Array,
+        shape: tuple[int, int, int],
+        *,
+        single: bool,
+        sparse_format: Any,
+    ) -> jsparse.BCOO:
+        indices = jnp.asarray(np.stack([rows, cols], axis=1)[None], dtype=jnp.int32)
+        if single:
+            return jsparse.BCOO((values[0], indices[0]), shape=shape[1:])
+        return jsparse.BCOO((values, indices), shape=shape)
+
+
+BACKEND = JaxBackend()

@@ -1,0 +1,327 @@
+"""PyTorch's primitives for the transforms of :mod:`divjac._transforms`, on ``torch.func``.
+
+Passes run together under ``torch.func.vmap``: VJPs pull a batch of cotangents through one
+``torch.func.vjp`` (``chunk_size`` at a time); JVPs are pushed by ``torch.func.jvp`` inside the
+``vmap``, a chunk at a time. Module parameters are ordinary captured tensors: results stay on the
+autograd graph, so a loss built on a divergence backpropagates to them (``loss.backward()``),
+and everything composes with ``torch.func`` transforms. Device and dtype follow the
+differentiated input. Passes read their own entries with masks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import numpy as np
+from torch.utils import _pytree as pytree
+
+import torch
+
+from .._backend import Backend, Finish, Linear, Seed
+from .._core.detection import LRU
+from .._transforms import Call
+from ._detect import TensorSpec, Traced, find_modules, quiet_batch_norm, trace
+
+__all__ = ["BACKEND", "TorchBackend"]
+
+# Seed matrices (passes x elements) up to this size are built once and sliced by vmap.
+_SEED_MATRIX_ELEMENTS = 1 << 22
+# The seeds of recent plans (keyed by the coloring's identity, which the cached pattern keeps).
+_SEEDS: LRU[tuple[Any, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]] = LRU(16)
+
+
+class _Passes(Linear):
+    """The JVP (or VJP) of the batch-first function, run as vmapped ``torch.func`` passes.
+
+    The function is evaluated by the passes (the VJP's forward pass is shared by all of them);
+    ``value`` and ``aux`` are those of the first run.
+    """
+
+    def __init__(self, call: Call, reverse: bool) -> None:
+        self._call = call
+        self._reverse = reverse
+        self._g: Callable[[torch.Tensor], Any] = call.g
+        self._aux_of: Callable[[Any], Any] | None = None
+        if call.spec.has_aux:
+            self._g, self._aux_of = _split_aux(call.g)
+        self._vjp: Any = None
+
+    def _keep(self, y: torch.Tensor, aux: Any) -> None:
+        if self.value is None:
+            self.value, self.aux = y, aux
+
+    def passes(
+        self, inputs: torch.Tensor, seed: Seed, finish: Finish, chunk: int, *, shared: bool
+    ) -> torch.Tensor:
+        call = self._call
+        xb, B = call.xb, call.batch_size
+        g, aux_of = self._g, self._aux_of
+        n_passes = int(inputs.shape[0])
+
+        def tangent(t: torch.Tensor) -> torch.Tensor:
+            return t.expand(B, *t.shape) if shared else t
+
+        with quiet_batch_norm(cast(Traced, call.traced).modules()):
+            if self._reverse:
+                if self._vjp is None:
+                    pulled: Any = torch.func.vjp(g, xb, has_aux=aux_of is not None)
+                    y, vjp_fn, aux = pulled if aux_of is not None else (*pulled, None)
+                    self._vjp = vjp_fn
+                    self._keep(y, aux_of(aux) if aux_of is not None else None)
+                vjp_fn = self._vjp
+
+                def pull(c: torch.Tensor) -> torch.Tensor:
+                    t = seed(c)
+                    return finish(c, t, vjp_fn(tangent(t))[0])
+
+                chunk_size = None if chunk >= n_passes else chunk
+                return torch.func.vmap(pull, chunk_size=chunk_size)(inputs)
+            auxes: list[Any] = []
+
+            def push(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                t = seed(c)
+                result: Any = torch.func.jvp(g, (xb,), (tangent(t),), has_aux=aux_of is not None)
+                if aux_of is not None:
+                    auxes.append(result[2])
+                return result[0], finish(c, t, result[1])
+
+            # The value is the same in every pass (out_dims None); chunks are run one by one,
+            # as vmap's own chunk_size cannot return an unbatched output. Random operations
+            # (dropout in training mode) draw once per chunk, shared by its passes.
+            pushes = torch.func.vmap(push, out_dims=cast(Any, (None, 0)), randomness="same")
+            parts = []
+            for lo in range(0, n_passes, chunk):
+                y, part = pushes(inputs[lo : lo + chunk])
+                parts.append(part)
+            self._keep(y, aux_of(auxes[0]) if aux_of is not None else None)
+            return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _split_aux(
+    g: Callable[[torch.Tensor], Any],
+) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], Any]]:
+    """``g`` returning ``(y, tensor leaves of aux)`` (what ``torch.func`` passes through) and
+    the function that puts the aux back together with its other leaves (strings, numbers)."""
+    box: list[Any] = []
+
+    def tensors_only(xb: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        y, aux = g(xb)
+        leaves, treedef = pytree.tree_flatten(aux)
+        box[:] = [(leaves, treedef)]
+        return y, [a for a in leaves if isinstance(a, torch.Tensor)]
+
+    def rebuild(tensors: list[torch.Tensor]) -> Any:
+        leaves, treedef = box[0]
+        it = iter(tensors)
+        return pytree.tree_unflatten(
+            [next(it) if isinstance(a, torch.Tensor) else a for a in leaves], treedef
+        )
+
+    return tensors_only, rebuild
+
+
+def _identity(row: torch.Tensor) -> torch.Tensor:
+    return row
+
+
+class TorchBackend(Backend):
+    """The transforms on torch tensors and modules (``torch.func.jvp``, ``vjp``, ``vmap``)."""
+
+    array_noun = "tensor"
+    param_grad_hint = "call .backward() on a loss built on the result"
+    input_cast_hint = "x.float()"
+    output_cast_hint = "cast integer or boolean results with .float()"
+    randomness_keyword = "generator"
+    randomness_example = "generator=torch.Generator().manual_seed(0)"
+    # Exact methods push rows (VJPs) rather than columns when both cost the same number of
+    # passes: PyTorch's reverse mode is the faster one (one forward pass, then batched backward
+    # passes).
+    prefer_reverse = True
+
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, torch.Tensor)
+
+    def is_array_spec(self, x: Any) -> bool:
+        return isinstance(x, TensorSpec)
+
+    def is_floating_input(self, dtype: torch.dtype) -> bool:
+        return dtype.is_floating_point
+
+    def is_floating_output(self, dtype: torch.dtype) -> bool:
+        return dtype.is_floating_point or dtype.is_complex
+
+    def itemsize(self, x: torch.Tensor) -> int:
+        return x.element_size()
+
+    def asarray(self, x: Any, like: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(x, dtype=like.dtype, device=like.device)
+
+    def moveaxis(self, x: torch.Tensor, source: int, destination: int) -> torch.Tensor:
+        return x if source == destination else torch.movedim(x, source, destination)
+
+    def zeros_like(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+    def trace(
+        self, fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], **options: Any
+    ) -> Traced:
+        leaves, treedef = pytree.tree_flatten((args, kwargs))
+        x_leaf = len(pytree.tree_leaves(args[: options.pop("argnum")]))
+        modules = find_modules(fun, leaves)
+        return trace(fun, leaves, treedef, x_leaf=x_leaf, modules=modules, **options)
+
+    def linearize(self, call: Call, reverse: bool) -> Linear:
+        return _Passes(call, reverse)
+
+    def grad_of_sum(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        result: torch.Tensor = torch.func.grad(lambda x: torch.sum(fn(x)))(x)
+        return result
+
+    def indicators(
+        self, colors: np.ndarray | None, n: int, n_passes: int, like: torch.Tensor
+    ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        """Small seed matrices are built once (and cached) and sliced by ``vmap``; larger ones
+        are built one row per pass, from the pass index."""
+        device, dtype = like.device, like.dtype
+        key = (None if colors is None else id(colors), n, n_passes, device, dtype)
+        cached = _SEEDS.get(key)
+        if cached is not None and cached[0] is colors:
+            return cached[1], cached[2]
+        labels = np.arange(n) if colors is None else np.asarray(colors, np.int64)
+        labels_t = torch.as_tensor(labels, device=device)
+        passes = torch.arange(n_passes, device=device)
+        if n_passes * n <= _SEED_MATRIX_ELEMENTS:
+            inputs = (labels_t[None, :] == passes[:, None]).to(dtype)
+            indicator: Callable[[torch.Tensor], torch.Tensor] = _identity
+        else:
+            inputs, indicator = passes, lambda c: (labels_t == c).to(dtype)
+        _SEEDS.put(key, (colors, inputs, indicator))
+        return inputs, indicator
+
+    def stacked_seeds(self, seeds: torch.Tensor) -> tuple[torch.Tensor, Seed]:
+        return seeds, _identity
+
+    def arange(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        return torch.arange(n, device=like.device)
+
+    def one_hot(self, i: torch.Tensor, n: int, like: torch.Tensor) -> torch.Tensor:
+        return (torch.arange(n, device=like.device) == i).to(like.dtype)
+
+    def take_sample(self, rows: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        own = (torch.arange(rows.shape[0], device=rows.device) == i).to(rows.dtype)
+        return (rows * own[:, None]).sum(0)
+
+    def diagonal_sums(
+        self, colors: np.ndarray | None, n_seed: int, batch_size: int, batched: bool
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Masks the pushed tangent with the (indicator) tangent itself."""
+
+        def read(c: torch.Tensor, t: torch.Tensor, pushed: torch.Tensor) -> torch.Tensor:
+            return (pushed * t).reshape(batch_size, -1).sum(1)
+
+        return read
+
+    def take_entries(
+        self, compressed: torch.Tensor, which: np.ndarray, within: np.ndarray
+    ) -> torch.Tensor:
+        device = compressed.device
+        return compressed[
+            torch.as_tensor(which, device=device), :, torch.as_tensor(within, device=device)
+        ]
+
+    def densify(
+        self,
+        values: torch.Tensor,
+        rows: np.ndarray,
+        cols: np.ndarray,
+        shape: tuple[int, int, int],
+    ) -> torch.Tensor:
+        B, n_out, n_in = shape
+        flat = torch.as_tensor(rows * n_in + cols, device=values.device)
+        dense = values.new_zeros(B, n_out * n_in).index_copy(1, flat, values)
+        return dense.reshape(B, n_out, n_in)
+
+    def draw(
+        self,
+        randomness: torch.Generator,
+        shape: Sequence[int],
+        distribution: str,
+        like: torch.Tensor,
+    ) -> torch.Tensor:
+        device, dtype = like.device, like.dtype
+        shape = tuple(shape)
+        if distribution == "rademacher":
+            bits = torch.randint(0, 2, shape, generator=randomness, device=randomness.device)
+            return (2 * bits - 1).to(device=device, dtype=dtype)
+        raw = torch.randn(shape, generator=randomness, device=randomness.device, dtype=dtype)
+        return raw.to(device)
+
+    def sparse_format(self, *, layout: torch.layout = torch.sparse_coo) -> torch.layout:
+        if layout not in (torch.sparse_coo, torch.sparse_csr):
+            raise ValueError(
+                "sparse_jacobian: layout must be torch.sparse_coo or torch.sparse_csr; "
+                f"got {layout}."
+            )
+        return layout
+
+    def sparse_matrix(
+        self,
+        rows: np.ndarray,
+        cols: np.ndarray,
+        values: torch.Tensor,
+        shape: tuple[int, int, int],
+        *,
+        single: bool,
+        sparse_format: torch.layout,
+    ) -> torch.Tensor:
+        B, n_out, n_in = shape
+        device = values.device
+        if sparse_format == torch.sparse_csr:
+            with warnings.catch_warnings():  # "sparse CSR support is in beta": we only build it
+                warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+                return _csr(rows, cols, values, shape, single)
+        pair = torch.as_tensor(np.stack([rows, cols]), device=device)
+        if single:
+            return torch.sparse_coo_tensor(
+                pair, values[0], (n_out, n_in), is_coalesced=True, check_invariants=False
+            )
+        nnz = pair.shape[1]
+        batch = torch.arange(B, device=device).repeat_interleave(nnz)
+        indices = torch.cat([batch[None], pair.repeat(1, B)])
+        return torch.sparse_coo_tensor(
+            indices, values.reshape(-1), shape, is_coalesced=True, check_invariants=False
+        )
+
+
+def _csr(
+    rows: np.ndarray,
+    cols: np.ndarray,
+    values: torch.Tensor,
+    shape: tuple[int, int, int],
+    single: bool,
+) -> torch.Tensor:
+    """A batched CSR tensor (every sample shares the pattern) of values ``(B, nnz)``."""
+    B, n_out, n_in = shape
+    device = values.device
+    crow = np.zeros(n_out + 1, np.int64)
+    np.cumsum(np.bincount(rows, minlength=n_out), out=crow[1:])
+    crow_t = torch.as_tensor(crow, device=device)
+    col_t = torch.as_tensor(cols, device=device)
+    if single:
+        return torch.sparse_csr_tensor(
+            crow_t, col_t, values[0], (n_out, n_in), check_invariants=False
+        )
+    return torch.sparse_csr_tensor(
+        crow_t.expand(B, -1),
+        col_t.expand(B, -1),
+        values,
+        (B, n_out, n_in),
+        check_invariants=False,
+    )
+
+
+BACKEND = TorchBackend()
