@@ -64,7 +64,6 @@ class Backend(abc.ABC):
         randomness_keyword: the keyword of a transformed function that takes the randomness of
             a stochastic method (``key`` or ``generator``).
         randomness_example: that keyword with an example value (in messages).
-        prefer_reverse: push rows (VJPs) rather than columns when both take as many passes.
     """
 
     array_noun: str
@@ -73,7 +72,6 @@ class Backend(abc.ABC):
     output_cast_hint: str
     randomness_keyword: str
     randomness_example: str
-    prefer_reverse: bool
 
     # --- arrays and dtypes --------------------------------------------------------------------
 
@@ -123,6 +121,10 @@ class Backend(abc.ABC):
         has_aux: bool,
     ) -> Traced:
         """``fun`` traced batch-first in argument ``argnum`` (cached)."""
+
+    @abc.abstractmethod
+    def prefer_reverse(self, traced: Traced) -> bool:
+        """Whether to push rows (VJPs) rather than columns when both take as many passes."""
 
     @abc.abstractmethod
     def linearize(self, call: Call, reverse: bool) -> Linear:

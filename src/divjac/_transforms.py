@@ -57,7 +57,7 @@ class Spec:
     has_aux: bool
     coupling: str
     fname: str
-    prefer_reverse: bool
+    prefer_reverse: bool | None
 
 
 def _spec(
@@ -70,8 +70,6 @@ def _spec(
     fname: str,
     prefer_reverse: bool | None = None,
 ) -> Spec:
-    if prefer_reverse is None:
-        prefer_reverse = backend.prefer_reverse
     return Spec(backend, fun, argnums, batch_axis, has_aux, coupling, fname, prefer_reverse)
 
 
@@ -137,7 +135,11 @@ class Call:
 
     def prefer_reverse(self, found: Detection) -> bool:
         """Rows rather than columns on a tie (and always where forward mode cannot go)."""
-        return self.spec.prefer_reverse or found.has_custom_vjp
+        if found.has_custom_vjp:
+            return True
+        if self.spec.prefer_reverse is not None:
+            return self.spec.prefer_reverse
+        return self.backend.prefer_reverse(self.traced)
 
 
 def _from_axis(backend: Backend, t: Array, axis: int | None) -> Array:

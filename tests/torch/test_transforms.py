@@ -396,3 +396,19 @@ def test_random_shapes_and_batch_axes(batch, sample, axis, mode):
     np.testing.assert_allclose(
         divergence(f, batch_axis=axis)(x), traces(expected, tuple(sample)), rtol=1e-9, atol=1e-12
     )
+
+
+@pytest.mark.parametrize(
+    ("case", "reverse"), [("mlp", True), ("module_xt", True), ("cnn", False), ("blur", False)]
+)
+def test_tie_direction_follows_the_program(case, reverse):
+    """Equal pass counts: rows (one forward, then backward passes) for dense layers, columns
+    when the graph convolves (PyTorch's batched convolution backward is the slower one)."""
+    from divjac.torch._backend import BACKEND
+
+    if case == "blur":
+        fun, args, argnum = models.blur, (_randn(2, 6, 6),), 0
+    else:
+        fun, args, argnum = CASES[case]()
+    traced = BACKEND.trace(fun, args, {}, argnum=argnum, batch_axis=0, has_aux=False)
+    assert BACKEND.prefer_reverse(traced) is reverse

@@ -20,7 +20,7 @@ import jax
 from jax import lax
 
 from .._backend import Array, Backend, Finish, Linear, Seed
-from .._core import plan
+from .._core import detection, plan
 from .._transforms import Call
 from ._detect import is_array, trace
 from ._sink import shared_push
@@ -77,7 +77,6 @@ class JaxBackend(Backend):
     output_cast_hint = "cast integer or boolean results"
     randomness_keyword = "key"
     randomness_example = "key=jax.random.key(0)"
-    prefer_reverse = False
 
     def is_array(self, x: Any) -> bool:
         return is_array(x)
@@ -103,6 +102,10 @@ class JaxBackend(Backend):
         return jnp.zeros_like(x)
 
     trace = staticmethod(trace)
+
+    def prefer_reverse(self, traced: detection.Traced) -> bool:
+        """Columns: forward passes share the batch-independent work (broadcast sinking)."""
+        return False
 
     def linearize(self, call: Call, reverse: bool) -> Linear:
         return _Linearized(call, reverse)

@@ -29,7 +29,7 @@ from torch import nn
 from .._core import deps as D, detection
 from .._core.detection import LRU, Propagated
 from .._errors import DivjacError
-from ._interpret import Interpreter, decompositions
+from ._interpret import Interpreter, decompositions, is_convolution
 
 __all__ = ["CACHE", "TensorSpec", "Traced", "find_modules", "quiet_batch_norm", "trace"]
 
@@ -63,6 +63,14 @@ class Traced(detection.Traced):
     def modules(self) -> list[nn.Module]:
         """The modules the function may run (alive while a call runs it)."""
         return [m for m in (r() for r in self.module_refs) if m is not None]
+
+    @functools.cached_property
+    def has_convolution(self) -> bool:
+        """Whether the graph convolves (its reverse mode is then the slower one under vmap)."""
+        return any(
+            node.op == "call_function" and is_convolution(node.target)
+            for node in self.gm.graph.nodes
+        )
 
     def _propagate(self, seeded: D.Deps, max_entries: int | None) -> Propagated:
         interp = Interpreter(seeded.n_labels, max_entries=max_entries)

@@ -39,7 +39,7 @@ from .._core import deps as D, detection
 from .._core.deps import Deps
 from .._core.detection import TooDense
 
-__all__ = ["Interpreter", "decompositions"]
+__all__ = ["Interpreter", "decompositions", "is_convolution"]
 
 # Constant folding (for indices, masks, ...) is limited to results of this many elements.
 _FOLD_LIMIT = 1 << 22
@@ -830,7 +830,15 @@ def _conv(
     return D.reshape(out, out_shape[1:]) if unbatched else out
 
 
-@_rule("convolution", "_convolution", "conv1d", "conv2d", "conv3d")
+_CONVOLUTIONS = ("convolution", "_convolution", "conv1d", "conv2d", "conv3d")
+
+
+def is_convolution(target: Any) -> bool:
+    """Whether a graph node's target is a convolution (of any dimension, transposed or not)."""
+    return _packet(target) in _CONVOLUTIONS
+
+
+@_rule(*_CONVOLUTIONS)
 def _convolution(it, node, outs):
     b = bind(node)
     out = _conv(
