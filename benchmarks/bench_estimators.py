@@ -18,6 +18,11 @@ from divjac.jax import divergence
 from divjac.models import jax as models
 
 
+def _draws(div, args, keys):
+    """``div(*args, key=k)`` for every key, a bounded number of draws at once (memory)."""
+    return jax.jit(lambda keys: jax.lax.map(lambda k: div(*args, key=k), keys, batch_size=20))(keys)
+
+
 def _rms_errors(f, args, argnum, exact, methods, budget, n_keys):
     """Relative RMS error of each method over ``n_keys`` independent draws."""
     errors = {}
@@ -25,7 +30,7 @@ def _rms_errors(f, args, argnum, exact, methods, budget, n_keys):
     scale = float(jnp.sqrt(jnp.mean(exact**2)))
     for method in methods:
         div = divergence(f, argnum, method=method, num_probes=budget)
-        est = jax.jit(jax.vmap(lambda k, div=div: div(*args, key=k)))(keys)
+        est = _draws(div, args, keys)
         errors[method] = float(jnp.sqrt(jnp.mean((est - exact) ** 2))) / scale
     return errors
 
@@ -79,7 +84,7 @@ def run(quick: bool) -> list[Result]:
         variances = {}
         for method in ("hutchinson", "probing"):
             div = divergence(models.unet, 1, method=method, num_probes=passes)
-            est = jax.jit(jax.vmap(lambda k, div=div: div(unet_params, xu, key=k)))(keys)
+            est = _draws(div, (unet_params, xu), keys)
             variances[method] = float(jnp.mean((est - exact) ** 2))
         results.append(
             Result(

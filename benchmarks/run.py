@@ -1,7 +1,8 @@
 """Run the side-by-side benchmarks: ``python benchmarks/run.py [--quick] [--out DIR]``.
 
-Prints the table of ratios against the alternatives, and writes ``results.json`` and
-``results.png`` to ``--out`` (default ``bench-results/``). ``divjac bench`` calls this.
+Prints the table of ratios against the alternatives, and writes ``results.json``,
+``results.md`` (the table in Markdown, as in the README) and ``results.png`` to ``--out``
+(default ``bench-results/``). ``divjac bench`` calls this.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ def run_all(
     return results
 
 
+def _measured(r: Result, value: float) -> str:
+    """A measurement with its unit (times in ms)."""
+    return f"{value * 1e3:.3g} ms" if r.unit == "s" else f"{value:.3g} {r.unit}"
+
+
 def table(results: Sequence[Result]) -> Any:
     from rich.table import Table
 
@@ -70,12 +76,29 @@ def table(results: Sequence[Result]) -> Any:
         t.add_column(col)
     for r in results:
         ok = {True: "[green]yes", False: "[red]no", None: "-"}[r.passed]
-        fmt = (lambda v: f"{v * 1e3:.3g} ms") if r.unit == "s" else (lambda v: f"{v:.3g}")
         t.add_row(
-            r.id, r.case, r.ours, r.baseline, fmt(r.ours_value), fmt(r.baseline_value),
+            r.id, r.case, r.ours, r.baseline, _measured(r, r.ours_value),
+            _measured(r, r.baseline_value),
             f"{r.value:.3g}x", r.target_text, ok,
         )  # fmt: skip
     return t
+
+
+def markdown(results: Sequence[Result]) -> str:
+    """The table as Markdown: times in ms, the ratio or gain, the target and whether it is met."""
+    lines = [
+        "| id | case | divjac | alternative | divjac | alternative | value | target | met |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        met = {True: "yes", False: "**no**", None: "-"}[r.passed]
+        cells = (
+            r.id, r.case, r.ours, f"`{r.baseline}`", _measured(r, r.ours_value),
+            _measured(r, r.baseline_value),
+            f"{r.value:.3g}x", r.target_text, met,
+        )  # fmt: skip
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(results: Sequence[Result], path: Path) -> None:
@@ -116,6 +139,7 @@ def save(results: Sequence[Result], out: Path, seconds: float) -> None:
     (out / "results.json").write_text(
         json.dumps({"meta": meta, "results": [r.to_json() for r in results]}, indent=2)
     )
+    (out / "results.md").write_text(markdown(results))
     plot(results, out / "results.png")
 
 

@@ -298,7 +298,7 @@ from _harness import Result
 
 def run(quick):
     return [
-        Result("P0", "fake case", "ours", "theirs", 1.0, 2.0, target=1.1),
+        Result("P0", "fake case", "ours", "a|b", 1.0, 2.0, target=1.1),
         Result("-", "context", "ours", "theirs", 3.0, 3.0),
     ]
 """
@@ -314,7 +314,7 @@ def fake_suite(tmp_path: Path) -> Path:
     return suite
 
 
-def test_bench_runs_the_suite_and_writes_json_and_png(fake_suite, tmp_path):
+def test_bench_runs_the_suite_and_writes_json_markdown_and_png(fake_suite, tmp_path):
     out = tmp_path / "out"
     result = invoke("bench", "--quick", "--suite", str(fake_suite), "--out", str(out))
     assert result.exit_code == 0, result.output
@@ -324,6 +324,11 @@ def test_bench_runs_the_suite_and_writes_json_and_png(fake_suite, tmp_path):
     assert [r["id"] for r in data["results"]] == ["P0", "-"]
     assert data["results"][0]["passed"] is True
     assert (out / "results.png").read_bytes()[:4] == b"\x89PNG"
+    rows = (out / "results.md").read_text().splitlines()
+    assert len(rows) == 4 and rows[0].startswith("| id | case |")
+    assert rows[2] == (
+        "| P0 | fake case | ours | `a\\|b` | 1e+03 ms | 2e+03 ms | 0.5x | <= 1.1x | yes |"
+    )
 
 
 def test_bench_only_selects_modules(fake_suite, tmp_path):

@@ -140,7 +140,7 @@ def inspect(
 def bench(
     quick: Annotated[bool, typer.Option("--quick", help="Smaller sizes, fewer repeats.")] = False,
     out: Annotated[
-        Path, typer.Option("--out", help="Folder for results.json and results.png.")
+        Path, typer.Option("--out", help="Folder for results.json, results.md and results.png.")
     ] = Path("bench-results"),
     suite: Annotated[
         Path | None,
@@ -153,7 +153,7 @@ def bench(
         typer.Option("--only", help="Run only modules whose name contains this (repeatable)."),
     ] = None,
 ) -> None:
-    """Run the side-by-side benchmarks: ratio table, results.json and a PNG chart."""
+    """Run the side-by-side benchmarks: ratio table, results.json, results.md and a PNG chart."""
 
     def body() -> Any:
         from ._bench import run_bench

@@ -76,7 +76,7 @@ def run_bench(
     only: Sequence[str] | None,
     console: Console,
 ) -> list[Any]:
-    """Run the suite, print the table of ratios, write ``results.json`` and ``results.png``."""
+    """Run the suite, print the table of ratios, write ``results.json``, ``results.md`` and ``results.png``."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -121,10 +121,10 @@ def run_bench(
     console.print(runner.table(results))
     runner.save(results, out, seconds)
     missed = [r for r in results if getattr(r, "passed", None) is False]
-    written = [str(p) for p in (out / "results.json", out / "results.png") if p.is_file()]
+    written = [str(p) for p in (out / "results.json", out / "results.md", out / "results.png") if p.is_file()]
     console.print(
         f"{len(results)} results in {seconds:.1f} s"
         + (f", {len(missed)} below target" if missed else "")
-        + f"; wrote {' and '.join(written) or 'nothing'}"
+        + f"; wrote {', '.join(written) or 'nothing'}"
     )
     return list(results)
