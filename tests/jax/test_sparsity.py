@@ -457,6 +457,44 @@ def test_compiled_sparse_path_has_only_the_colored_passes():
     assert colors in leading and n not in leading
 
 
+def test_auto_detection_gives_up_on_density_not_on_batch_size(monkeypatch):
+    """Past its floor of entries, "auto" abandons detection only for a dense pattern: the
+    entries of a sparse one grow with the batch (every sample is seeded), its density does not.
+    """
+    from divjac import _transforms
+    from divjac._core import detection
+
+    monkeypatch.setattr(_transforms, "AUTO_DETECTION_ENTRIES", 2000)
+    gave_up = []
+    check = detection.EntryLimit.check
+
+    def spy(self, dep, where):
+        try:
+            check(self, dep, where)
+        except detection.TooDense:
+            gave_up.append(where)
+            raise
+
+    monkeypatch.setattr(detection.EntryLimit, "check", spy)
+    params = models.init_cnn(KEY, channels=4, layers=2, dtype=jnp.float64)
+    x = _normal(20, (16, 8, 8, 3))  # 16 samples: ~60,000 entries, 4% dense per sample
+    n = 8 * 8 * 3
+    colors = sparsity(models.cnn, params, x, argnums=1).n_diagonal_colors
+    jaxpr = jax.make_jaxpr(divergence(models.cnn, 1))(params, x)
+    leading = {v.aval.shape[0] for e in jaxpr.jaxpr.eqns for v in e.outvars if v.aval.shape}
+    assert colors in leading and n not in leading and not gave_up
+
+    mlp_params = models.init_mlp(KEY, (24, 32, 24), jnp.float64)
+    xm = _normal(21, (128, 24))  # every hidden unit depends on every input: dense
+    jaxpr = jax.make_jaxpr(divergence(models.mlp, 1))(mlp_params, xm)
+    leading = {v.aval.shape[0] for e in jaxpr.jaxpr.eqns for v in e.outvars if v.aval.shape}
+    assert gave_up and 24 in leading
+    np.testing.assert_allclose(
+        divergence(models.mlp, 1)(mlp_params, xm),
+        divergence(models.mlp, 1, method="exact")(mlp_params, xm),
+    )
+
+
 def test_sparsity_pattern_api():
     f = lambda x: jnp.cumsum(x, axis=1)  # noqa: E731
     p = sparsity(f, jnp.ones((4, 5)))

@@ -22,6 +22,7 @@ __all__ = [
     "AUTO_DETECTION_ENTRIES",
     "LRU",
     "Detection",
+    "EntryLimit",
     "Propagated",
     "TooDense",
     "Traced",
@@ -33,11 +34,43 @@ __all__ = [
 
 AUTO_DETECTION_ENTRIES = 20_000_000
 """In mode/method ``"auto"``, sparse detection is abandoned once an intermediate holds more
-dependency entries (the pattern is then too dense for coloring to pay off)."""
+dependency entries than this and is too dense (see :class:`EntryLimit`)."""
 
 
 class TooDense(Exception):
-    """Raised by a propagation when an intermediate exceeds its ``max_entries``."""
+    """Raised by a propagation when an intermediate exceeds its :class:`EntryLimit`."""
+
+
+@dataclass(frozen=True)
+class EntryLimit:
+    """When a propagation gives up on an intermediate (``"auto"`` detection).
+
+    An intermediate with more than ``floor`` entries is too dense when its elements depend, on
+    average, on more than ``density`` of one sample's inputs (coloring cannot pay off: the
+    passes would be nearly as many as the dense ones); any intermediate over ``cap`` entries
+    stops the detection (memory). The entry count of a sparse pattern grows with the batch
+    (every sample is seeded), its density does not: a large batch of a CNN stays sparse.
+
+    Attributes:
+        floor: entries below which the detection always goes on (it is cheap).
+        labels_per_sample: the inputs one element can depend on (its sample's); ``None`` when
+            the seeds are not per input (coupling only: never too dense, only too large).
+        density: mean fraction of ``labels_per_sample`` beyond which to give up.
+        cap: entries beyond which to give up whatever the density.
+    """
+
+    floor: int
+    labels_per_sample: int | None
+    density: float = 0.5
+    cap: int = 25 * AUTO_DETECTION_ENTRIES
+
+    def check(self, dep: Deps, where: str) -> None:
+        """Raise :class:`TooDense` (naming ``where``) if ``dep`` is past the limit."""
+        nnz = dep.matrix().nnz
+        per = self.labels_per_sample
+        dense = per is not None and nnz > self.density * dep.size * per
+        if nnz > self.cap or (nnz > self.floor and dense):
+            raise TooDense(where)
 
 
 def batch_first_shape(shape: Sequence[int], axis: int | None) -> tuple[int, ...]:
@@ -112,7 +145,7 @@ class Propagated:
 def detect(
     x_shape: tuple[int, ...],
     out_shape: tuple[int, ...],
-    propagate: Callable[[Deps, int | None], Propagated],
+    propagate: Callable[[Deps, EntryLimit | None], Propagated],
     *,
     per_sample: bool,
     whole_batch: bool = False,
@@ -123,20 +156,25 @@ def detect(
     Args:
         x_shape: batch-first shape of the differentiated input.
         out_shape: batch-first shape of the output.
-        propagate: ``(seeded input deps, max_entries) -> Propagated``; may raise
-            :class:`TooDense`.
+        propagate: ``(seeded input deps, limit) -> Propagated``; may raise :class:`TooDense`.
         per_sample: seed positions as well as samples (the per-sample pattern); without it only
             batch coupling is decided (much cheaper).
         whole_batch: treat the whole batch as one sample: the full ``(B*n_out, B*n_in)``
             pattern (used for the exact diagonal blocks of coupled functions).
-        max_entries: abandon (return ``None``) once an intermediate holds more entries.
+        max_entries: abandon (return ``None``) once an intermediate holds more entries and is
+            too dense for coloring to pay off (see :class:`EntryLimit`).
     """
     axis = None if whole_batch else 0
     in_layout = BatchLayout(x_shape, axis)
     out_layout = BatchLayout(out_shape, axis)
     seeded = P.seed(in_layout, per_sample=per_sample)
+    limit = None
+    if max_entries is not None:
+        # Per sample, an element may depend on its sample's inputs and its sample's label.
+        per = in_layout.sample_size + 1 if per_sample else None
+        limit = EntryLimit(max_entries, per)
     try:
-        found = propagate(seeded, max_entries)
+        found = propagate(seeded, limit)
     except TooDense:
         return None
     csr, coupling = P.read_out(found.out, out_layout, in_layout, per_sample=per_sample)
@@ -198,7 +236,7 @@ class Traced:
             )
         return self._detections[key]
 
-    def _propagate(self, seeded: Deps, max_entries: int | None) -> Propagated:
+    def _propagate(self, seeded: Deps, limit: EntryLimit | None) -> Propagated:
         """The dependency sets of the output given the seeded input (the backend's program)."""
         raise NotImplementedError
 

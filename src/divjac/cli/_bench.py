@@ -121,7 +121,11 @@ def run_bench(
     console.print(runner.table(results))
     runner.save(results, out, seconds)
     missed = [r for r in results if getattr(r, "passed", None) is False]
-    written = [str(p) for p in (out / "results.json", out / "results.md", out / "results.png") if p.is_file()]
+    written = [
+        str(p)
+        for p in (out / "results.json", out / "results.md", out / "results.png")
+        if p.is_file()
+    ]
     console.print(
         f"{len(results)} results in {seconds:.1f} s"
         + (f", {len(missed)} below target" if missed else "")

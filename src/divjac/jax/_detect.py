@@ -14,7 +14,7 @@ from jax.extend import core as jcore
 import jax
 
 from .._core import deps as D, detection
-from .._core.detection import LRU, Propagated
+from .._core.detection import LRU, EntryLimit, Propagated
 from ._interpret import Interpreter
 
 __all__ = ["CACHE", "Traced", "is_array", "trace"]
@@ -41,8 +41,8 @@ class Traced(detection.Traced):
     closed: Any
     x_pos: int
 
-    def _propagate(self, seeded: D.Deps, max_entries: int | None) -> Propagated:
-        interp = Interpreter(seeded.n_labels, max_entries=max_entries)
+    def _propagate(self, seeded: D.Deps, limit: EntryLimit | None) -> Propagated:
+        interp = Interpreter(seeded.n_labels, limit=limit)
         in_deps = [
             seeded if i == self.x_pos else D.empty(tuple(aval.shape), seeded.n_labels)
             for i, aval in enumerate(self.closed.in_avals)

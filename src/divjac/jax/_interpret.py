@@ -22,7 +22,7 @@ from jax import lax
 
 from .._core import deps as D, detection
 from .._core.deps import Deps
-from .._core.detection import TooDense
+from .._core.detection import EntryLimit
 
 __all__ = ["Interpreter"]
 
@@ -165,9 +165,8 @@ class Interpreter:
 
     Args:
         n_labels: number of labels (columns of every dependency matrix).
-        max_entries: abort with :class:`~divjac._core.detection.TooDense` once an intermediate
-            holds more dependency entries than this (used to skip sparse detection where it
-            cannot pay off).
+        limit: abort with :class:`~divjac._core.detection.TooDense` once an intermediate is
+            past it (used to skip sparse detection where it cannot pay off).
 
     Attributes:
         fallbacks: names of primitives that had no rule (handled as dense).
@@ -175,9 +174,9 @@ class Interpreter:
             differentiate it; the caller should prefer reverse mode).
     """
 
-    def __init__(self, n_labels: int, *, max_entries: int | None = None) -> None:
+    def __init__(self, n_labels: int, *, limit: EntryLimit | None = None) -> None:
         self.n_labels = n_labels
-        self.max_entries = max_entries
+        self.limit = limit
         self.fallbacks: set[str] = set()
         self.has_custom_vjp = False
         self.deriving: set[tuple[str, int]] = set()
@@ -209,8 +208,8 @@ class Interpreter:
             outs = self._eqn(scope, eqn, ins)
             for var, dep in zip(eqn.outvars, outs, strict=True):
                 if _is_inexact(var.aval) and not dep.is_empty:
-                    if self.max_entries is not None and dep.matrix().nnz > self.max_entries:
-                        raise TooDense(eqn.primitive.name)
+                    if self.limit is not None:
+                        self.limit.check(dep, eqn.primitive.name)
                     scope.deps[var] = dep
         return [scope.read(v) for v in jaxpr.outvars]
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .._core import deps as D, detection
-from .._core.detection import LRU, Propagated
+from .._core.detection import LRU, EntryLimit, Propagated
 from .._errors import DivjacError
 from ._interpret import Interpreter, decompositions, is_convolution
 
@@ -72,8 +72,8 @@ class Traced(detection.Traced):
             for node in self.gm.graph.nodes
         )
 
-    def _propagate(self, seeded: D.Deps, max_entries: int | None) -> Propagated:
-        interp = Interpreter(seeded.n_labels, max_entries=max_entries)
+    def _propagate(self, seeded: D.Deps, limit: EntryLimit | None) -> Propagated:
+        interp = Interpreter(seeded.n_labels, limit=limit)
         n_inputs = sum(1 for node in self.gm.graph.nodes if node.op == "placeholder")
         in_deps = [
             seeded if i == self.x_pos else D.empty((), seeded.n_labels) for i in range(n_inputs)

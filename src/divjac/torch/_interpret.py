@@ -37,7 +37,7 @@ import torch
 
 from .._core import deps as D, detection
 from .._core.deps import Deps
-from .._core.detection import TooDense
+from .._core.detection import EntryLimit
 
 __all__ = ["Interpreter", "decompositions", "is_convolution"]
 
@@ -176,9 +176,9 @@ class Interpreter:
         fallbacks: names of operations that had no rule (handled as dense).
     """
 
-    def __init__(self, n_labels: int, *, max_entries: int | None = None) -> None:
+    def __init__(self, n_labels: int, *, limit: EntryLimit | None = None) -> None:
         self.n_labels = n_labels
-        self.max_entries = max_entries
+        self.limit = limit
         self.fallbacks: set[str] = set()
         self._deps: dict[torch.fx.Node, Any] = {}
         self._values: dict[torch.fx.Node, Any] = {}
@@ -316,8 +316,8 @@ class Interpreter:
                 continue
             if dep.shape != _shape(val):
                 dep = D.reshape(dep, _shape(val))
-            if self.max_entries is not None and dep.matrix().nnz > self.max_entries:
-                raise TooDense(str(target))
+            if self.limit is not None:
+                self.limit.check(dep, str(target))
             stored.append(dep)
         if isinstance(node.meta.get("val"), tuple | list):
             self._deps[node] = stored
