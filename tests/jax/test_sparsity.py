@@ -123,6 +123,18 @@ ARCHITECTURES = {
         IMAGE,
         False,
     ),
+    "conv_groups_layouts": (  # output layout differs from the input's
+        lambda x: lax.conv_general_dilated(
+            x,
+            _normal(4, (4, 1, 3, 3)),
+            (1, 2),
+            "SAME",
+            dimension_numbers=("NHWC", "OIHW", "NCHW"),
+            feature_group_count=2,
+        ),
+        IMAGE,
+        False,
+    ),
     "residual": (residual, IMAGE, False),
     "max_pool": (
         lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"),
@@ -213,7 +225,15 @@ def test_pattern_never_misses_a_nonzero(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["conv_same", "conv_dilated", "conv_transpose", "upsample_bilinear", "gather_static"]
+    "name",
+    [
+        "conv_same",
+        "conv_dilated",
+        "conv_transpose",
+        "conv_groups_layouts",
+        "upsample_bilinear",
+        "gather_static",
+    ],
 )
 def test_precise_patterns_are_exact(name):
     """For linear index maps and stencils the pattern is not only sound but exact."""

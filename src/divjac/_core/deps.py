@@ -446,13 +446,20 @@ def conv(
     n_spatial = len(lhs_spec) - 2
     canon_out = tuple(out_shape[a] for a in out_spec)
     n_out, c_out = canon_out[0], canon_out[1]
+    # Index arrays are built in the canonical order and permuted to the out layout, so that
+    # the (large) dependency matrices are never transposed.
+    to_out = [int(a) for a in np.argsort(out_spec)]
     parts = []
     if not lhs.is_empty:
-        canon = transpose(lhs, lhs_spec)
-        n_in, c_in = canon.shape[0], canon.shape[1]
-        spatial = canon.shape[2:]
+        native = np.transpose(_arange(lhs.shape), lhs_spec)  # canonical -> native flat index
+        n_in, c_in = native.shape[0], native.shape[1]
+        spatial = native.shape[2:]
         g = feature_group_count
-        grouped = reduce(reshape(canon, (n_in, g, c_in // g, *spatial)), [2])
+        # The union over each group's input features, per sample and position.
+        group_rows = np.broadcast_to(
+            _arange((n_in, g, 1, *spatial)), (n_in, g, c_in // g, *spatial)
+        )
+        grouped = compose((n_in * g, *spatial), group_rows.ravel(), native.ravel(), lhs)
         kernel = [rhs.shape[a] for a in rhs_spec[2:]]
         win_shape, rows, cols = window_pairs(
             (n_in * g, *spatial),
@@ -462,25 +469,23 @@ def conv(
             [1, *(lhs_dilation or [1] * n_spatial)],
             [1, *(rhs_dilation or [1] * n_spatial)],
         )
-        stenciled = compose(win_shape, rows, cols, reshape(grouped, (n_in * g, *spatial)))
-        stenciled = reshape(stenciled, (n_in, g, *win_shape[1:]))
+        stenciled = compose(win_shape, rows, cols, grouped)
         co = np.arange(c_out)
         group = co // (c_out // g)
         batch_group = co // (c_out // batch_group_count)
         n = np.arange(n_out)[:, None] + batch_group[None, :] * (n_in // batch_group_count)
         base = (n * g + group[None, :]) * math.prod(win_shape[1:])
         src = base[(...,) + (None,) * n_spatial] + _arange(win_shape[1:])[None, None]
-        parts.append(gather(stenciled, src))
+        parts.append(gather(stenciled, np.transpose(src, to_out)))
     if not rhs.is_empty:
         per_feature = reduce(transpose(rhs, rhs_spec), range(1, n_spatial + 2))
         co_index = np.broadcast_to(
             np.arange(c_out).reshape((1, c_out) + (1,) * n_spatial), canon_out
         )
-        parts.append(gather(per_feature, co_index))
+        parts.append(gather(per_feature, np.transpose(co_index, to_out)))
     if not parts:
         return empty(out_shape, lhs.n_labels)
-    canon_deps = union(*parts)
-    return transpose(canon_deps, [int(a) for a in np.argsort(out_spec)])
+    return union(*parts)
 
 
 # A constant operand's own zeros are used when it is at most this dense (else the cheaper
