@@ -57,20 +57,7 @@ class Spec:
     has_aux: bool
     coupling: str
     fname: str
-    prefer_reverse: bool | None
-
-
-def _spec(
-    backend: Backend,
-    fun: Callable[..., Any],
-    argnums: int,
-    batch_axis: int | None,
-    has_aux: bool,
-    coupling: str,
-    fname: str,
-    prefer_reverse: bool | None = None,
-) -> Spec:
-    return Spec(backend, fun, argnums, batch_axis, has_aux, coupling, fname, prefer_reverse)
+    prefer_reverse: bool | None = None  # None: the backend decides from the traced program
 
 
 @dataclass
@@ -260,12 +247,15 @@ def _jacobian_values(call: Call, mode: str, chunk_size: int | None) -> tuple[Arr
     """Per-sample Jacobians ``(B, n_out, n_in)`` and aux."""
     backend = call.backend
     found = call.detect(per_sample=mode in ("sparse", "auto"), auto=mode == "auto")
+    reverse = call.prefer_reverse(found)
     if found.coupling is not None:  # one pass per (sample, element), in the cheaper direction
-        n_in, n_out = call.n_in, call.n_out
-        cheaper_rev = n_out < n_in or (n_out == n_in and call.prefer_reverse(found))
-        return _coupled_jacobian(call, mode == "rev" or (mode != "fwd" and cheaper_rev), chunk_size)
+        dense_mode = mode if mode in ("fwd", "rev") else "auto"
+        direction = plan.jacobian_plan(
+            dense_mode, call.n_in, call.n_out, None, prefer_reverse=reverse
+        )
+        return _coupled_jacobian(call, direction.reverse, chunk_size)
     the_plan = plan.jacobian_plan(
-        mode, call.n_in, call.n_out, found.pattern, prefer_reverse=call.prefer_reverse(found)
+        mode, call.n_in, call.n_out, found.pattern, prefer_reverse=reverse
     )
     compressed, aux = _compressed(call, the_plan, chunk_size)  # (k, B, n_other)
     if not the_plan.is_sparse:
@@ -375,7 +365,7 @@ def jacobian(
         return jacobians
     checks.check_choice("mode", mode, plan.JACOBIAN_MODES, fname="jacobian")
     checks.check_coupling_option(coupling, fname="jacobian")
-    spec = _spec(backend, f, argnums, batch_axis, has_aux, coupling, "jacobian")
+    spec = Spec(backend, f, argnums, batch_axis, has_aux, coupling, "jacobian")
 
     def jac_fn(*args: Any, **kwargs: Any) -> Any:
         call = _prepare(spec, args, kwargs)
@@ -511,7 +501,7 @@ def _divergence_transform(
     checks.check_choice("method", ds.method, plan.DIVERGENCE_METHODS, fname=fname)
     checks.check_choice("distribution", ds.distribution, est.DISTRIBUTIONS, fname=fname)
     checks.check_coupling_option(coupling, fname=fname)
-    spec = _spec(backend, f, argnums, batch_axis, has_aux, coupling, fname, prefer_reverse)
+    spec = Spec(backend, f, argnums, batch_axis, has_aux, coupling, fname, prefer_reverse)
     keyword = backend.randomness_keyword
 
     def value_and_div(*args: Any, **kwargs: Any) -> tuple[Array, Any, Any]:
@@ -761,7 +751,7 @@ def sparsity(
         A :class:`~divjac.SparsityPattern` with the per-sample CSR pattern, colorings and
         ``is_batch_independent`` (a coupled function is reported, not refused).
     """
-    spec = _spec(backend, f, argnums, batch_axis, has_aux, "exact", "sparsity")
+    spec = Spec(backend, f, argnums, batch_axis, has_aux, "exact", "sparsity")
     call = _prepare(spec, args, kwargs)
     found = call.detect(per_sample=True)
     assert found is not None and found.pattern is not None
@@ -787,7 +777,7 @@ def sparse_jacobian(
     ``H*W x H*W`` dense array is formed.
     """
     fmt = backend.sparse_format(**sparse_format)
-    spec = _spec(backend, f, argnums, batch_axis, has_aux, "raise", "sparse_jacobian")
+    spec = Spec(backend, f, argnums, batch_axis, has_aux, "raise", "sparse_jacobian")
 
     def sparse_fn(*args: Any, **kwargs: Any) -> Any:
         call = _prepare(spec, args, kwargs)

@@ -459,6 +459,9 @@ def test_detection_runs_once_per_shape(monkeypatch):
     np.testing.assert_allclose(div(x + 1.0), divergence(f, method="exact")(x + 1.0), rtol=1e-10)
     np.testing.assert_allclose(div(x), first)
     assert len(calls) == 1
+    divergence(f)(x)  # "auto" (detection with a limit) reuses the completed detection
+    jacobian(f)(x)
+    assert len(calls) == 1
     div(_normal(17, (3, 6, 6, 2)))
     assert len(calls) == 2
     jitted = jax.jit(div)

@@ -221,10 +221,11 @@ class Traced:
         ``(B*n_out, B*n_in)`` one (used to compute exact diagonal blocks of coupled functions).
         """
         key = (per_sample, whole_batch, max_entries)
-        if not per_sample:  # a per-sample detection also decided coupling: reuse it
-            for (ps, wb, _), found in self._detections.items():
-                if ps and wb == whole_batch and found is not None:
-                    return found
+        # A completed detection holds whatever its limit was; a per-sample one also decided
+        # coupling. Reuse it rather than detecting again.
+        for (ps, wb, _), found in self._detections.items():
+            if found is not None and wb == whole_batch and (ps or not per_sample):
+                return found
         if key not in self._detections:
             self._detections[key] = detect(
                 self.x_shape,
