@@ -19,8 +19,8 @@ from divjac.models import jax as models
 
 
 def _draws(div, args, keys):
-    """``div(*args, key=k)`` for every key, a bounded number of draws at once (memory)."""
-    return jax.jit(lambda keys: jax.lax.map(lambda k: div(*args, key=k), keys, batch_size=20))(keys)
+    """``div(k, *args)`` for every key, a bounded number of draws at once (memory)."""
+    return jax.jit(lambda keys: jax.lax.map(lambda k: div(k, *args), keys, batch_size=20))(keys)
 
 
 def _rms_errors(f, args, argnum, exact, methods, budget, n_keys):
@@ -105,7 +105,7 @@ def run(quick: bool) -> list[Result]:
         _, t = jax.jvp(lambda x: models.cnn(params, x), (x,), (v,))
         return jnp.sum((t * v).reshape(x.shape[0], -1), axis=1)
 
-    t_est = best_time(lambda: hutch(cnn_params, xc, key=key), repeat=5) / k
+    t_est = best_time(lambda: hutch(key, cnn_params, xc), repeat=5) / k
     t_jvp = best_time(lambda: one_jvp(cnn_params, xc, v), repeat=5)
     results.append(
         Result(

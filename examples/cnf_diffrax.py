@@ -42,11 +42,11 @@ def log_likelihood(
 ) -> jax.Array:
     """Per-sample ``log p(x)`` of the CNF, shape ``(B,)`` (fixed-step Tsit5 over ``[0, 1]``)."""
     field = value_and_divergence(velocity, argnums=1, method=method, num_probes=num_probes)
-    noise = {} if key is None else {"key": key}  # the same key at every step: fixed noise
+    noise = () if key is None else (key,)  # the same key at every step: fixed noise
 
     def dynamics(t: Any, state: tuple[jax.Array, jax.Array], args: Any) -> Any:
         z, _ = state
-        dz, div = field(params, z, t, **noise)
+        dz, div = field(*noise, params, z, t)  # a stochastic method takes its key first
         return dz, -div
 
     solution = diffrax.diffeqsolve(

@@ -8,8 +8,8 @@ distribution (``t = 1``), and
 ``torchdiffeq.odeint`` integrates the augmented state ``(z, -integral div f)``; divjac's
 ``value_and_divergence`` gives ``f`` and its per-sample divergence from one forward pass, exactly
 or by Hutchinson's estimator with noise fixed across the solve: the probes are drawn once and
-passed as ``probes=`` at every step (``generator=torch.Generator().manual_seed(s)`` created inside
-the dynamics would do the same).
+passed first at every step (a ``torch.Generator().manual_seed(s)`` created inside the dynamics
+and passed first would do the same).
 
 Run: ``python examples/cnf_torchdiffeq.py``
 """
@@ -42,11 +42,11 @@ def log_likelihood(
 ) -> torch.Tensor:
     """Per-sample ``log p(x)`` of the CNF, shape ``(B,)`` (fixed-step RK4 over ``[0, 1]``)."""
     field = value_and_divergence(velocity, argnums=1, method=method, num_probes=num_probes)
-    noise = {} if probes is None else {"probes": probes}  # the same probes at every step
+    noise = () if probes is None else (probes,)  # the same probes at every step
 
     def dynamics(t: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]) -> Any:
         z, _ = state
-        dz, div = field(params, z, t, **noise)
+        dz, div = field(*noise, params, z, t)  # a stochastic method takes its probes first
         return dz, -div
 
     times = torch.tensor([0.0, 1.0], dtype=x.dtype)

@@ -33,7 +33,7 @@ def sliced_loss(params: Any, x: jax.Array, key: jax.Array, num_probes: int = 1) 
     """Sliced score matching loss (variance-reduced): ``mean(v^T J v + |s|^2 / 2)``."""
     trace = divergence(
         score, argnums=1, method="hutchinson", num_probes=num_probes, distribution="gaussian"
-    )(params, x, key=key)
+    )(key, params, x)  # the randomness comes first; f's own arguments follow
     s = score(params, x)
     return jnp.mean(trace + 0.5 * jnp.sum(s**2, axis=1))
 

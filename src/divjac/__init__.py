@@ -20,6 +20,20 @@ from ._errors import (
 
 __version__ = "0.1.0"
 
+
+def clear_caches() -> None:
+    """Drop the cached traces and detections of every divjac backend already imported.
+
+    Imports no framework: a backend that was never imported has nothing cached.
+    """
+    import sys
+
+    for name in ("divjac.jax", "divjac.torch"):
+        backend = sys.modules.get(name)
+        if backend is not None:
+            backend.clear_caches()
+
+
 __all__ = [
     "ArgnumsError",
     "BatchAxisError",
@@ -33,4 +47,5 @@ __all__ = [
     "NumProbesError",
     "OutputError",
     "__version__",
+    "clear_caches",
 ]

@@ -61,16 +61,13 @@ class Backend(abc.ABC):
         param_grad_hint: how to differentiate w.r.t. parameters instead (in messages).
         input_cast_hint: how to cast an integer input to floats (in messages).
         output_cast_hint: how to cast an integer output to floats (in messages).
-        randomness_keyword: the keyword of a transformed function that takes the randomness of
-            a stochastic method (``key`` or ``generator``).
-        randomness_example: that keyword with an example value (in messages).
+        randomness_example: a source of randomness of the framework (in messages).
     """
 
     array_noun: str
     param_grad_hint: str
     input_cast_hint: str
     output_cast_hint: str
-    randomness_keyword: str
     randomness_example: str
 
     # --- arrays and dtypes --------------------------------------------------------------------
@@ -184,6 +181,10 @@ class Backend(abc.ABC):
         """The dense ``(B, n_out, n_in)`` array holding ``values`` (``(B, nnz)``) at ``rows, cols``."""
 
     # --- randomness and sparse results --------------------------------------------------------
+
+    @abc.abstractmethod
+    def is_randomness(self, x: Any) -> bool:
+        """Whether ``x`` is a source of randomness for :meth:`draw` (a key, a generator)."""
 
     @abc.abstractmethod
     def draw(self, randomness: Any, shape: Sequence[int], distribution: str, like: Array) -> Array:

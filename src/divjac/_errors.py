@@ -45,7 +45,7 @@ class NumProbesError(DivjacError, ValueError):
 
 
 class MissingKeyError(DivjacError, TypeError):
-    """A stochastic method was called without its source of randomness (``key`` / ``generator``)."""
+    """A stochastic method was called without its randomness (a key, generator or probes) first."""
 
 
 class DenseFallbackWarning(UserWarning):

@@ -29,7 +29,7 @@ from ._backend import Array, Backend, Linear, Seed
 from ._core import checks, estimators as est, plan, stochastic
 from ._core.detection import AUTO_DETECTION_ENTRIES, Detection, Traced
 from ._core.pattern import SparsityPattern
-from ._errors import ArgnumsError, OutputError
+from ._errors import ArgnumsError, BatchAxisError, OutputError
 
 __all__ = [
     "bind",
@@ -158,6 +158,12 @@ def _prepare(spec: Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     axis = checks.normalize_batch_axis(
         spec.batch_axis, x_shape, what="differentiated input", fname=fname
     )
+    if axis is not None and x_shape[axis] == 0:
+        raise BatchAxisError(
+            f"{fname}: the batch is empty (the differentiated input has shape {x_shape}, size "
+            f"0 on batch_axis={axis}): there is no sample to differentiate. Skip empty batches "
+            "(e.g. drop_last in the data loader), or check batch_axis."
+        )
     traced = backend.trace(
         spec.fun, args, kwargs, argnum=argnum, batch_axis=axis, has_aux=spec.has_aux
     )
@@ -419,14 +425,16 @@ def _exact_divergence(call: Call, ds: _DivSpec) -> tuple[Array, Array, Any]:
 
 
 def _stochastic_divergence(
-    call: Call, ds: _DivSpec, randomness: Any, probes: Any
+    call: Call, ds: _DivSpec, randomness: Any
 ) -> tuple[Array, Array, Array, Any]:
     """(batch-first value, estimate (B,), stderr (B,), aux) of a stochastic method."""
     fname = call.spec.fname
     checks.check_square(call.in_sample, call.out_sample, fname=fname)
     found = call.detect(per_sample=ds.method == "probing", auto=True)
-    if found.coupling is not None and ds.method in ("hutch++", "xtrace"):
-        raise checks.coupling_error(found.coupling, fname=fname, fallbacks=found.fallbacks)
+    if found.coupling is not None and ds.method in ("hutch++", "xtrace"):  # coupling="exact"
+        raise checks.coupling_error(
+            found.coupling, fname=fname, fallbacks=found.fallbacks, method=ds.method
+        )
     B, n = call.batch_size, call.n_in
     linear = call.backend.linearize(call, found.has_custom_vjp)
     matvec = _batched_matvec(call, linear, ds.chunk_size)
@@ -439,14 +447,14 @@ def _stochastic_divergence(
             probing_distance=ds.probing_distance,
             need_stderr=ds.return_stderr,
         )
-        signs = _draw(call, randomness, probes, (B, n, reps), "rademacher")
+        signs = _draw(call, randomness, (B, n, reps), "rademacher")
         estimate, stderr = est.probing(
             matvec, colors, signs, exact=exact, num_colors=int(colors.max()) + 1
         )
     else:
         num = ds.num_probes or stochastic.default_num_probes(ds.method, n)
         k = est.num_random_vectors(ds.method, num, n)
-        V = _draw(call, randomness, probes, (B, n, k), ds.distribution)
+        V = _draw(call, randomness, (B, n, k), ds.distribution)
         estimate, stderr = est.estimate_trace(ds.method, matvec, V)
     return linear.value, estimate, stderr, linear.aux
 
@@ -466,24 +474,50 @@ def _batched_matvec(call: Call, linear: Linear, chunk_size: int | None) -> Calla
     return matvec
 
 
-def _draw(
-    call: Call, randomness: Any, probes: Any, shape: tuple[int, int, int], distribution: str
-) -> Array:
+def _is_probes(backend: Backend, randomness: Any) -> bool:
+    """Whether the randomness argument is the caller's own probes (a floating array)."""
+    return backend.is_array(randomness) and backend.is_floating_input(randomness.dtype)
+
+
+def _draw(call: Call, randomness: Any, shape: tuple[int, int, int], distribution: str) -> Array:
     """Probes ``(B, n, k)``: the caller's (reusable noise) or drawn from ``randomness``."""
     backend, fname = call.backend, call.spec.fname
     B, n, k = shape
-    if probes is not None:
-        probes = backend.asarray(probes, like=call.xb)
+    if _is_probes(backend, randomness):
+        probes = backend.asarray(randomness, like=call.xb)
         axis = call.spec.batch_axis
         x_shape = stochastic.caller_shape(call.in_sample, B, axis)
         if stochastic.check_probes_shape(tuple(probes.shape), x_shape, k, fname=fname):
             probes = probes[None]
         moved = probes[:, None] if axis is None else backend.moveaxis(probes, axis + 1, 1)
         return backend.moveaxis(moved.reshape(k, B, n), 0, -1)
-    if randomness is None:
-        raise stochastic.missing_randomness(fname, backend.randomness_example)
     raw = backend.draw(randomness, shape, distribution, like=call.xb)
     return est.normalize_probes(raw, distribution)
+
+
+def _split_randomness(
+    backend: Backend, stochastic_method: bool, args: tuple[Any, ...], fname: str
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """``((randomness,), f's arguments)`` of a stochastic transform's call, ``((), args)``
+    of an exact one.
+
+    The randomness of a stochastic method is the first positional argument of the transformed
+    function (a key or generator, or the caller's probes), so that it can never collide with
+    ``f``'s own arguments and keywords: every keyword of the call reaches ``f``.
+    """
+    if not stochastic_method:
+        return (), args
+    if len(args) < 2 or not (_is_probes(backend, args[0]) or backend.is_randomness(args[0])):
+        if not args:
+            got = "no argument"
+        elif len(args) == 1:
+            got = "one argument only (f's own arguments follow the randomness)"
+        else:
+            got = f"{type(args[0]).__name__}"
+            if backend.is_array(args[0]):
+                got += f" of dtype {args[0].dtype}"
+        raise stochastic.missing_randomness(fname, backend.randomness_example, got)
+    return (args[0],), args[1:]
 
 
 def _divergence_transform(
@@ -502,20 +536,14 @@ def _divergence_transform(
     checks.check_choice("distribution", ds.distribution, est.DISTRIBUTIONS, fname=fname)
     checks.check_coupling_option(coupling, fname=fname)
     spec = Spec(backend, f, argnums, batch_axis, has_aux, coupling, fname, prefer_reverse)
-    keyword = backend.randomness_keyword
+    stochastic_method = ds.method in plan.STOCHASTIC_METHODS
 
     def value_and_div(*args: Any, **kwargs: Any) -> tuple[Array, Any, Any]:
-        randomness = kwargs.pop(keyword, None)
-        probes = kwargs.pop("probes", None)
+        randomness, args = _split_randomness(backend, stochastic_method, args, fname)
         call = _prepare(spec, args, kwargs)
-        if ds.method in plan.STOCHASTIC_METHODS:
-            y, div, stderr, aux = _stochastic_divergence(call, ds, randomness, probes)
+        if randomness:
+            y, div, stderr, aux = _stochastic_divergence(call, ds, randomness[0])
         else:
-            if probes is not None:
-                raise ValueError(
-                    f"{fname}: probes= is only used by the stochastic methods "
-                    f"{plan.STOCHASTIC_METHODS}; method={ds.method!r} is exact."
-                )
             y, div, aux = _exact_divergence(call, ds)
             stderr = backend.zeros_like(div)
         if call.spec.batch_axis is None:
@@ -589,14 +617,17 @@ divergence = _divergence_like(
 
     Returns:
         A function with ``f``'s signature returning the per-sample divergence, shape ``(B,)``.
-        Stochastic methods take the keyword ``probes=`` (the caller's probes) or a source of
-        randomness: ``key=`` (a JAX PRNG key) or ``generator=`` (a ``torch.Generator``).
+        The function of a stochastic method takes one more argument, **first**: its
+        randomness, a JAX PRNG key (``jax.random.key(0)``) or a ``torch.Generator`` (``None``:
+        torch's global generator), or the caller's own probes (a floating array of shape
+        ``(k, *x.shape)``, or ``x.shape`` for one). Every argument and keyword after it is
+        ``f``'s and reaches ``f`` untouched (``key=`` of an Equinox model included).
 
     Raises:
         NonSquareJacobianError: output and input samples differ in shape.
         BatchCouplingError: ``f`` mixes samples (with ``coupling="raise"``).
-        MissingKeyError: a stochastic method was called without ``key`` / ``generator`` or
-            ``probes``.
+        MissingKeyError: a stochastic method's function was called without its randomness
+            (a key, generator or probes) as its first argument.
         NumProbesError: ``num_probes`` or ``probes`` do not fit the method.
     """,
 )
@@ -647,11 +678,14 @@ def grad_divergence(
         coupling=coupling,
     )
 
+    stochastic_method = method in plan.STOCHASTIC_METHODS
+
     def grad_fn(*args: Any, **kwargs: Any) -> Array:
+        randomness, args = _split_randomness(backend, stochastic_method, args, "grad_divergence")
         argnum = checks.normalize_argnum(argnums, len(args), fname="grad_divergence")
 
         def divergences(x: Array) -> Array:
-            return div(*args[:argnum], x, *args[argnum + 1 :], **kwargs)
+            return div(*randomness, *args[:argnum], x, *args[argnum + 1 :], **kwargs)
 
         return backend.grad_of_sum(divergences, args[argnum])
 

@@ -86,21 +86,23 @@ def test_bad_options():
 
 
 def test_stochastic_method_without_key():
-    with pytest.raises(divjac.MissingKeyError, match=r"key=jax.random.key\(0\)"):
+    with pytest.raises(divjac.MissingKeyError, match=r"fn\(jax.random.key\(0\), \*args"):
         divergence(lambda x: x, method="hutchinson")(X)
+    with pytest.raises(divjac.MissingKeyError, match="got int"):
+        divergence(lambda x: x, method="hutchinson")(0, X)
+    with pytest.raises(divjac.MissingKeyError, match="got ArrayImpl of dtype int32"):
+        divergence(lambda x: x, method="hutchinson")(jnp.arange(3, dtype=jnp.int32), X)
 
 
 def test_num_probes_errors():
     with pytest.raises(divjac.NumProbesError, match="multiple of 3"):
-        divergence(lambda x: x, method="hutch++", num_probes=4)(X, key=jax.random.key(0))
+        divergence(lambda x: x, method="hutch++", num_probes=4)(jax.random.key(0), X)
     with pytest.raises(divjac.NumProbesError, match="even"):
-        divergence(lambda x: x, method="xtrace", num_probes=3)(X, key=jax.random.key(0))
+        divergence(lambda x: x, method="xtrace", num_probes=3)(jax.random.key(0), X)
     with pytest.raises(divjac.NumProbesError, match="method='exact' costs n=3"):
-        divergence(lambda x: x, method="xtrace", num_probes=8)(X, key=jax.random.key(0))
+        divergence(lambda x: x, method="xtrace", num_probes=8)(jax.random.key(0), X)
     with pytest.raises(divjac.NumProbesError, match="needs 4 random vectors"):
-        divergence(lambda x: x, method="hutchinson", num_probes=4)(X, probes=jnp.ones((2, 4, 3)))
-    with pytest.raises(ValueError, match="only used by the stochastic"):
-        divergence(lambda x: x)(X, probes=jnp.ones((1, 4, 3)))
+        divergence(lambda x: x, method="hutchinson", num_probes=4)(jnp.ones((2, 4, 3)), X)
 
 
 # --- batch coupling -------------------------------------------------------------------------
@@ -133,7 +135,7 @@ def test_coupled_functions_raise_everywhere():
     ]
     for fn in transforms:
         with pytest.raises(divjac.BatchCouplingError, match="output sample 0 depends on input"):
-            fn(x, key=jax.random.key(0)) if fn is transforms[-1] else fn(x)
+            fn(jax.random.key(0), x) if fn is transforms[-1] else fn(x)
     with pytest.raises(divjac.BatchCouplingError, match="coupling='exact'"):
         jax.jit(divergence(center))(x)  # decided from the traced program, under jit too
 

@@ -40,7 +40,7 @@ def _estimates(method, distribution, num_probes, params, x, n_keys, seed=0):
         return_stderr=True,
     )
     keys = jax.random.split(jax.random.key(seed), n_keys)
-    return jax.jit(jax.vmap(lambda k: div(params, x, key=k)))(keys)
+    return jax.jit(jax.vmap(lambda k: div(k, params, x)))(keys)
 
 
 @pytest.mark.parametrize(("method", "distribution", "num_probes"), METHODS)
@@ -78,9 +78,9 @@ def test_hutchpp_and_xtrace_are_exact_on_low_rank_jacobians():
     exact = jnp.trace(U @ V.T) * jnp.ones(4)
     key = jax.random.key(7)
     for method, budget in [("hutch++", 12), ("xtrace", 10)]:
-        got = divergence(f, method=method, num_probes=budget)(x, key=key)
+        got = divergence(f, method=method, num_probes=budget)(key, x)
         np.testing.assert_allclose(got, exact, rtol=1e-8)
-    rough = divergence(f, method="hutchinson", num_probes=12)(x, key=key)
+    rough = divergence(f, method="hutchinson", num_probes=12)(key, x)
     assert np.max(np.abs(rough - exact)) > 1e-3
 
 
@@ -91,7 +91,7 @@ def test_probing_with_a_valid_diagonal_coloring_is_exact():
     x = jax.random.normal(jax.random.key(9), (3, 8, 8, 2))
     exact = traces(jax_diagonal_blocks(models.cnn, (params, x), 1), (8, 8, 2))
     div, err = divergence(models.cnn, 1, method="probing", num_probes=8, return_stderr=True)(
-        params, x, key=jax.random.key(10)
+        jax.random.key(10), params, x
     )  # 4C = 8 diagonal colors fit the budget: exact, zero variance
     np.testing.assert_allclose(div, exact, rtol=1e-10)
     np.testing.assert_array_equal(err, 0.0)
@@ -107,7 +107,7 @@ def test_probing_beats_hutchinson_when_the_jacobian_is_concentrated_near_the_dia
 
     def mse(method):
         div = divergence(models.unet, 1, method=method, num_probes=27)
-        est = jax.jit(jax.vmap(lambda k: div(params, x, key=k)))(keys)
+        est = jax.jit(jax.vmap(lambda k: div(k, params, x)))(keys)
         return np.mean((np.asarray(est) - exact) ** 2)
 
     assert mse("probing") < mse("hutchinson") / 5
@@ -121,7 +121,7 @@ def test_probing_distance_option():
     div, err = divergence(
         models.cnn, 1, method="probing", num_probes=27, probing_distance=(2, 2, None),
         return_stderr=True,
-    )(params, x, key=jax.random.key(16))  # fmt: skip
+    )(jax.random.key(16), params, x)  # fmt: skip
     np.testing.assert_allclose(div, exact, rtol=1e-10)
     np.testing.assert_array_equal(err, 0.0)  # recognized as a valid diagonal coloring
 
@@ -130,15 +130,15 @@ def test_same_key_or_same_probes_give_the_same_estimate():
     params, x, _ = _mlp()
     div = divergence(models.mlp, 1, method="hutch++", num_probes=6)
     key = jax.random.key(14)
-    np.testing.assert_array_equal(div(params, x, key=key), div(params, x, key=key))
-    assert not np.allclose(div(params, x, key=key), div(params, x, key=jax.random.key(15)))
+    np.testing.assert_array_equal(div(key, params, x), div(key, params, x))
+    assert not np.allclose(div(key, params, x), div(jax.random.key(15), params, x))
     probes = jax.random.normal(key, (4, *x.shape))  # hutch++ with 6 matvecs: 4 random vectors
-    np.testing.assert_array_equal(div(params, x, probes=probes), div(params, x, probes=probes))
+    np.testing.assert_array_equal(div(probes, params, x), div(probes, params, x))
     one = jax.random.rademacher(key, x.shape, jnp.float64)
     hutch = divergence(models.mlp, 1, method="hutchinson", num_probes=1)
     J = jax_diagonal_blocks(models.mlp, (params, x), 1)
     np.testing.assert_allclose(
-        hutch(params, x, probes=one), np.einsum("bi,bij,bj->b", one, J, one), rtol=1e-12
+        hutch(one, params, x), np.einsum("bi,bij,bj->b", one, J, one), rtol=1e-12
     )
 
 
@@ -147,7 +147,7 @@ def test_value_and_divergence_with_every_method(method, num_probes):
     params, x, _ = _mlp()
     value, (div, err) = value_and_divergence(
         models.mlp, 1, method=method, num_probes=num_probes, return_stderr=True
-    )(params, x, key=jax.random.key(16))
+    )(jax.random.key(16), params, x)
     np.testing.assert_allclose(value, models.mlp(params, x), rtol=1e-12)
     assert div.shape == err.shape == (3,)
 
@@ -157,9 +157,7 @@ def test_gradients_wrt_params_match_brute_force_for_fixed_probes():
     probes = jax.random.rademacher(jax.random.key(17), (5, *x.shape), jnp.float64)
 
     def estimate(p):
-        return jnp.sum(
-            divergence(models.mlp, 1, method="hutchinson", num_probes=5)(p, x, probes=probes)
-        )
+        return jnp.sum(divergence(models.mlp, 1, method="hutchinson", num_probes=5)(probes, p, x))
 
     def brute(p):
         J = jax.vmap(jax.jacfwd(lambda xi: models.mlp(p, xi)))(x)
@@ -180,7 +178,7 @@ def test_gradients_are_unbiased_in_expectation():
         return jnp.sum(divergence(models.mlp, 1, method="exact")(p, x))
 
     def stochastic_loss(p, key):
-        return jnp.sum(divergence(models.mlp, 1, method="hutchinson", num_probes=2)(p, x, key=key))
+        return jnp.sum(divergence(models.mlp, 1, method="hutchinson", num_probes=2)(key, p, x))
 
     keys = jax.random.split(jax.random.key(18), 3000)
     grads = jax.jit(jax.vmap(jax.grad(stochastic_loss), in_axes=(None, 0)))(params, keys)
@@ -194,15 +192,13 @@ def test_coupled_functions_with_stochastic_methods():
     x = jax.random.normal(jax.random.key(19), (4, 3))
     center = lambda x: jnp.tanh(x - x.mean(0))  # noqa: E731
     with pytest.raises(divjac.BatchCouplingError):
-        divergence(center, method="hutchinson")(x, key=jax.random.key(0))
+        divergence(center, method="hutchinson")(jax.random.key(0), x)
     with pytest.raises(divjac.BatchCouplingError):
-        divergence(center, method="xtrace", num_probes=2, coupling="exact")(
-            x, key=jax.random.key(0)
-        )
+        divergence(center, method="xtrace", num_probes=2, coupling="exact")(jax.random.key(0), x)
     # Independent probes per sample keep Hutchinson unbiased for the diagonal blocks.
     exact = traces(jax_diagonal_blocks(center, (x,)), (3,))
     div = divergence(center, method="hutchinson", num_probes=2, coupling="exact")
     keys = jax.random.split(jax.random.key(20), 4000)
-    est = jax.jit(jax.vmap(lambda k: div(x, key=k)))(keys)
+    est = jax.jit(jax.vmap(lambda k: div(k, x)))(keys)
     sem = est.std(0) / np.sqrt(len(est))
     np.testing.assert_array_less(np.abs(est.mean(0) - exact), 4 * sem)

@@ -97,25 +97,25 @@ def test_bad_options():
 
 def test_stochastic_method_without_generator():
     with pytest.raises(
-        divjac.MissingKeyError, match=r"generator=torch.Generator\(\).manual_seed\(0\)"
+        divjac.MissingKeyError, match=r"fn\(torch.Generator\(\).manual_seed\(0\), \*args"
     ):
         divergence(lambda x: x, method="hutchinson")(X)
+    with pytest.raises(divjac.MissingKeyError, match="got int"):
+        divergence(lambda x: x, method="hutchinson")(0, X)
     assert issubclass(divjac.MissingKeyError, TypeError)
 
 
 def test_num_probes_errors():
     with pytest.raises(divjac.NumProbesError, match="multiple of 3"):
-        divergence(lambda x: x, method="hutch++", num_probes=4)(X, generator=GEN)
+        divergence(lambda x: x, method="hutch++", num_probes=4)(GEN, X)
     with pytest.raises(divjac.NumProbesError, match="even"):
-        divergence(lambda x: x, method="xtrace", num_probes=3)(X, generator=GEN)
+        divergence(lambda x: x, method="xtrace", num_probes=3)(GEN, X)
     with pytest.raises(divjac.NumProbesError, match="method='exact' costs n=3"):
-        divergence(lambda x: x, method="xtrace", num_probes=8)(X, generator=GEN)
+        divergence(lambda x: x, method="xtrace", num_probes=8)(GEN, X)
     with pytest.raises(divjac.NumProbesError, match="needs 4 random vectors"):
-        divergence(lambda x: x, method="hutchinson", num_probes=4)(X, probes=torch.ones(2, 4, 3))
+        divergence(lambda x: x, method="hutchinson", num_probes=4)(torch.ones(2, 4, 3), X)
     with pytest.raises(divjac.NumProbesError, match="shape of the differentiated input"):
-        divergence(lambda x: x, method="hutchinson")(X, probes=torch.ones(16, 3, 4))
-    with pytest.raises(ValueError, match="only used by the stochastic"):
-        divergence(lambda x: x)(X, probes=torch.ones(1, 4, 3))
+        divergence(lambda x: x, method="hutchinson")(torch.ones(16, 3, 4), X)
 
 
 def test_unknown_operation_is_dense_with_a_warning_naming_it():
@@ -151,7 +151,7 @@ def test_coupled_functions_raise_everywhere():
     ]
     for fn in transforms:
         with pytest.raises(divjac.BatchCouplingError, match="output sample 0 depends on input"):
-            fn(x, generator=GEN) if fn is transforms[-1] else fn(x)
+            fn(GEN, x) if fn is transforms[-1] else fn(x)
 
 
 def test_batchnorm_train_mode_is_detected_and_eval_mode_is_fine():

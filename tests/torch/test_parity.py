@@ -128,10 +128,10 @@ def test_stochastic_estimates_agree_for_the_same_probes():
     probes = np.array(jax.random.normal(jax.random.key(7), (6, 5, 4), jnp.float64))
     for method, num, k in (("hutchinson", 6, 6), ("hutch++", 6, 4), ("xtrace", 6, 3)):
         got = dt.divergence(tf, 1, method=method, num_probes=num, return_stderr=True)(
-            tp, torch.as_tensor(tx), probes=torch.as_tensor(probes[:k])
+            torch.as_tensor(probes[:k]), tp, torch.as_tensor(tx)
         )
         expected = dj.divergence(jf, 1, method=method, num_probes=num, return_stderr=True)(
-            jp, jx, probes=jnp.asarray(probes[:k])
+            jnp.asarray(probes[:k]), jp, jx
         )
         np.testing.assert_allclose(got[0], expected[0], rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(got[1], expected[1], rtol=1e-7, atol=1e-12)

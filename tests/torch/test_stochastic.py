@@ -43,7 +43,7 @@ def test_unbiased_over_many_generator_seeds(method, distribution, num_probes):
         return_stderr=True,
     )
     estimates = torch.stack(
-        [div(params, x, generator=torch.Generator().manual_seed(s))[0] for s in range(300)]
+        [div(torch.Generator().manual_seed(s), params, x)[0] for s in range(300)]
     ).numpy()
     mean = estimates.mean(0)
     sem = estimates.std(0, ddof=1) / np.sqrt(len(estimates))
@@ -53,7 +53,7 @@ def test_unbiased_over_many_generator_seeds(method, distribution, num_probes):
 def test_stderr_is_calibrated():
     params, x, _ = _case()
     div = divergence(models.mlp, 1, method="hutchinson", num_probes=8, return_stderr=True)
-    draws = [div(params, x, generator=torch.Generator().manual_seed(s)) for s in range(300)]
+    draws = [div(torch.Generator().manual_seed(s), params, x) for s in range(300)]
     estimates = torch.stack([d[0] for d in draws]).numpy()
     reported = torch.stack([d[1] for d in draws]).numpy()
     spread = estimates.std(0, ddof=1)
@@ -64,13 +64,13 @@ def test_stderr_is_calibrated():
 def test_same_seed_same_estimate_and_noise_can_be_kept_fixed():
     params, x, _ = _case()
     div = divergence(models.mlp, 1, method="hutch++", num_probes=6)
-    a = div(params, x, generator=torch.Generator().manual_seed(3))
-    b = div(params, x, generator=torch.Generator().manual_seed(3))
-    c = div(params, x, generator=torch.Generator().manual_seed(4))
+    a = div(torch.Generator().manual_seed(3), params, x)
+    b = div(torch.Generator().manual_seed(3), params, x)
+    c = div(torch.Generator().manual_seed(4), params, x)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not torch.allclose(a, c)
     gen = torch.Generator().manual_seed(3)
-    first, second = div(params, x, generator=gen), div(params, x, generator=gen)
+    first, second = div(gen, params, x), div(gen, params, x)
     assert not torch.allclose(first, second)  # a generator advances, like any torch draw
 
 
@@ -78,12 +78,12 @@ def test_user_probes_are_reproducible_and_match_the_formula():
     params, x, _ = _case()
     probes = torch.randn(5, *x.shape, generator=torch.Generator().manual_seed(0), dtype=D)
     div = divergence(models.mlp, 1, method="hutchinson", num_probes=5)
-    got = div(params, x, probes=probes)
-    torch.testing.assert_close(got, div(params, x, probes=probes), rtol=0, atol=0)
+    got = div(probes, params, x)
+    torch.testing.assert_close(got, div(probes, params, x), rtol=0, atol=0)
     J = torch.as_tensor(torch_diagonal_blocks(models.mlp, (params, x), 1))
     expected = torch.einsum("kbi,bij,kbj->b", probes, J, probes) / 5
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
-    one = divergence(models.mlp, 1, method="hutchinson", num_probes=1)(params, x, probes=probes[0])
+    one = divergence(models.mlp, 1, method="hutchinson", num_probes=1)(probes[0], params, x)
     torch.testing.assert_close(one, torch.einsum("bi,bij,bj->b", probes[0], J, probes[0]))
 
 
@@ -92,11 +92,9 @@ def test_probes_follow_the_batch_axis():
     probes = torch.randn(4, *x.shape, generator=torch.Generator().manual_seed(0), dtype=D)
     f = lambda x: models.mlp(params, x.T).T  # noqa: E731  (batch on axis 1)
     got = divergence(f, batch_axis=1, method="hutchinson", num_probes=4)(
-        x.T, probes=probes.transpose(1, 2)
+        probes.transpose(1, 2), x.T
     )
-    expected = divergence(models.mlp, 1, method="hutchinson", num_probes=4)(
-        params, x, probes=probes
-    )
+    expected = divergence(models.mlp, 1, method="hutchinson", num_probes=4)(probes, params, x)
     torch.testing.assert_close(got, expected)
 
 
@@ -107,12 +105,12 @@ def test_probing_with_a_valid_diagonal_coloring_is_exact():
     exact = divergence(models.cnn, 1, method="sparse")(params, x)
     est, stderr = divergence(
         models.cnn, 1, method="probing", num_probes=pattern.n_diagonal_colors, return_stderr=True
-    )(params, x, generator=torch.Generator().manual_seed(0))
+    )(torch.Generator().manual_seed(0), params, x)
     torch.testing.assert_close(est, exact, rtol=1e-10, atol=1e-12)
     assert torch.all(stderr == 0)
     # With a smaller budget, probing is a (distance-limited) estimate with an error bar.
     rough, err = divergence(models.cnn, 1, method="probing", num_probes=8, return_stderr=True)(
-        params, x, generator=torch.Generator().manual_seed(0)
+        torch.Generator().manual_seed(0), params, x
     )
     assert torch.all(torch.isfinite(rough)) and torch.all(err >= 0)
 
@@ -125,7 +123,7 @@ def test_gradients_flow_to_module_parameters(method):
     num = {"hutchinson": 4, "hutch++": 6, "xtrace": 4}[method]
     k = {"hutchinson": 4, "hutch++": 4, "xtrace": 2}[method]
     probes = torch.randn(k, 3, 4, generator=torch.Generator().manual_seed(1), dtype=D)
-    est = divergence(net, method=method, num_probes=num)(x, probes=probes)
+    est = divergence(net, method=method, num_probes=num)(probes, x)
     (est**2).sum().backward()
     got = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in net.parameters()]
     net.zero_grad()

@@ -126,7 +126,7 @@ def test_cuda_tensors():
     assert jac.is_cuda
     np.testing.assert_allclose(jac.cpu(), jacobian(f, 1)(_mlp_case()[1][0], x), rtol=1e-10)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    est = divergence(f, 1, method="hutchinson")(params, x.cuda(), generator=gen)
+    est = divergence(f, 1, method="hutchinson")(gen, params, x.cuda())
     assert est.is_cuda
 
 
@@ -137,7 +137,7 @@ def test_value_and_divergence_shares_the_forward_value():
     np.testing.assert_allclose(div, divergence(f, argnum)(*args), rtol=1e-12)
     for method in ["exact", "sparse", "hutchinson"]:
         value, _ = value_and_divergence(f, argnum, method=method)(
-            *args, generator=torch.Generator().manual_seed(0)
+            torch.Generator().manual_seed(0), *args
         )
         np.testing.assert_allclose(value, f(*args), rtol=1e-12)
 
@@ -225,7 +225,7 @@ def test_tuple_argnums_and_has_aux():
     np.testing.assert_allclose(aux["norm"].detach(), torch.sum(net(x, t) ** 2).detach())
     for method in ["exact", "sparse", "hutchinson"]:
         div, aux2 = divergence(with_aux, 0, has_aux=True, method=method)(
-            x, t, generator=torch.Generator().manual_seed(0)
+            torch.Generator().manual_seed(0), x, t
         )
         assert set(aux2) == {"norm", "label"}
         if method != "hutchinson":

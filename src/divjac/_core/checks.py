@@ -41,6 +41,12 @@ def normalize_argnum(argnums: object, n_args: int, *, fname: str) -> int:
             f"{fname}: argnums must be an int selecting one positional argument; got "
             f"{argnums!r}. Pass e.g. argnums=0 (or a tuple of ints to `jacobian`)."
         )
+    if n_args == 0:
+        raise ArgnumsError(
+            f"{fname}: was called without positional arguments, so argnums={argnums} selects "
+            "nothing. Pass the differentiated array positionally: fn(x) (for `sparsity`, the "
+            "arguments come with the function: sparsity(f, x, ...))."
+        )
     if not -n_args <= argnums < n_args:
         raise ArgnumsError(
             f"{fname}: argnums={argnums} is out of range for a call with {n_args} positional "
@@ -125,8 +131,22 @@ def check_coupling_option(coupling: str, *, fname: str) -> None:
 
 
 def coupling_error(
-    coupling: Coupling, *, fname: str, fallbacks: frozenset[str] = frozenset()
+    coupling: Coupling,
+    *,
+    fname: str,
+    fallbacks: frozenset[str] = frozenset(),
+    method: str | None = None,
 ) -> BatchCouplingError:
+    """The error for a function that mixes samples; ``method``: a stochastic method that cannot
+    estimate diagonal blocks (so ``coupling="exact"`` was given and is not the fix)."""
+    if method is not None:
+        return BatchCouplingError(
+            f"{fname}: the function mixes samples (output sample {coupling.out_sample} depends "
+            f"on input sample {coupling.in_sample}), and method={method!r} cannot estimate the "
+            "traces of per-sample diagonal blocks: its low-rank sketch spans the whole batch. "
+            "With coupling='exact', use method='hutchinson' or 'probing' (unbiased for the "
+            "diagonal blocks), or an exact method ('exact', 'sparse', 'auto')."
+        )
     note = ""
     if fallbacks:
         note = (
@@ -141,5 +161,6 @@ def coupling_error(
         "mode. Per-sample results from the batch trick would be wrong. Either make the "
         "function per-sample (BatchNorm in eval mode, statistics per sample), or pass "
         "coupling='exact' to compute the true per-sample diagonal blocks of the batched "
-        "Jacobian at a higher cost (about batch_size times more passes)." + note
+        "Jacobian at a higher cost (about batch_size times more passes). If the input is one "
+        "sample rather than a batch, pass batch_axis=None." + note
     )

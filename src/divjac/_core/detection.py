@@ -208,9 +208,12 @@ class Traced:
     out_shape: tuple[int, ...]
     out_tree: Any
     pass_elements: int
-    _detections: dict[tuple[bool, bool, int | None], Detection | None] = field(
-        default_factory=dict, init=False, repr=False
+    detections: dict[tuple[bool, bool, int | None], Detection | None] = field(
+        default_factory=dict, repr=False, kw_only=True
     )
+    """What was detected, by ``(per_sample, whole_batch, max_entries)``; a backend whose
+    traces are made anew at every call shares one dict between the traces of the same
+    program (see :mod:`divjac.jax._detect`)."""
 
     def detect(
         self, *, per_sample: bool, whole_batch: bool = False, max_entries: int | None = None
@@ -223,11 +226,11 @@ class Traced:
         key = (per_sample, whole_batch, max_entries)
         # A completed detection holds whatever its limit was; a per-sample one also decided
         # coupling. Reuse it rather than detecting again.
-        for (ps, wb, _), found in self._detections.items():
+        for (ps, wb, _), found in self.detections.items():
             if found is not None and wb == whole_batch and (ps or not per_sample):
                 return found
-        if key not in self._detections:
-            self._detections[key] = detect(
+        if key not in self.detections:
+            self.detections[key] = detect(
                 self.x_shape,
                 self.out_shape,
                 self._propagate,
@@ -235,7 +238,7 @@ class Traced:
                 whole_batch=whole_batch,
                 max_entries=max_entries,
             )
-        return self._detections[key]
+        return self.detections[key]
 
     def _propagate(self, seeded: Deps, limit: EntryLimit | None) -> Propagated:
         """The dependency sets of the output given the seeded input (the backend's program)."""

@@ -146,15 +146,19 @@ def check_probes_shape(shape: Sequence[int], x_shape: Sequence[int], k: int, *, 
     return single
 
 
-def missing_randomness(fname: str, how: str) -> MissingKeyError:
-    """The error for a stochastic method called without randomness; ``how`` shows the keyword.
+def missing_randomness(fname: str, example: str, got: str) -> MissingKeyError:
+    """The error for a stochastic method called without its randomness first.
+
+    ``example`` is a source of randomness of the framework; ``got`` names what came first.
 
     Example:
-        >>> str(missing_randomness("divergence", "key=jax.random.key(0)"))[:42]
-        'divergence: a stochastic method needs rand'
+        >>> str(missing_randomness("divergence", "jax.random.key(0)", "nothing"))[:42]
+        'divergence: a stochastic method takes its'
     """
     return MissingKeyError(
-        f"{fname}: a stochastic method needs randomness: call the transformed function with "
-        f"{how} (the same seed gives the same estimate: reuse it to keep the noise fixed, e.g. "
-        "across an ODE solve), or pass your own probes=."
+        f"{fname}: a stochastic method takes its randomness as the first argument of the "
+        f"transformed function, before f's own: call it as fn({example}, *args, **kwargs), or "
+        f"pass your own probes first (a floating array of shape (k, *x.shape)); got {got}. "
+        "(The same key or seed gives the same estimate: reuse it, or the probes, to keep the "
+        "noise fixed, e.g. across an ODE solve. Keywords such as key= now reach f.)"
     )

@@ -410,15 +410,17 @@ class _Run:
                         case.fn, case.argnum, method=method, num_probes=budget, return_stderr=True
                     )
                     if method == "probing":  # its number of draws depends on its coloring
-                        kwargs = b.randomness(0)
+                        randomness = b.randomness(0)
                     else:
                         k = estimators.num_random_vectors(method, budget, case.n)
                         signs = np.random.default_rng(budget).choice(
                             np.array([-1.0, 1.0], np.float32), size=(k, *case.canonical_shape)
                         )
-                        kwargs = {"probes": case.convert(signs)}
+                        randomness = case.convert(signs)  # the same probes in every backend
                     repeat = sizes.repeat if in_table else 0
-                    (values, stderr), seconds = b.timed(fn, case.args, kwargs, repeat=repeat)
+                    (values, stderr), seconds = b.timed(
+                        fn, (randomness, *case.args), {}, repeat=repeat
+                    )
                     if in_table:
                         shown.seconds = seconds
                     error = _error(values, exact_values, b)

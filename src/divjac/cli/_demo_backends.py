@@ -44,7 +44,7 @@ class Backend(Protocol):
         self, loss: Callable[..., Any], args: tuple[Any, ...], *, repeat: int
     ) -> tuple[Any, float]: ...
     def numpy(self, value: Any) -> np.ndarray: ...
-    def randomness(self, seed: int) -> dict[str, Any]: ...
+    def randomness(self, seed: int) -> Any: ...
     def nnz(self, matrix: Any) -> int: ...
     def ref_jacobian(self, case: Case, argnum: int) -> np.ndarray: ...
     def ref_grad_div(self, case: Case) -> np.ndarray: ...
@@ -140,10 +140,10 @@ class JaxBackend:
     def numpy(self, value: Any) -> np.ndarray:
         return np.asarray(value)
 
-    def randomness(self, seed: int) -> dict[str, Any]:
+    def randomness(self, seed: int) -> Any:
         import jax
 
-        return {"key": jax.random.key(seed)}
+        return jax.random.key(seed)
 
     def nnz(self, matrix: Any) -> int:
         return int(matrix.data.size)
@@ -248,10 +248,10 @@ class TorchBackend:
     def numpy(self, value: Any) -> np.ndarray:
         return value.detach().cpu().numpy()
 
-    def randomness(self, seed: int) -> dict[str, Any]:
+    def randomness(self, seed: int) -> Any:
         import torch
 
-        return {"generator": torch.Generator().manual_seed(seed)}
+        return torch.Generator().manual_seed(seed)
 
     def nnz(self, matrix: Any) -> int:
         return int(matrix._nnz())

@@ -108,8 +108,8 @@ def divergence_table(report: Report, case: str) -> Table:
         notes.append(f"≈: dense method timed on {k} of the {b} samples (chunk_size=256), scaled.")
     if any(r.label == "hutchinson" for r in rows):
         notes.append(
-            "Stochastic methods get the same Rademacher probes in every backend (probes=); "
-            "probing draws with key= / generator=."
+            "Stochastic methods get the same Rademacher probes in every backend (passed "
+            "first); probing draws from a key / generator."
         )
     agreement = report.agreement()
     if case in agreement:

@@ -5,6 +5,7 @@ Importing this module imports JAX (and never PyTorch).
 
 from .._core.pattern import SparsityPattern as SparsityPattern
 from ._api import (
+    clear_caches as clear_caches,
     divergence as divergence,
     grad_divergence as grad_divergence,
     jacobian as jacobian,
@@ -16,6 +17,7 @@ from ._api import (
 
 __all__ = [
     "SparsityPattern",
+    "clear_caches",
     "divergence",
     "grad_divergence",
     "jacobian",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 from .. import _transforms as T
+from . import _detect
 from ._backend import BACKEND
 
 _bind = functools.partial(T.bind, backend=BACKEND, module=__name__)
@@ -88,3 +89,13 @@ sparse_jacobian = _bind(
     """,
     options=BACKEND.sparse_format,
 )
+
+
+def clear_caches() -> None:
+    """Drop every trace and detection that ``divjac.jax`` has cached.
+
+    Never needed for correct results: a cached detection is reused only when the traced
+    program and everything it read are unchanged (see ``docs/how-it-works.md``, "Caching").
+    Use it to free memory, or to time a first call.
+    """
+    _detect.CACHE.clear()

@@ -75,8 +75,7 @@ class JaxBackend(Backend):
     param_grad_hint = "take jax.grad of a loss built on the result"
     input_cast_hint = "x.astype(jnp.float32)"
     output_cast_hint = "cast integer or boolean results"
-    randomness_keyword = "key"
-    randomness_example = "key=jax.random.key(0)"
+    randomness_example = "jax.random.key(0)"
 
     def is_array(self, x: Any) -> bool:
         return is_array(x)
@@ -164,6 +163,15 @@ class JaxBackend(Backend):
         self, values: jax.Array, rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int, int]
     ) -> jax.Array:
         return jnp.zeros(shape, values.dtype).at[:, rows, cols].set(values)
+
+    def is_randomness(self, x: Any) -> bool:
+        """A typed key (``jax.random.key``) or a raw ``uint32`` one (``jax.random.PRNGKey``)."""
+        dtype = getattr(x, "dtype", None)
+        if not is_array(x) or dtype is None:
+            return False
+        if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+            return True
+        return bool(dtype == jnp.uint32 and np.shape(x)[-1:] == (2,))
 
     def draw(
         self, randomness: Any, shape: Sequence[int], distribution: str, like: Array

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -52,30 +53,102 @@ class Traced(detection.Traced):
         return Propagated(out, frozenset(interp.fallbacks), interp.has_custom_vjp)
 
 
-CACHE: LRU[Traced] = LRU(128)
-"""Traced functions, shared by all transforms. Keys hold the function itself (compared with
-``==``, so ``net.apply`` bound again to the same module hits)."""
+CACHE: LRU[dict[Any, Any]] = LRU(128)
+"""Detections, shared by all transforms, keyed by the traced program (:func:`fingerprint`).
+
+A function is traced anew at every call (under ``jax.jit``, only while jit traces), so the
+program is always the one that the caller's function and arguments make now: a new closure
+over updated parameters, a module whose flags changed, a dict whose arrays were replaced.
+Detection never reads captured floating-point arrays (weights), so their values are not part
+of the key and nothing here keeps them alive; captured integer and boolean arrays (indices,
+masks) are read, and the key holds a digest of their values."""
+
+# Captured integer/boolean constants up to this size are keyed by their values (and read by
+# detection); larger ones, and tracers, are keyed by shape and treated as unknown.
+KEYED_CONST_LIMIT = 1 << 22
 
 
-def _key(
-    fun: Any, static: tuple[Any, ...], leaves: list[Any], dynamic: list[bool], treedef: Any
-) -> Hashable | None:
-    try:
-        key = (
-            fun,
-            static,
-            treedef,
-            tuple(
-                (np.shape(leaf), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)))
-                if dyn
-                else leaf
-                for leaf, dyn in zip(leaves, dynamic, strict=True)
-            ),
-        )
-        hash(key)
-    except TypeError:
-        return None
-    return key
+def fingerprint(closed: Any) -> Hashable:
+    """A key equal for two traces when their detections are the same.
+
+    It holds the program's structure (primitives, parameters, how variables connect, shapes and
+    dtypes, nested programs), literal values, and digests of the values of the captured
+    constants that detection reads (see :data:`CACHE`). Variables are numbered in order, so
+    traces of the same function at different times compare equal.
+    """
+    memo: dict[int, Hashable] = {}
+
+    def aval(a: Any) -> Hashable:
+        shape, dtype = getattr(a, "shape", None), getattr(a, "dtype", None)
+        if shape is None or dtype is None:
+            return str(a)
+        return (tuple(shape), dtype, bool(getattr(a, "weak_type", False)))
+
+    def literal(v: Any) -> Hashable:
+        data = np.asarray(v)
+        return (data.dtype, data.shape, data.tobytes())
+
+    def const(c: Any) -> Hashable:
+        dtype = getattr(c, "dtype", None)
+        if dtype is None:
+            return ("object", type(c).__name__, id(c))  # never equal to another trace's
+        shape = tuple(np.shape(c))
+        if jnp.issubdtype(dtype, jnp.inexact) or math.prod(shape) > KEYED_CONST_LIMIT:
+            return ("array", shape, str(dtype))  # never read by detection
+        if isinstance(c, jax.core.Tracer) or not getattr(c, "is_fully_addressable", True):
+            return ("unknown", shape, str(dtype))
+        data = np.asarray(c)
+        return (str(data.dtype), shape, hashlib.blake2b(data.tobytes()).digest())
+
+    def param(p: Any) -> Hashable:
+        if isinstance(p, jcore.ClosedJaxpr):
+            return ("closed", program(p.jaxpr), tuple(const(c) for c in p.consts))
+        if isinstance(p, jcore.Jaxpr):
+            return ("open", program(p))
+        if isinstance(p, tuple | list):
+            return (type(p).__name__, tuple(param(q) for q in p))
+        if isinstance(p, dict):
+            return ("dict", tuple((k, param(q)) for k, q in sorted(p.items())))
+        if isinstance(p, np.ndarray | jax.Array):
+            return const(p) if not jnp.issubdtype(p.dtype, jnp.inexact) else literal(p)
+        try:
+            hash(p)
+        except TypeError:
+            return ("unhashable", type(p).__name__, id(p))  # never equal to another trace's
+        return p
+
+    def program(jaxpr: Any) -> Hashable:
+        found = memo.get(id(jaxpr))
+        if found is not None:
+            return found
+        ids: dict[Any, int] = {}
+
+        def var(v: Any) -> Hashable:
+            if isinstance(v, jcore.Literal):
+                return ("literal", aval(v.aval), literal(v.val))
+            return ids.setdefault(v, len(ids))
+
+        parts: list[Hashable] = [
+            tuple((var(v), aval(v.aval)) for v in jaxpr.constvars),
+            tuple((var(v), aval(v.aval)) for v in jaxpr.invars),
+        ]
+        for eqn in jaxpr.eqns:
+            parts.append(
+                (
+                    eqn.primitive.name,
+                    tuple(var(v) for v in eqn.invars),
+                    tuple(aval(v.aval) for v in eqn.outvars),
+                    tuple((k, param(q)) for k, q in sorted(eqn.params.items())),
+                )
+            )
+            for v in eqn.outvars:
+                var(v)
+        parts.append(tuple(var(v) for v in jaxpr.outvars))
+        key = tuple(parts)
+        memo[id(jaxpr)] = key
+        return key
+
+    return ("closed", program(closed.jaxpr), tuple(const(c) for c in closed.consts))
 
 
 def trace(
@@ -87,19 +160,14 @@ def trace(
     batch_axis: int | None,
     has_aux: bool,
 ) -> Traced:
-    """Trace ``fun`` batch-first in its argument ``argnum``.
+    """Trace ``fun`` batch-first in its argument ``argnum``; traces of the same program share
+    their detections (:data:`CACHE`).
 
-    Non-array arguments are static (as in ``jax.jacfwd``). Results are cached (:data:`CACHE`)
-    by the function, the structure, shapes and dtypes of the array arguments and the static
-    values, like ``jax.jit``'s cache.
+    Non-array arguments are static (as in ``jax.jacfwd``).
     """
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     dynamic = [is_array(leaf) for leaf in leaves]
     x_leaf = len(jax.tree_util.tree_leaves(tuple(args[:argnum])))
-    key = _key(fun, (argnum, batch_axis, has_aux), leaves, dynamic, treedef)
-    cached = CACHE.get(key) if key is not None else None
-    if cached is not None:
-        return cached
     x_pos = sum(dynamic[:x_leaf])
     dyn = [leaf for leaf, d in zip(leaves, dynamic, strict=True) if d]
     x = leaves[x_leaf]
@@ -124,17 +192,20 @@ def trace(
     avals = [jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype) for leaf in dyn]
     avals[x_pos] = xb_aval
     closed = jax.make_jaxpr(batch_first)(*avals)
-    traced = Traced(
+    key = (fingerprint(closed), x_pos)
+    shared = CACHE.get(key)
+    if shared is None:
+        shared = {}
+        CACHE.put(key, shared)
+    return Traced(
         x_shape=tuple(xb_aval.shape),
         out_shape=tuple(closed.out_avals[0].shape),
         out_tree=out_tree[0],
         pass_elements=_pass_elements(closed.jaxpr),
+        detections=shared,
         closed=closed,
         x_pos=x_pos,
     )
-    if key is not None:
-        CACHE.put(key, traced)
-    return traced
 
 
 def _pass_elements(jaxpr: Any) -> int:

@@ -195,7 +195,10 @@ class Interpreter:
         for var, const in zip(jaxpr.constvars, consts, strict=True):
             if isinstance(const, Deps):
                 scope.deps[var] = const
-            else:
+            elif not _is_inexact(var.aval):
+                # Captured integer and boolean arrays (indices, masks) are read; the trace
+                # cache keys on their values. Captured floating-point arrays are weights:
+                # their values change between calls and are never read.
                 scope.values[var] = _concrete(const)
         for i, (var, dep) in enumerate(zip(jaxpr.invars, in_deps, strict=True)):
             scope.deps[var] = dep

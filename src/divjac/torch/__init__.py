@@ -6,6 +6,7 @@ traced with ``make_fx``. Importing this module imports PyTorch (and never JAX).
 
 from .._core.pattern import SparsityPattern as SparsityPattern
 from ._api import (
+    clear_caches as clear_caches,
     divergence as divergence,
     grad_divergence as grad_divergence,
     jacobian as jacobian,
@@ -17,6 +18,7 @@ from ._api import (
 
 __all__ = [
     "SparsityPattern",
+    "clear_caches",
     "divergence",
     "grad_divergence",
     "jacobian",

@@ -136,8 +136,7 @@ class TorchBackend(Backend):
     param_grad_hint = "call .backward() on a loss built on the result"
     input_cast_hint = "x.float()"
     output_cast_hint = "cast integer or boolean results with .float()"
-    randomness_keyword = "generator"
-    randomness_example = "generator=torch.Generator().manual_seed(0)"
+    randomness_example = "torch.Generator().manual_seed(0)"
 
     def is_array(self, x: Any) -> bool:
         return isinstance(x, torch.Tensor)
@@ -250,19 +249,24 @@ class TorchBackend(Backend):
         dense = values.new_zeros(B, n_out * n_in).index_copy(1, flat, values)
         return dense.reshape(B, n_out, n_in)
 
+    def is_randomness(self, x: Any) -> bool:
+        """A ``torch.Generator``, or ``None`` for torch's global generator (of ``x``'s device)."""
+        return x is None or isinstance(x, torch.Generator)
+
     def draw(
         self,
-        randomness: torch.Generator,
+        randomness: torch.Generator | None,
         shape: Sequence[int],
         distribution: str,
         like: torch.Tensor,
     ) -> torch.Tensor:
         device, dtype = like.device, like.dtype
         shape = tuple(shape)
+        at = device if randomness is None else randomness.device
         if distribution == "rademacher":
-            bits = torch.randint(0, 2, shape, generator=randomness, device=randomness.device)
+            bits = torch.randint(0, 2, shape, generator=randomness, device=at)
             return (2 * bits - 1).to(device=device, dtype=dtype)
-        raw = torch.randn(shape, generator=randomness, device=randomness.device, dtype=dtype)
+        raw = torch.randn(shape, generator=randomness, device=at, dtype=dtype)
         return raw.to(device)
 
     def sparse_format(self, *, layout: torch.layout = torch.sparse_coo) -> torch.layout:
