@@ -48,5 +48,9 @@ class MissingKeyError(DivjacError, TypeError):
     """A stochastic method was called without its randomness (a key, generator or probes) first."""
 
 
+class DetectionMemoryError(DivjacError, MemoryError):
+    """Sparsity detection (or the passes) would need more memory than its budget allows."""
+
+
 class DenseFallbackWarning(UserWarning):
     """Sparsity detection met an operation it has no rule for and assumed it dense (still correct)."""

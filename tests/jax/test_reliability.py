@@ -21,6 +21,7 @@ import divjac
 import jax
 from divjac import _core
 from divjac.jax import (
+    _detect,
     clear_caches,
     divergence,
     grad_divergence,
@@ -29,7 +30,6 @@ from divjac.jax import (
     sparsity,
     value_and_divergence,
 )
-from divjac.jax import _detect
 from divjac.models import jax as models
 from tests.reference import jax_diagonal_blocks, traces
 
@@ -271,3 +271,24 @@ def test_messages_name_the_fix():
         divergence(jnp.sin)(jnp.ones((0, 3)))
     with pytest.raises(divjac.MissingKeyError, match="got int"):
         divergence(jnp.sin, method="hutchinson")(0, x)
+
+
+def test_memory_guard_on_detection_and_passes(monkeypatch):
+    """A clear error (or, in "auto", the dense fallback) before the machine runs out of memory."""
+    params = models.init_cnn(jax.random.key(17), channels=4, layers=2, dtype=jnp.float64)
+    x = jax.random.normal(jax.random.key(18), (2, 8, 8, 3))
+    exact = divergence(models.cnn, 1, method="exact")(params, x)
+    clear_caches()
+    monkeypatch.setenv("DIVJAC_DETECTION_MEMORY_MB", "0.05")
+    with pytest.raises(divjac.DetectionMemoryError, match="DIVJAC_DETECTION_MEMORY_MB"):
+        sparsity(models.cnn, params, x, argnums=1)
+    with pytest.raises(MemoryError):  # a DetectionMemoryError is a MemoryError
+        divergence(models.cnn, 1, method="sparse")(params, x)
+    np.testing.assert_allclose(divergence(models.cnn, 1)(params, x), exact, rtol=1e-10)
+    monkeypatch.delenv("DIVJAC_DETECTION_MEMORY_MB")
+    monkeypatch.setenv("DIVJAC_MEMORY_LIMIT_MB", "1")
+    with pytest.raises(divjac.DetectionMemoryError, match=r"pass chunk_size=\d+ or less"):
+        divergence(models.cnn, 1, method="exact", chunk_size=192)(params, x)
+    np.testing.assert_allclose(
+        divergence(models.cnn, 1, method="exact", chunk_size=4)(params, x), exact, rtol=1e-10
+    )

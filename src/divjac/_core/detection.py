@@ -7,13 +7,14 @@ them and lives here (NumPy/SciPy only).
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from .._errors import DenseFallbackWarning
+from .._errors import DenseFallbackWarning, DetectionMemoryError
 from . import pattern as P
 from .deps import Deps
 from .pattern import BatchLayout, Coupling, SparsityPattern
@@ -28,6 +29,8 @@ __all__ = [
     "Traced",
     "batch_first_shape",
     "detect",
+    "detection_memory_budget",
+    "physical_memory",
     "rule_registry",
     "warn_fallbacks",
 ]
@@ -37,40 +40,79 @@ AUTO_DETECTION_ENTRIES = 20_000_000
 dependency entries than this and is too dense (see :class:`EntryLimit`)."""
 
 
+# Bytes one dependency entry holds (a boolean CSR entry: its value and an int32 column index).
+_BYTES_PER_ENTRY = 5
+
+
+def detection_memory_budget() -> int:
+    """Bytes the dependency sets of one detection may hold (``DIVJAC_DETECTION_MEMORY_MB``;
+    default: a quarter of the machine's memory, at most 4096 MB)."""
+    configured = os.environ.get("DIVJAC_DETECTION_MEMORY_MB")
+    if configured is not None:
+        return int(float(configured) * (1 << 20))
+    return min(4096 << 20, physical_memory() // 4)
+
+
+def physical_memory() -> int:
+    """Bytes of memory of this machine (16 GiB if the system does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):  # not a POSIX system
+        return 16 << 30
+
+
 class TooDense(Exception):
-    """Raised by a propagation when an intermediate exceeds its :class:`EntryLimit`."""
-
-
-@dataclass(frozen=True)
-class EntryLimit:
-    """When a propagation gives up on an intermediate (``"auto"`` detection).
-
-    An intermediate with more than ``floor`` entries is too dense when its elements depend, on
-    average, on more than ``density`` of one sample's inputs (coloring cannot pay off: the
-    passes would be nearly as many as the dense ones); any intermediate over ``cap`` entries
-    stops the detection (memory). The entry count of a sparse pattern grows with the batch
-    (every sample is seeded), its density does not: a large batch of a CNN stays sparse.
+    """Raised by a propagation when an intermediate exceeds its :class:`EntryLimit`.
 
     Attributes:
-        floor: entries below which the detection always goes on (it is cheap).
+        where: the operation whose output was past the limit.
+        memory: the limit was the memory budget (not the density of ``"auto"``).
+    """
+
+    def __init__(self, where: str, *, memory: bool = False) -> None:
+        super().__init__(where)
+        self.where = where
+        self.memory = memory
+
+
+@dataclass
+class EntryLimit:
+    """When a propagation gives up: too dense to pay off (``"auto"``), or too large to hold.
+
+    With a ``floor``, an intermediate with more than ``floor`` entries is too dense when its
+    elements depend, on average, on more than ``density`` of one sample's inputs (coloring
+    cannot pay off: the passes would be nearly as many as the dense ones). The entry count of a
+    sparse pattern grows with the batch (every sample is seeded), its density does not: a large
+    batch of a CNN stays sparse. Whatever the floor, the detection stops once the entries of
+    all intermediates so far would need more than ``budget`` bytes (memory): the count is an
+    upper bound on what is alive, since intermediates are counted when made, never when freed.
+
+    Attributes:
+        floor: entries below which an intermediate is never too dense; ``None``: never give
+            up for density (an explicit sparse detection).
         labels_per_sample: the inputs one element can depend on (its sample's); ``None`` when
             the seeds are not per input (coupling only: never too dense, only too large).
         density: mean fraction of ``labels_per_sample`` beyond which to give up.
-        cap: entries beyond which to give up whatever the density.
+        budget: bytes the dependency sets may take in all.
+        total: entries counted so far.
     """
 
-    floor: int
+    floor: int | None
     labels_per_sample: int | None
     density: float = 0.5
-    cap: int = 25 * AUTO_DETECTION_ENTRIES
+    budget: int = field(default_factory=detection_memory_budget)
+    total: int = 0
 
     def check(self, dep: Deps, where: str) -> None:
         """Raise :class:`TooDense` (naming ``where``) if ``dep`` is past the limit."""
         nnz = dep.matrix().nnz
+        self.total += nnz
+        if self.total * _BYTES_PER_ENTRY > self.budget:
+            raise TooDense(where, memory=True)
         per = self.labels_per_sample
-        dense = per is not None and nnz > self.density * dep.size * per
-        if nnz > self.cap or (nnz > self.floor and dense):
-            raise TooDense(where)
+        if self.floor is not None and per is not None and nnz > self.floor:
+            if nnz > self.density * dep.size * per:
+                raise TooDense(where)
 
 
 def batch_first_shape(shape: Sequence[int], axis: int | None) -> tuple[int, ...]:
@@ -145,7 +187,7 @@ class Propagated:
 def detect(
     x_shape: tuple[int, ...],
     out_shape: tuple[int, ...],
-    propagate: Callable[[Deps, EntryLimit | None], Propagated],
+    propagate: Callable[[Deps, EntryLimit], Propagated],
     *,
     per_sample: bool,
     whole_batch: bool = False,
@@ -162,21 +204,37 @@ def detect(
         whole_batch: treat the whole batch as one sample: the full ``(B*n_out, B*n_in)``
             pattern (used for the exact diagonal blocks of coupled functions).
         max_entries: abandon (return ``None``) once an intermediate holds more entries and is
-            too dense for coloring to pay off (see :class:`EntryLimit`).
+            too dense for coloring to pay off, or past the memory budget (see
+            :class:`EntryLimit`). Without it, a detection past the memory budget raises.
+
+    Raises:
+        DetectionMemoryError: past the memory budget, without ``max_entries``.
     """
     axis = None if whole_batch else 0
     in_layout = BatchLayout(x_shape, axis)
     out_layout = BatchLayout(out_shape, axis)
     seeded = P.seed(in_layout, per_sample=per_sample)
-    limit = None
-    if max_entries is not None:
-        # Per sample, an element may depend on its sample's inputs and its sample's label.
-        per = in_layout.sample_size + 1 if per_sample else None
-        limit = EntryLimit(max_entries, per)
+    # Per sample, an element may depend on its sample's inputs and its sample's label.
+    limit = EntryLimit(max_entries, in_layout.sample_size + 1 if per_sample else None)
     try:
         found = propagate(seeded, limit)
-    except TooDense:
-        return None
+    except TooDense as stop:
+        if max_entries is not None:
+            return None
+        fix = (
+            "The per-sample Jacobian is too large or too dense for a sparse method to pay off "
+            "here: use method='exact' / mode='fwd' or 'rev', or 'auto' (which falls back to "
+            "them when detection does not pay off)"
+            if per_sample
+            else "Even the batch-coupling check (one label per sample) does not fit: use a "
+            "smaller batch"
+        )
+        raise DetectionMemoryError(
+            f"sparsity detection stopped at the operation {stop.where}: the dependency sets "
+            f"would need more than {limit.budget / (1 << 20):.0f} MB "
+            f"(DIVJAC_DETECTION_MEMORY_MB). {fix}, or raise DIVJAC_DETECTION_MEMORY_MB if the "
+            "machine has the memory."
+        ) from None
     csr, coupling = P.read_out(found.out, out_layout, in_layout, per_sample=per_sample)
     pattern = None
     if csr is not None:
@@ -240,7 +298,7 @@ class Traced:
             )
         return self.detections[key]
 
-    def _propagate(self, seeded: Deps, limit: EntryLimit | None) -> Propagated:
+    def _propagate(self, seeded: Deps, limit: EntryLimit) -> Propagated:
         """The dependency sets of the output given the seeded input (the backend's program)."""
         raise NotImplementedError
 

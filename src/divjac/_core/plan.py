@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._errors import DetectionMemoryError
+from .detection import physical_memory
 from .pattern import SparsityPattern
 
 __all__ = [
@@ -124,11 +126,39 @@ def color_classes(colors: np.ndarray | None, n: int) -> np.ndarray:
     return classes
 
 
+def memory_limit() -> int:
+    """Bytes beyond which passes are refused (``DIVJAC_MEMORY_LIMIT_MB``; default: 80 % of the
+    machine's memory): an estimate past it would exhaust the machine, whatever the chunk."""
+    configured = os.environ.get("DIVJAC_MEMORY_LIMIT_MB")
+    if configured is not None:
+        return int(float(configured) * (1 << 20))
+    return int(0.8 * physical_memory())
+
+
 def choose_chunk_size(n_passes: int, bytes_per_pass: int, chunk_size: int | None) -> int:
-    """Passes computed at once: ``chunk_size`` if given, else as many as fit the budget."""
+    """Passes computed at once: ``chunk_size`` if given, else as many as fit the budget.
+
+    Raises:
+        DetectionMemoryError: the passes at once would need more than :func:`memory_limit`
+            (their estimated size is an upper bound of what one pass holds).
+    """
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int or None; got {chunk_size!r}.")
-        return min(chunk_size, max(n_passes, 1))
-    fit = memory_budget() // max(bytes_per_pass, 1)
-    return int(min(max(fit, 1), max(n_passes, 1)))
+        chunk = min(chunk_size, max(n_passes, 1))
+    else:
+        fit = memory_budget() // max(bytes_per_pass, 1)
+        chunk = int(min(max(fit, 1), max(n_passes, 1)))
+    limit = memory_limit()
+    if chunk * bytes_per_pass > limit:
+        fits = limit // max(bytes_per_pass, 1)
+        fix = (
+            f"pass chunk_size={fits} or less"
+            if fits >= 1
+            else "one pass alone is too large: use a smaller batch, or a stochastic method"
+        )
+        raise DetectionMemoryError(
+            f"{chunk} passes at once would need about {chunk * bytes_per_pass >> 20} MB, more "
+            f"than the limit of {limit >> 20} MB (DIVJAC_MEMORY_LIMIT_MB): {fix}."
+        )
+    return chunk
