@@ -106,6 +106,12 @@ class Backend(abc.ABC):
 
     # --- tracing and differentiating ----------------------------------------------------------
 
+    def functional(self, fun: Callable[..., Any]) -> Callable[..., Any]:
+        """``fun`` as divjac calls it, once per call of a transform: the same function, made
+        safe to trace and differentiate repeatedly (the caller's objects are left as they are).
+        """
+        return fun
+
     @abc.abstractmethod
     def trace(
         self,

@@ -164,13 +164,11 @@ def _prepare(spec: Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
             f"0 on batch_axis={axis}): there is no sample to differentiate. Skip empty batches "
             "(e.g. drop_last in the data loader), or check batch_axis."
         )
-    traced = backend.trace(
-        spec.fun, args, kwargs, argnum=argnum, batch_axis=axis, has_aux=spec.has_aux
-    )
+    fun, has_aux = backend.functional(spec.fun), spec.has_aux
+    traced = backend.trace(fun, args, kwargs, argnum=argnum, batch_axis=axis, has_aux=has_aux)
     _check_output(spec, traced.out_tree, x_shape, axis)
     if axis != spec.batch_axis:
         spec = dataclasses.replace(spec, batch_axis=axis)
-    fun, has_aux = spec.fun, spec.has_aux
 
     def g(xb: Array) -> Any:
         out = fun(*args[:argnum], _to_axis(backend, xb, axis), *args[argnum + 1 :], **kwargs)

@@ -292,3 +292,50 @@ def test_memory_guard_on_detection_and_passes(monkeypatch):
     np.testing.assert_allclose(
         divergence(models.cnn, 1, method="exact", chunk_size=4)(params, x), exact, rtol=1e-10
     )
+
+
+class _TrainMode(nnx.Module):
+    """BatchNorm and Dropout: state that nnx mutates in training mode."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)  # float32, as nnx makes its statistics
+        self.norm = nnx.BatchNorm(4, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.tanh(self.drop(self.norm(self.linear(x))))
+
+
+def test_nnx_training_mode_batch_norm_and_dropout():
+    """BatchNorm in training mode is refused as coupled (not an nnx trace error); Dropout gives
+    the Jacobian of one forward draw whatever the chunking; the caller's module is unchanged."""
+    model = _TrainMode(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(19), (3, 4), jnp.float32)
+
+    def snapshot():
+        leaves = jax.tree_util.tree_leaves(nnx.state(model))
+        keys = [jnp.issubdtype(v.dtype, jax.dtypes.prng_key) for v in leaves]
+        return [
+            np.asarray(jax.random.key_data(v) if k else v)
+            for v, k in zip(leaves, keys, strict=True)
+        ]
+
+    before = snapshot()
+    with pytest.raises(divjac.BatchCouplingError):
+        divergence(model)(x)
+    model.norm.use_running_average = True  # Dropout alone: per sample
+    graphdef, state = nnx.split(model)
+    one_draw = lambda x: nnx.merge(graphdef, state, copy=True)(x)  # noqa: E731
+    blocks = jax_diagonal_blocks(one_draw, (x,))
+    assert np.any(blocks == 0) and np.any(blocks != 0)  # some units dropped, some kept
+    for chunk in (1, 3, None):
+        np.testing.assert_allclose(
+            jacobian(model, mode="fwd", chunk_size=chunk)(x), blocks, rtol=1e-6
+        )
+        np.testing.assert_allclose(
+            divergence(model, method="exact", chunk_size=chunk)(x),
+            traces(blocks, (4,)),
+            rtol=1e-6,
+        )
+    for a, b in zip(before, snapshot(), strict=True):
+        np.testing.assert_array_equal(a, b)

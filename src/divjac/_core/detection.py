@@ -109,10 +109,13 @@ class EntryLimit:
         self.total += nnz
         if self.total * _BYTES_PER_ENTRY > self.budget:
             raise TooDense(where, memory=True)
-        per = self.labels_per_sample
-        if self.floor is not None and per is not None and nnz > self.floor:
-            if nnz > self.density * dep.size * per:
-                raise TooDense(where)
+        per, floor = self.labels_per_sample, self.floor
+        if (
+            floor is not None
+            and per is not None
+            and nnz > max(floor, self.density * dep.size * per)
+        ):
+            raise TooDense(where)
 
 
 def batch_first_shape(shape: Sequence[int], axis: int | None) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ Passes read their own entries with gathers.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -101,6 +102,27 @@ class JaxBackend(Backend):
         return jnp.zeros_like(x)
 
     trace = staticmethod(trace)
+
+    def functional(self, fun: Callable[..., Any]) -> Callable[..., Any]:
+        """A Flax nnx module (or its bound method) is called on a copy of its current state,
+        merged anew at every evaluation: nnx refuses mutation from inside a JAX transform
+        (BatchNorm's statistics in training mode, Dropout's RNG counts), and divjac's traces
+        and passes must not change the caller's module. Other functions are left as they are.
+        """
+        nnx = sys.modules.get("flax.nnx")
+        if nnx is None:
+            return fun
+        module = fun if isinstance(fun, nnx.Module) else getattr(fun, "__self__", None)
+        if not isinstance(module, nnx.Module):
+            return fun
+        graphdef, state = nnx.split(module)
+        method = None if module is fun else fun.__name__
+
+        def on_a_copy(*args: Any, **kwargs: Any) -> Any:
+            copy = nnx.merge(graphdef, state, copy=True)
+            return (copy if method is None else getattr(copy, method))(*args, **kwargs)
+
+        return on_a_copy
 
     def prefer_reverse(self, traced: detection.Traced) -> bool:
         """Columns: forward passes share the batch-independent work (broadcast sinking)."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax.numpy as jnp
@@ -18,12 +18,30 @@ from .._core import deps as D, detection
 from .._core.detection import LRU, EntryLimit, Propagated
 from ._interpret import Interpreter
 
-__all__ = ["CACHE", "Traced", "is_array", "trace"]
+__all__ = ["CACHE", "Traced", "Variant", "digest", "fingerprint", "is_array", "trace"]
 
 
 def is_array(x: Any) -> bool:
     """Whether ``x`` is an array JAX would trace (not a Python scalar or other object)."""
     return isinstance(x, jax.Array | np.ndarray | np.generic | jax.core.Tracer)
+
+
+@dataclass(eq=False)
+class Variant:
+    """The detections of one program, for the values of the captured constants they read.
+
+    Attributes:
+        reads: digest (:func:`digest`) of each captured constant that detection read, by its
+            position among the program's constants.
+        detections: the detections (shared by the traces that match).
+    """
+
+    reads: dict[int, Hashable] = field(default_factory=dict)
+    detections: dict[Any, Any] = field(default_factory=dict)
+
+    def matches(self, consts: Sequence[Any]) -> bool:
+        """Whether every constant that was read has the same value in ``consts``."""
+        return all(digest(consts[i]) == d for i, d in self.reads.items())
 
 
 @dataclass(eq=False)
@@ -37,44 +55,60 @@ class Traced(detection.Traced):
         closed: jaxpr whose inputs are the array leaves of ``(args, kwargs)``, the differentiated
             one with its batch axis moved first (or a leading batch of one added).
         x_pos: position of the differentiated leaf among the jaxpr inputs.
+        variant: where the detections are cached, with what they read.
     """
 
     closed: Any
     x_pos: int
+    variant: Variant
 
-    def _propagate(self, seeded: D.Deps, limit: EntryLimit | None) -> Propagated:
+    def _propagate(self, seeded: D.Deps, limit: EntryLimit) -> Propagated:
         interp = Interpreter(seeded.n_labels, limit=limit)
         in_deps = [
             seeded if i == self.x_pos else D.empty(tuple(aval.shape), seeded.n_labels)
             for i, aval in enumerate(self.closed.in_avals)
         ]
-        out = interp.run(self.closed, in_deps)[0]
+        out = interp.run(self.closed, in_deps, captured=True)[0]
+        consts = self.closed.consts
+        self.variant.reads.update((i, digest(consts[i])) for i in interp.read_consts)
         interp.warn_fallbacks()
         return Propagated(out, frozenset(interp.fallbacks), interp.has_custom_vjp)
 
 
-CACHE: LRU[dict[Any, Any]] = LRU(128)
+CACHE: LRU[list[Variant]] = LRU(128)
 """Detections, shared by all transforms, keyed by the traced program (:func:`fingerprint`).
 
 A function is traced anew at every call (under ``jax.jit``, only while jit traces), so the
 program is always the one that the caller's function and arguments make now: a new closure
 over updated parameters, a module whose flags changed, a dict whose arrays were replaced.
 Detection never reads captured floating-point arrays (weights), so their values are not part
-of the key and nothing here keeps them alive; captured integer and boolean arrays (indices,
-masks) are read, and the key holds a digest of their values."""
+of the key and nothing here keeps them alive. Captured integer and boolean arrays (indices,
+masks) are read when a rule needs them; each :class:`Variant` of a program records digests of
+those it read, and is reused only where they are unchanged (a counter that changes at every
+step and is never read, such as an nnx ``Rngs`` count, causes no new detection)."""
 
-# Captured integer/boolean constants up to this size are keyed by their values (and read by
-# detection); larger ones, and tracers, are keyed by shape and treated as unknown.
-KEYED_CONST_LIMIT = 1 << 22
+# Variants kept per program (values of the constants that detection read).
+_VARIANTS = 8
+
+
+def digest(value: Any) -> Hashable:
+    """A digest of a concrete array's values (``None`` for tracers: unknown values)."""
+    if isinstance(value, jax.core.Tracer) or not getattr(value, "is_fully_addressable", True):
+        return None
+    if jnp.issubdtype(getattr(value, "dtype", np.float32), jax.dtypes.prng_key):
+        value = jax.random.key_data(value)
+    data = np.asarray(value)
+    return (str(data.dtype), data.shape, hashlib.blake2b(data.tobytes()).digest())
 
 
 def fingerprint(closed: Any) -> Hashable:
     """A key equal for two traces when their detections are the same.
 
     It holds the program's structure (primitives, parameters, how variables connect, shapes and
-    dtypes, nested programs), literal values, and digests of the values of the captured
-    constants that detection reads (see :data:`CACHE`). Variables are numbered in order, so
-    traces of the same function at different times compare equal.
+    dtypes, nested programs), literal values and the digests of the integer and boolean
+    constants of nested programs; the values of the program's own constants are left to
+    :class:`Variant`. Variables are numbered in order, so traces of the same function at
+    different times compare equal.
     """
     memo: dict[int, Hashable] = {}
 
@@ -92,13 +126,9 @@ def fingerprint(closed: Any) -> Hashable:
         dtype = getattr(c, "dtype", None)
         if dtype is None:
             return ("object", type(c).__name__, id(c))  # never equal to another trace's
-        shape = tuple(np.shape(c))
-        if jnp.issubdtype(dtype, jnp.inexact) or math.prod(shape) > KEYED_CONST_LIMIT:
-            return ("array", shape, str(dtype))  # never read by detection
-        if isinstance(c, jax.core.Tracer) or not getattr(c, "is_fully_addressable", True):
-            return ("unknown", shape, str(dtype))
-        data = np.asarray(c)
-        return (str(data.dtype), shape, hashlib.blake2b(data.tobytes()).digest())
+        if jnp.issubdtype(dtype, jnp.inexact):
+            return ("array", tuple(np.shape(c)), str(dtype))  # never read by detection
+        return digest(c)
 
     def param(p: Any) -> Hashable:
         if isinstance(p, jcore.ClosedJaxpr):
@@ -110,7 +140,7 @@ def fingerprint(closed: Any) -> Hashable:
         if isinstance(p, dict):
             return ("dict", tuple((k, param(q)) for k, q in sorted(p.items())))
         if isinstance(p, np.ndarray | jax.Array):
-            return const(p) if not jnp.issubdtype(p.dtype, jnp.inexact) else literal(p)
+            return literal(p)
         try:
             hash(p)
         except TypeError:
@@ -148,7 +178,7 @@ def fingerprint(closed: Any) -> Hashable:
         memo[id(jaxpr)] = key
         return key
 
-    return ("closed", program(closed.jaxpr), tuple(const(c) for c in closed.consts))
+    return ("closed", program(closed.jaxpr), tuple(aval(c) for c in closed.consts))
 
 
 def trace(
@@ -193,18 +223,24 @@ def trace(
     avals[x_pos] = xb_aval
     closed = jax.make_jaxpr(batch_first)(*avals)
     key = (fingerprint(closed), x_pos)
-    shared = CACHE.get(key)
-    if shared is None:
-        shared = {}
-        CACHE.put(key, shared)
+    variants = CACHE.get(key)
+    if variants is None:
+        variants = []
+        CACHE.put(key, variants)
+    variant = next((v for v in variants if v.matches(closed.consts)), None)
+    if variant is None:
+        variant = Variant()
+        variants.insert(0, variant)
+        del variants[_VARIANTS:]
     return Traced(
         x_shape=tuple(xb_aval.shape),
         out_shape=tuple(closed.out_avals[0].shape),
         out_tree=out_tree[0],
         pass_elements=_pass_elements(closed.jaxpr),
-        detections=shared,
+        detections=variant.detections,
         closed=closed,
         x_pos=x_pos,
+        variant=variant,
     )
 
 

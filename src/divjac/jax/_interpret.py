@@ -101,6 +101,9 @@ class _Scope:
         self.deps: dict[Any, Deps] = {}
         self.values: dict[Any, np.ndarray | None] = {}
         self.producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+        # Captured integer/boolean constants of the traced program, by variable: (position
+        # among its constants, value); read lazily, and each read is recorded (the cache key).
+        self.captured: dict[Any, tuple[int, Any]] = {}
 
     def read(self, var: Any) -> Deps:
         if isinstance(var, jcore.Literal):
@@ -113,6 +116,11 @@ class _Scope:
         if isinstance(var, jcore.Literal):
             return _concrete(var.val)
         if var in self.values:
+            return self.values[var]
+        if var in self.captured:
+            position, const = self.captured[var]
+            self.interp.read_consts.add(position)
+            self.values[var] = _concrete(const)
             return self.values[var]
         self.values[var] = None  # guards against cycles while folding
         eqn = self.producers.get(var)
@@ -172,6 +180,8 @@ class Interpreter:
         fallbacks: names of primitives that had no rule (handled as dense).
         has_custom_vjp: whether a ``custom_vjp`` function was met (forward mode cannot
             differentiate it; the caller should prefer reverse mode).
+        read_consts: positions of the constants of the outermost program (``run(...,
+            captured=True)``) whose values detection read: the result depends on them.
     """
 
     def __init__(self, n_labels: int, *, limit: EntryLimit | None = None) -> None:
@@ -179,6 +189,7 @@ class Interpreter:
         self.limit = limit
         self.fallbacks: set[str] = set()
         self.has_custom_vjp = False
+        self.read_consts: set[int] = set()
         self.deriving: set[tuple[str, int]] = set()
 
     def run(
@@ -187,18 +198,25 @@ class Interpreter:
         in_deps: Sequence[Deps],
         consts: Sequence[Any] | None = None,
         in_values: Sequence[np.ndarray | None] | None = None,
+        *,
+        captured: bool = False,
     ) -> list[Deps]:
-        """Dependency sets of the outputs of ``jaxpr`` given those of its inputs."""
+        """Dependency sets of the outputs of ``jaxpr`` given those of its inputs.
+
+        With ``captured``, ``jaxpr`` is the traced program and its constants are what the
+        function captured: the reads of their values are recorded in :attr:`read_consts`.
+        """
         jaxpr, closed_consts = _open(jaxpr)
         consts = closed_consts if consts is None else list(consts)
         scope = _Scope(self, jaxpr)
-        for var, const in zip(jaxpr.constvars, consts, strict=True):
+        for position, (var, const) in enumerate(zip(jaxpr.constvars, consts, strict=True)):
             if isinstance(const, Deps):
                 scope.deps[var] = const
-            elif not _is_inexact(var.aval):
-                # Captured integer and boolean arrays (indices, masks) are read; the trace
-                # cache keys on their values. Captured floating-point arrays are weights:
-                # their values change between calls and are never read.
+            elif _is_inexact(var.aval):
+                pass  # captured floating-point arrays are weights: never read
+            elif captured:  # indices, masks: read when a rule needs them, and recorded
+                scope.captured[var] = (position, const)
+            else:
                 scope.values[var] = _concrete(const)
         for i, (var, dep) in enumerate(zip(jaxpr.invars, in_deps, strict=True)):
             scope.deps[var] = dep
