@@ -17,6 +17,7 @@ from ._errors import (
     NonSquareJacobianError as NonSquareJacobianError,
     NumProbesError as NumProbesError,
     OutputError as OutputError,
+    RetraceWarning as RetraceWarning,
 )
 
 __version__ = "0.1.0"
@@ -48,6 +49,7 @@ __all__ = [
     "NonSquareJacobianError",
     "NumProbesError",
     "OutputError",
+    "RetraceWarning",
     "__version__",
     "clear_caches",
 ]

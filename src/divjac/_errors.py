@@ -52,5 +52,9 @@ class DetectionMemoryError(DivjacError, MemoryError):
     """Sparsity detection (or the passes) would need more memory than its budget allows."""
 
 
+class RetraceWarning(UserWarning):
+    """A function is traced again at every call (results stay correct, calls are slow)."""
+
+
 class DenseFallbackWarning(UserWarning):
     """Sparsity detection met an operation it has no rule for and assumed it dense (still correct)."""

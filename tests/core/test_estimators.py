@@ -237,13 +237,17 @@ def test_unbiased(case: str) -> None:
         ("hutchinson", est.hutchinson, 2),
         ("hutch++", est.hutch_plus_plus, 2),
         ("xtrace", est.xtrace, 2),
-        ("probing", lambda mv, s: est.probing(mv, np.array([0, 1, 0, 1]), s), 2),
+        ("probing", lambda mv, s: est.probing(mv, np.arange(5) % 2, s), 2),
     ],
 )
 def test_exact_expectation_over_all_signs(name: str, estimator: Estimator, k: int) -> None:
-    """Averaging over every Rademacher draw (n = 4) gives the trace to rounding: no sampling."""
+    """Averaging over every Rademacher draw (n = 5) gives the trace to rounding: no sampling.
+
+    n = 5 keeps every budget below n (XTrace with 2 vectors spends 4 matvecs): at n = 4 XTrace
+    would compute the exact trace from the identity columns, and the test would be vacuous.
+    """
     rng = np.random.default_rng(20)
-    n = 4
+    n = 5
     j = _dense(rng, n, batch=2)
     signs = np.array(list(itertools.product([-1.0, 1.0], repeat=n * k))).reshape(-1, n, k)
     every = np.repeat(signs, 2, axis=0)  # each draw for both samples
@@ -254,7 +258,7 @@ def test_exact_expectation_over_all_signs(name: str, estimator: Estimator, k: in
 def test_improved_xtrace_is_biased_for_rademacher() -> None:
     """The improved normalization assumes uniformly distributed directions (documented)."""
     rng = np.random.default_rng(20)
-    n = 4
+    n = 5  # 2 vectors, 4 matvecs < n: not the exact identity columns
     j = _dense(rng, n, batch=2)
     signs = np.array(list(itertools.product([-1.0, 1.0], repeat=n * 2))).reshape(-1, n, 2)
     every = np.repeat(signs, 2, axis=0)
@@ -319,16 +323,60 @@ def test_low_rank_stderr_is_calibrated(method: str, kind: str) -> None:
     assert 0.85 < rms_ratio < 1.2
 
 
-def test_single_probe_has_nan_stderr() -> None:
+def test_single_term_stderr_is_the_conservative_bound() -> None:
+    """One term has no sample variance: stderr = sqrt(2) ||A v|| for the term v^T A v."""
     rng = np.random.default_rng(5)
-    j = _dense(rng, 6)
-    estimate, stderr = est.hutchinson(lambda v: j @ v, _rademacher(rng, (B, 6, 1)))
-    assert np.all(np.isfinite(estimate))
-    assert np.all(np.isnan(stderr))
-    _, stderr = est.hutch_plus_plus(lambda v: j @ v, _rademacher(rng, (B, 6, 2)))
-    assert np.all(np.isnan(stderr))
-    _, stderr = est.xtrace(lambda v: j @ v, rng.standard_normal((B, 6, 1)))
-    assert np.all(np.isnan(stderr))
+    n = 6
+    j = _dense(rng, n)
+    matvec = lambda v: j @ v  # noqa: E731
+    v = _rademacher(rng, (B, n, 1))
+    _, stderr = est.hutchinson(matvec, v)
+    np.testing.assert_allclose(stderr, np.sqrt(2) * np.linalg.norm(j @ v, axis=(1, 2)))
+    probes = _rademacher(rng, (B, n, 2))  # num_probes=3: one sketch column, one probe
+    _, stderr = est.hutch_plus_plus(matvec, probes)
+    q = (j @ probes[..., :1]) / np.linalg.norm(j @ probes[..., :1], axis=1, keepdims=True)
+    p = np.eye(n) - q @ np.swapaxes(q, 1, 2)
+    np.testing.assert_allclose(
+        stderr, np.sqrt(2) * np.linalg.norm(p @ j @ p @ probes[..., 1:], axis=(1, 2))
+    )
+    w = rng.standard_normal((B, n, 1))
+    _, stderr = est.xtrace(matvec, w)
+    np.testing.assert_allclose(stderr, np.sqrt(2) * np.linalg.norm(j @ w, axis=(1, 2)))
+
+
+def test_single_term_stderr_bounds_the_error() -> None:
+    """E[2 ||J v||^2] = 2 ||J||_F^2 >= Var(v^T J v): conservative on average, for each method."""
+    rng = np.random.default_rng(25)
+    n = 20
+    j = _dense(rng, n)
+    cases: list[tuple[Estimator, np.ndarray]] = [
+        (est.hutchinson, _rademacher(rng, (REPS * B, n, 1))),
+        (est.hutch_plus_plus, _rademacher(rng, (REPS * B, n, 2))),
+        (est.xtrace, rng.standard_normal((REPS * B, n, 1))),
+    ]
+    mean_squares = []
+    for estimator, probes in cases:
+        estimates, stderr = _repeat(j, estimator, probes, REPS)
+        mse = np.mean((estimates - _traces(j)) ** 2, axis=0)
+        assert np.all(np.isfinite(stderr))
+        mean_squares.append(np.mean(stderr**2, axis=0))
+        assert np.all(mean_squares[-1] > 1.2 * mse)
+    # Hutchinson's single term v^T J v: E[stderr^2] = 2 ||J||_F^2.
+    np.testing.assert_allclose(mean_squares[0], 2 * np.sum(j**2, axis=(1, 2)), rtol=0.05)
+
+
+@pytest.mark.parametrize("dof", [1, 1.25, 1.5, 2, 3, 4.5, 7, 10, 15, 18, 19, 25, 60, 1000])
+def test_t_factor_is_the_student_quantile(dof: float) -> None:
+    """kappa(nu) = max(1, t_nu(0.97) / 2), exact at nu = 1, within 0.6 %, for arrays too."""
+    stats = pytest.importorskip("scipy.stats")
+    expected = max(1.0, stats.t.ppf(0.97, dof) / 2)
+    got = est._t_factor(dof)
+    assert isinstance(got, float)
+    np.testing.assert_allclose(got, expected, rtol=6e-3 if dof < 2 else 2e-3)
+    np.testing.assert_allclose(est._t_factor(np.full(3, float(dof))), expected, rtol=6e-3)
+    assert est._t_factor(1) == pytest.approx(np.tan(0.47 * np.pi) / 2, rel=1e-12)
+    # +- 2 stderr is then at least the 94 % Student-t interval.
+    assert 2 * stats.t.cdf(2 * got, dof) - 1 > 0.94 - 2e-3
 
 
 def test_hutchinson_matches_explicit_formula() -> None:
@@ -338,44 +386,68 @@ def test_hutchinson_matches_explicit_formula() -> None:
     terms = np.einsum("bik,bij,bjk->bk", probes, j, probes)
     estimate, stderr = est.hutchinson(lambda v: j @ v, probes)
     np.testing.assert_allclose(estimate, terms.mean(axis=-1), rtol=1e-12)
-    np.testing.assert_allclose(stderr, terms.std(axis=-1, ddof=1) / np.sqrt(5), rtol=1e-12)
+    expected = est._t_factor(4) * terms.std(axis=-1, ddof=1) / np.sqrt(5)
+    np.testing.assert_allclose(stderr, expected, rtol=1e-12)
+
+
+def _explicit_xtrace_term(
+    j: np.ndarray, omega: np.ndarray, i: int, left_out: tuple[int, ...], improved: bool
+) -> float:
+    """Estimate of w_i from an explicit QR of J Omega without the columns ``left_out``."""
+    n = len(j)
+    q, _ = np.linalg.qr(j @ np.delete(omega, left_out, axis=1))
+    p = np.eye(n) - q @ q.T
+    w = omega[:, i]
+    residual = w @ p @ j @ p @ w
+    if improved:
+        residual *= (n - q.shape[1]) / np.sum((p @ w) ** 2)
+    return float(np.trace(q.T @ j @ q) + residual)
 
 
 def test_xtrace_matches_explicit_leave_one_out() -> None:
-    """The downdated formulas equal m explicit QRs of J Omega without column i."""
+    """The downdated formulas equal explicit QRs of J Omega without column i (estimate), and
+    without columns i and j (the covariance correction of the standard error)."""
     rng = np.random.default_rng(7)
     n, m = 12, 5
     j = _dense(rng, n)
     omega = est.normalize_probes(rng.standard_normal((B, n, m)), "sphere")
+    floored = []
     for improved in (False, True):
         terms = np.empty((B, m))
+        variance = np.empty(B)
         for b in range(B):
-            for i in range(m):
-                q, _ = np.linalg.qr(j[b] @ np.delete(omega[b], i, axis=1))
-                p = np.eye(n) - q @ q.T
-                w = omega[b, :, i]
-                residual = w @ p @ j[b] @ p @ w
-                if improved:
-                    residual *= (n - m + 1) / np.sum((p @ w) ** 2)
-                terms[b, i] = np.trace(q.T @ j[b] @ q) + residual
+            terms[b] = [_explicit_xtrace_term(j[b], omega[b], i, (i,), improved) for i in range(m)]
+            pairs = [(i, k) for i in range(m) for k in range(m) if i != k]
+            delta = {
+                (i, k): terms[b, i] - _explicit_xtrace_term(j[b], omega[b], i, (i, k), improved)
+                for i, k in pairs
+            }
+            covariance = np.mean([delta[i, k] * delta[k, i] for i, k in pairs])
+            naive = terms[b].var(ddof=1) / m
+            variance[b] = max(naive + covariance, naive / 2)
+            floored.append(naive + covariance < naive / 2)
         estimate, stderr = est.xtrace(lambda v: j @ v, omega, improved=improved)
         np.testing.assert_allclose(estimate, terms.mean(axis=-1), rtol=1e-10)
-        np.testing.assert_allclose(stderr, terms.std(axis=-1, ddof=1) / np.sqrt(m), rtol=1e-10)
+        np.testing.assert_allclose(stderr, est._t_factor(m - 1) * np.sqrt(variance), rtol=1e-10)
+    assert any(floored) and not all(floored)  # both branches of the floor are exercised
 
 
 def test_hutch_plus_plus_matches_explicit_formula() -> None:
     rng = np.random.default_rng(8)
-    n, m = 12, 4
+    n, m = 13, 4  # 3m < n: an estimate (3m >= n is exact)
     j = _dense(rng, n)
     probes = _rademacher(rng, (B, n, 2 * m))
-    expected = np.empty(B)
+    expected, expected_stderr = np.empty(B), np.empty(B)
     for b in range(B):
         q, _ = np.linalg.qr(j[b] @ probes[b, :, :m])
         p = np.eye(n) - q @ q.T
         g = probes[b, :, m:]
-        expected[b] = np.trace(q.T @ j[b] @ q) + np.trace(g.T @ p @ j[b] @ p @ g) / m
-    estimate, _ = est.hutch_plus_plus(lambda v: j @ v, probes)
+        terms = np.diag(g.T @ p @ j[b] @ p @ g)
+        expected[b] = np.trace(q.T @ j[b] @ q) + terms.mean()
+        expected_stderr[b] = est._t_factor(m - 1) * terms.std(ddof=1) / np.sqrt(m)
+    estimate, stderr = est.hutch_plus_plus(lambda v: j @ v, probes)
     np.testing.assert_allclose(estimate, expected, rtol=1e-12)
+    np.testing.assert_allclose(stderr, expected_stderr, rtol=1e-10)
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,6 +471,25 @@ def test_exact_on_low_rank() -> None:
         estimate, stderr = est.xtrace(matvec, probes, improved=improved)
         np.testing.assert_allclose(estimate, exact, rtol=1e-9)
         assert np.all(stderr < 1e-9 * np.abs(exact))
+
+
+@pytest.mark.parametrize(("n", "m"), [(9, 5), (10, 5), (6, 6)])
+@pytest.mark.parametrize("improved", [False, True])
+def test_xtrace_is_exact_when_the_budget_pays(n: int, m: int, improved: bool) -> None:
+    """2m >= n matvecs buy the n identity columns: the exact trace, standard error 0."""
+    rng = np.random.default_rng(18)
+    matvec = CountingMatvec(_dense(rng, n))
+    probes = rng.standard_normal((B, n, m))
+    estimate, stderr = est.xtrace(matvec, probes, improved=improved)
+    np.testing.assert_allclose(estimate, _traces(matvec.j), rtol=1e-12)
+    np.testing.assert_array_equal(stderr, 0.0)
+    assert matvec.calls == [n]  # n <= 2m matvecs, in one call
+    # One test vector fewer than n / 2: a random estimate with an error bar.
+    matvec.calls.clear()
+    fewer = (n - 1) // 2
+    estimate, stderr = est.xtrace(matvec, probes[..., :fewer], improved=improved)
+    assert matvec.calls == [fewer, fewer]
+    assert np.all(np.abs(estimate - _traces(matvec.j)) > 1e-6) and np.all(stderr > 0)
 
 
 def test_zero_matrix_gives_zero_without_nan() -> None:
@@ -457,8 +548,10 @@ def test_probing_exact_with_diagonal_coloring() -> None:
     estimate, stderr = est.probing(matvec, colors, _rademacher(rng, (B, n, 3)))
     np.testing.assert_allclose(estimate, _traces(j), rtol=1e-13)
     assert np.all(stderr < 1e-13)
+    # One repetition: the conservative single-term estimate sqrt(2 sum_C ||(J v_C)_C||^2); with a
+    # diagonal coloring each class block of J is diagonal, so it is sqrt(2 sum_j J[j, j]^2).
     _, stderr = est.probing(matvec, colors, _rademacher(rng, (B, n, 1)))
-    assert np.all(np.isnan(stderr))
+    np.testing.assert_allclose(stderr, np.sqrt(2 * np.sum(np.diagonal(j, 0, 1, 2) ** 2, axis=1)))
 
 
 def test_probe_matrix_layout() -> None:
@@ -587,18 +680,19 @@ def _backend_problem() -> dict[str, np.ndarray]:
         "xtrace": est.normalize_probes(rng.standard_normal((B, n, 4)), "sphere"),
         "probing": _rademacher(rng, (B, n, 3)),
         "colors": np.arange(n) % 4,
+        "xtrace-exact": rng.standard_normal((B, n, 5)),  # 2m = 10 >= n: the identity columns
     }
 
 
 def _run(name: str, matvec: Callable[[Any], Any], probes: Any, colors: Any) -> tuple[Any, Any]:
     if name == "probing":
         return est.probing(matvec, colors, probes, num_colors=4)
-    if name == "xtrace":
+    if name.startswith("xtrace"):
         return est.xtrace(matvec, probes, improved=True)
     return est.estimate_trace(name, matvec, probes)
 
 
-BACKEND_CASES = ["hutchinson", "hutch++", "xtrace", "probing"]
+BACKEND_CASES = ["hutchinson", "hutch++", "xtrace", "probing", "xtrace-exact"]
 
 
 def _numpy_reference(

@@ -63,7 +63,7 @@ def test_stderr_is_calibrated():
 
 def test_same_seed_same_estimate_and_noise_can_be_kept_fixed():
     params, x, _ = _case()
-    div = divergence(models.mlp, 1, method="hutch++", num_probes=6)
+    div = divergence(models.mlp, 1, method="hutch++", num_probes=3)  # 3 < n=6: an estimate
     a = div(torch.Generator().manual_seed(3), params, x)
     b = div(torch.Generator().manual_seed(3), params, x)
     c = div(torch.Generator().manual_seed(4), params, x)
@@ -143,3 +143,14 @@ def test_gradients_flow_to_module_parameters(method):
     for g, p in zip(got, net.parameters(), strict=True):
         expected = torch.zeros_like(p) if p.grad is None else p.grad
         torch.testing.assert_close(g, expected, rtol=1e-8, atol=1e-12)
+
+
+def test_xtrace_with_a_budget_of_n_matvecs_is_exact():
+    """num_probes >= n pays for the n identity columns: the exact trace, standard error 0."""
+    params, x, exact = _case()  # n = 6
+    for num_probes in (6, 8, 12):
+        div, err = divergence(
+            models.mlp, 1, method="xtrace", num_probes=num_probes, return_stderr=True
+        )(torch.Generator().manual_seed(0), params, x)
+        torch.testing.assert_close(div, torch.as_tensor(exact), rtol=1e-12, atol=1e-12)
+        assert torch.all(err == 0)

@@ -18,9 +18,30 @@ mutates an array in place, or draws random numbers. The backends draw the random
 (JAX keys, torch generators) and pass them in; :func:`num_random_vectors` says how many each
 method needs and :func:`normalize_probes` turns raw draws into probes.
 
-Each estimator returns ``(estimate, stderr)``, two arrays of shape ``(B,)``: the trace estimate
-of each sample and its standard error (the sample standard deviation of the independent terms the
-estimate averages, over the square root of their number).
+Each estimator returns ``(estimate, stderr)``, two arrays of shape ``(B,)``. The standard error is
+meant to be read as a confidence interval: ``estimate +- 2 * stderr`` covers the exact trace at
+least 94 % of the time (for normally distributed terms; 95.4 % for many terms). It is built in
+two steps:
+
+1. An unbiased estimate ``V`` of the variance of the estimate, with ``nu`` degrees of freedom: the
+   sample variance of the independent terms the estimate averages, over their number (Hutchinson,
+   the Hutchinson part of Hutch++; ``nu = k - 1``), pooled over the color classes (probing), or
+   with a covariance correction for XTrace's dependent terms (see each estimator).
+2. Student's correction for estimating the variance from few terms: ``stderr = kappa(nu) *
+   sqrt(V)`` with ``kappa(nu) = max(1, t_nu(0.97) / 2)`` (``t_nu(p)``: the quantile of Student's
+   t with ``nu`` degrees of freedom), so that ``estimate +- 2 * stderr`` is at least the 94 %
+   Student-t interval, and ``stderr`` is never below the usual standard error ``sqrt(V)``,
+   which it equals from ``nu = 19`` on. ``kappa`` is 5.29 at ``nu = 1`` (a 94 % interval from
+   two terms is wide), 1.95 at ``nu = 2``, 1.30 at ``nu = 4``, 1.12 at ``nu = 7`` and 1.02 at
+   ``nu = 15``; it is computed by the Cornish-Fisher expansion of the t quantile (Abramowitz &
+   Stegun 26.7.5) with a fifth term that makes it exact at ``nu = 1``, within 0.6 % for every
+   ``nu >= 1``, also fractional (probing estimates its degrees of freedom).
+
+A single term has no sample variance; the estimators then return a conservative error estimate,
+never NaN: for a Hutchinson term ``v^T A v`` with ``E[v v^T] = I``, ``Var(v^T A v)`` is
+``||A + A^T||_F^2 / 2 <= 2 ||A||_F^2`` (Gaussian), less for Rademacher and sphere probes, and
+``||A v||^2`` is an unbiased estimate of ``||A||_F^2``: ``stderr = sqrt(2) ||A v||`` estimates an
+upper bound of the standard deviation, about ``sqrt(2)`` too large for non-symmetric ``A``.
 
 References:
     - Girard (1989), "A fast 'Monte-Carlo cross-validation' procedure for large least squares
@@ -35,6 +56,9 @@ References:
       Numerical Linear Algebra with Applications 19(3).
     - Stathopoulos, Laeuchli & Orginos (2013), "Hierarchical probing for estimating the trace of
       the matrix inverse on toroidal lattices", SIAM Journal on Scientific Computing 35(5).
+    - Satterthwaite (1946), "An approximate distribution of estimates of variance components",
+      Biometrics Bulletin 2(6).
+    - Abramowitz & Stegun (1964), "Handbook of mathematical functions", formula 26.7.5.
 """
 
 from __future__ import annotations
@@ -195,9 +219,10 @@ def hutchinson(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
         probes: The probes, shape ``(B, n, k)``; ``k`` matvecs, in one call.
 
     Returns:
-        ``(estimate, stderr)``, each of shape ``(B,)``: the mean of the ``k`` terms and their
-        sample standard deviation (``ddof=1``) over ``sqrt(k)``. With ``k == 1`` the standard
-        error is unknown and returned as NaN.
+        ``(estimate, stderr)``, each of shape ``(B,)``: the mean of the ``k`` independent terms
+        and their sample standard deviation (``ddof=1``) over ``sqrt(k)``, times Student's
+        ``kappa(k - 1)`` (module docstring). With ``k == 1``: the conservative single-term
+        estimate ``sqrt(2) ||J v||``.
 
     Raises:
         ValueError: ``probes`` is not 3-d, or ``matvec`` returns a different shape.
@@ -216,7 +241,8 @@ def hutchinson(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
     """
     xp = _namespace(probes)
     _check_probes(probes, "probes", xp)
-    return _mean_and_stderr(_column_dots(probes, _apply(matvec, probes)), xp)
+    products = _apply(matvec, probes)
+    return _mean_and_stderr(_column_dots(probes, products), xp, lambda: products)
 
 
 def hutch_plus_plus(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
@@ -236,9 +262,13 @@ def hutch_plus_plus(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
             ``1 <= m <= n``; see :func:`num_random_vectors`.
 
     Returns:
-        ``(estimate, stderr)``, each of shape ``(B,)``. The standard error is that of the
-        Hutchinson part (standard deviation of its ``m`` terms over ``sqrt(m)``; NaN if
-        ``m == 1``): given the sketch, the exact part has no error.
+        ``(estimate, stderr)``, each of shape ``(B,)``. Given the sketch, the exact part has no
+        error and the ``m`` Hutchinson terms ``g^T P J P g`` are independent with mean
+        ``tr(P J P)``: the standard error is theirs (sample standard deviation over ``sqrt(m)``,
+        times ``kappa(m - 1)``, module docstring). With ``m == 1`` (``num_probes=3``) there is no
+        sample variance: the conservative single-term estimate ``sqrt(2) ||P J P g||`` (about
+        ``sqrt(2)`` times too large for non-symmetric ``J``, more for Rademacher probes and a
+        large diagonal).
 
     Raises:
         NumProbesError: The number of probe columns is odd, zero, or above ``2n``.
@@ -265,12 +295,18 @@ def hutch_plus_plus(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
             f"draw num_random_vectors('hutch++', num_probes, n) of them."
         )
     m = k // 2
+    if 3 * m >= n:  # the budget pays for the n identity columns: the exact trace
+        return _exact_trace(matvec, probes, xp)
     sketch, gauss = probes[..., :m], probes[..., m:]
     q, _ = xp.linalg.qr(_apply(matvec, sketch))
-    projected = gauss - q @ (xp.matrix_transpose(q) @ gauss)
+    qt = xp.matrix_transpose(q)
+    projected = gauss - q @ (qt @ gauss)
     products = _apply(matvec, xp.concat([q, projected], axis=-1))
     exact_part = xp.sum(_column_dots(q, products[..., :m]), axis=-1)
-    estimate, stderr = _mean_and_stderr(_column_dots(projected, products[..., m:]), xp)
+    images = products[..., m:]  # J P g; P J P g = P (J P g) for the single-term bound
+    estimate, stderr = _mean_and_stderr(
+        _column_dots(projected, images), xp, lambda: images - q @ (qt @ images)
+    )
     return exact_part + estimate, stderr
 
 
@@ -288,12 +324,41 @@ def xtrace(matvec: Matvec, probes: Array, *, improved: bool = False) -> tuple[Ar
     ``m`` separate QRs). Valid for non-symmetric ``J``, using only products with ``J``.
     Cost: ``2m`` matvecs in two calls (``J Omega``, then ``J Q``).
 
+    When the budget pays for the exact answer (``2m >= n``), the ``n`` identity columns are
+    passed to ``matvec`` instead (``n <= 2m`` matvecs, in one call) and the exact trace is
+    returned with a standard error of 0; the values of ``probes`` are then not used.
+
     The *improved* variant of the paper (``improved=True``) rescales each Hutchinson term by
     ``(n - m + 1) / ||P_(i) w_i||^2``, as if ``P_(i) w_i`` were uniform on the sphere of radius
     ``sqrt(n - m + 1)`` in ``range(P_(i))``: it lowers the variance and keeps the estimate
     unbiased for probes whose direction is uniformly distributed (``"sphere"``, the paper's
     choice, or ``"gaussian"``), but it is biased for ``"rademacher"`` probes. Without it the
     estimate is unbiased for any probes with ``E[w w^T] = I``.
+
+    Standard error. The paper's error estimate ``s^2 / m`` (``s^2`` the sample variance of the
+    ``t_i``) treats the ``t_i`` as independent, but they share the test vectors: by
+    exchangeability every pair ``i != j`` has the same covariance ``c = Cov(t_i, t_j)``, and
+    ``Var(mean t_i) = E[s^2] / m + c``. ``c > 0`` when ``J`` is far from low rank with a large
+    diagonal (``J = I + E``: residual networks), where ``s / sqrt(m)`` is too small by a factor
+    up to 1.4 and covers about 85 % at two standard errors. The covariance has an estimate that
+    does not involve the unknown trace ``tau``: let ``t_i^(-j)`` be the estimate of ``w_i``
+    from the basis of ``J Omega_{-ij}`` (leaving out ``w_j`` too) and
+    ``D_ij = t_i - t_i^(-j)``. Given ``Omega_{-i}`` (all the test vectors but ``w_i``),
+    ``t_i`` has mean ``tau`` and ``t_j^(-i)`` is fixed, so
+    ``E[(t_i - tau)(t_j^(-i) - tau)] = 0`` and ``c = E[(t_i - tau) D_ji]``; given
+    ``Omega_{-j}``, both ``t_j`` and ``t_j^(-i)`` have mean ``tau`` (``E[D_ji] = 0``) and
+    ``t_i^(-j)`` is fixed, so ``c = E[D_ij D_ji]``. The argument holds for any probes with
+    ``E[w w^T] = I``, and for the improved variant with sphere or Gaussian probes, whose
+    ``t_i`` also have mean ``tau`` given ``Omega_{-i}``. With ``c_hat`` the mean of
+    ``D_ij D_ji`` over the ``m (m - 1)`` ordered pairs, ``s^2 / m + c_hat`` is an unbiased
+    estimate of the variance; being an average of products it is noisy (when ``c`` is about 0
+    its standard deviation is 10-60 % of ``s^2 / m``) and can be negative, so the variance
+    estimate is ``V = max(s^2 / m + c_hat, s^2 / (2 m))``, and ``stderr = kappa(m - 1)
+    sqrt(V)`` (module docstring). The leave-two-out bases come from the same QR (their
+    complement in ``range(Q)`` is spanned by ``s_i`` and ``s_j``): ``O(m^3)`` more work per
+    sample, no matvec. With ``m == 1`` the estimate is the single Hutchinson term ``w^T J w``
+    (scaled when improved), and the standard error its conservative single-term estimate
+    (module docstring).
 
     Args:
         matvec: Batched matvec, ``(B, n, k) -> (B, n, k)``, ``W[b] = J_b @ V[b]``.
@@ -302,9 +367,8 @@ def xtrace(matvec: Matvec, probes: Array, *, improved: bool = False) -> tuple[Ar
         improved: Apply the paper's normalization of the Hutchinson terms (see above).
 
     Returns:
-        ``(estimate, stderr)``, each of shape ``(B,)``: the mean of the ``t_i`` and the paper's
-        error estimate, the standard deviation of the ``t_i`` over ``sqrt(m)`` (NaN if
-        ``m == 1``).
+        ``(estimate, stderr)``, each of shape ``(B,)``: the mean of the ``t_i`` and the
+        standard error above (0 when ``2m >= n``: the exact trace).
 
     Raises:
         NumProbesError: ``probes`` has no column or more than ``n`` columns.
@@ -321,6 +385,10 @@ def xtrace(matvec: Matvec, probes: Array, *, improved: bool = False) -> tuple[Ar
         >>> estimate, stderr = xtrace(lambda W: J @ W, probes, improved=True)
         >>> np.allclose(estimate, np.trace(J, axis1=1, axis2=2))
         True
+        >>> probes = rng.standard_normal((2, 50, 25))  # 2m = 50 >= n: the exact trace
+        >>> estimate, stderr = xtrace(lambda W: J @ W, probes)
+        >>> np.allclose(estimate, np.trace(J, axis1=1, axis2=2)), stderr.tolist()
+        (True, [0.0, 0.0])
     """
     xp = _namespace(probes)
     _check_probes(probes, "probes", xp)
@@ -330,7 +398,10 @@ def xtrace(matvec: Matvec, probes: Array, *, improved: bool = False) -> tuple[Ar
             f"xtrace got probes with {m} columns for n={n}: it needs 1 <= m <= n test vectors; "
             f"draw num_random_vectors('xtrace', num_probes, n) of them."
         )
-    q, r = xp.linalg.qr(_apply(matvec, probes))
+    if 2 * m >= n:
+        return _exact_trace(matvec, probes, xp)
+    y = _apply(matvec, probes)
+    q, r = xp.linalg.qr(y)
     z = _apply(matvec, q)
     qt = xp.matrix_transpose(q)
     w = qt @ probes  # Q^T Omega
@@ -343,12 +414,18 @@ def xtrace(matvec: Matvec, probes: Array, *, improved: bool = False) -> tuple[Ar
     c = w - s * sw[..., None, :]
     # w_i^T P_(i) J P_(i) w_i with J w_i = Q r_i and P_(i) w_i = w_i - Q c_i.
     residual = sw * _column_dots(s, r) - _column_dots(t, c) + _column_dots(c, h @ c)
-    if improved:
-        projected_sq = _column_dots(probes, probes) - _column_dots(w, w) + sw * sw
-        residual = residual * ((n - m + 1) / projected_sq)
+    projected_sq = _column_dots(probes, probes) - _column_dots(w, w) + sw * sw
+    scale = (n - m + 1) / projected_sq if improved else xp.ones_like(projected_sq)
     trace_h = xp.sum(_column_dots(q, z), axis=-1)
-    terms = trace_h[..., None] - _column_dots(s, h @ s) + residual
-    return _mean_and_stderr(terms, xp)
+    terms = trace_h[..., None] - _column_dots(s, h @ s) + scale * residual
+    if m == 1:
+        return _mean_and_stderr(terms, xp, lambda: y * scale[..., None, :])
+    mean, variance = _mean_and_variance(terms, xp)
+    covariance = _xtrace_covariance(
+        s, w, r, h, t, c, residual, projected_sq, n=n, improved=improved, xp=xp
+    )
+    corrected = variance + covariance
+    return mean, _t_factor(m - 1) * xp.sqrt(xp.maximum(corrected, variance / 2))
 
 
 def probe_matrix(colors: Array, signs: Array, *, num_colors: int | None = None) -> Array:
@@ -380,13 +457,7 @@ def probe_matrix(colors: Array, signs: Array, *, num_colors: int | None = None) 
                [1., 0.],
                [0., 1.]])
     """
-    xp = _namespace(signs)
-    _check_probes(signs, "signs", xp)
-    batch, n, reps = signs.shape
-    mask = _color_mask(colors, n, num_colors, signs, xp)
-    num = mask.shape[-1]
-    probes = signs[..., None] * mask[:, None, :]  # (B, n, r, c)
-    return xp.reshape(probes, (batch, n, reps * num))
+    return _probes_and_mask(colors, signs, num_colors)[0]
 
 
 def probing(
@@ -399,25 +470,41 @@ def probing(
 ) -> tuple[Array, Array]:
     """Trace by probing with a coloring (Tang & Saad 2012; Stathopoulos, Laeuchli & Orginos 2013).
 
-    For each repetition and each color class ``C``, the probe ``v`` is the repetition's random
+    For each repetition and each color class ``C``, the probe ``v_C`` is the repetition's random
     signs restricted to ``C``; one repetition estimates ``tr(J)`` by the sum over colors of
-    ``v^T J v``, which is ``sum_j J[j, j]`` plus cross terms ``J[j, j'] v_j v_j'`` between
-    same-colored ``j != j'``. The estimate is unbiased for any coloring, and exact (zero
-    variance) for a *diagonal* coloring (same-colored ``j != j'`` have
+    ``t_C = v_C^T J v_C``, which is ``sum_{j in C} J[j, j]`` plus cross terms
+    ``J[j, j'] v_j v_j'`` between same-colored ``j != j'``. The estimate is unbiased for any
+    coloring, and exact (zero variance) for a *diagonal* coloring (same-colored ``j != j'`` have
     ``J[j, j'] = J[j', j] = 0``). Cost: ``r * c`` matvecs in one call.
+
+    Standard error. The signs are independent per element, and the color classes hold disjoint
+    sets of elements, so the ``c`` terms ``t_C`` of a repetition are independent (though not
+    identically distributed: each has its own mean): the variance of the mean over the ``r``
+    repetitions is ``sum_C Var(t_C) / r``, estimated without bias by ``sum_C s_C^2 / r`` with
+    ``s_C^2`` the sample variance of ``t_C`` over the repetitions. This pooled estimate has up to
+    ``c (r - 1)`` degrees of freedom instead of the ``r - 1`` of the sample variance of the
+    repetitions' totals (two repetitions, the usual plan, would give a single one):
+    Satterthwaite's (1946) ``nu = (r - 1) (sum_C Var(t_C))^2 / sum_C Var(t_C)^2``. Plugging in
+    ``s_C^2`` would bias it low (``E[s_C^4] = Var(t_C)^2 (r + 1) / (r - 1)`` for normal terms);
+    correcting both sums gives ``nu_hat = (r + 1) (sum_C s_C^2)^2 / sum_C s_C^4 - 2``, clipped
+    to ``[r - 1, c (r - 1)]`` (exactly ``r - 1`` when one class carries all the variance). The
+    standard error is ``kappa(nu_hat) sqrt(sum_C s_C^2 / r)`` (module docstring). With one
+    repetition it is the conservative single-term estimate ``sqrt(2 sum_C ||(J v_C)_C||^2)``
+    (``(x)_C``: the elements of ``x`` in ``C``; it includes the diagonal of ``J``, so it can be
+    far too large).
 
     Args:
         matvec: Batched matvec, ``(B, n, k) -> (B, n, k)``, ``W[b] = J_b @ V[b]``.
         colors: Color of each input element, integers ``0 .. c-1``, shape ``(n,)`` (see
             :func:`probe_matrix`).
-        signs: Random signs (+-1), shape ``(B, n, r)``: ``r`` repetitions.
+        signs: Random signs (+-1), independent per element, shape ``(B, n, r)``: ``r``
+            repetitions.
         exact: The coloring is a valid diagonal coloring: report a standard error of exactly 0.
         num_colors: The number ``c`` of colors; defaults to ``max(colors) + 1``.
 
     Returns:
         ``(estimate, stderr)``, each of shape ``(B,)``: the mean over the ``r`` repetitions and
-        the standard deviation of the repetitions over ``sqrt(r)`` (NaN if ``r == 1``, 0 if
-        ``exact``).
+        the standard error above (0 if ``exact``).
 
     Raises:
         ValueError: Shapes or color values do not fit, or ``matvec`` returns a different shape.
@@ -433,14 +520,25 @@ def probing(
         (True, [0.0, 0.0])
     """
     xp = _namespace(signs)
-    probes = probe_matrix(colors, signs, num_colors=num_colors)
+    probes, mask = _probes_and_mask(colors, signs, num_colors)
+    products = _apply(matvec, probes)
     batch, _, reps = signs.shape
-    num = probes.shape[-1] // reps
-    per_color = xp.reshape(_column_dots(probes, _apply(matvec, probes)), (batch, reps, num))
-    estimate, stderr = _mean_and_stderr(xp.sum(per_color, axis=-1), xp)
+    per_color = xp.reshape(_column_dots(probes, products), (batch, reps, mask.shape[-1]))
+    estimate = xp.mean(xp.sum(per_color, axis=-1), axis=-1)
     if exact:
-        stderr = xp.zeros_like(estimate)
-    return estimate, stderr
+        return estimate, xp.zeros_like(estimate)
+    if reps == 1:
+        return estimate, _single_term_stderr(products * mask, xp)
+    deviations = per_color - xp.mean(per_color, axis=-2)[..., None, :]
+    class_variance = xp.sum(deviations * deviations, axis=-2) / (reps - 1)  # s_C^2, (B, c)
+    total = xp.sum(class_variance, axis=-1)
+    squares = xp.sum(class_variance * class_variance, axis=-1)
+    spread = squares > 0  # else every s_C is 0, and so is the standard error
+    ratio = total * total / xp.where(spread, squares, xp.ones_like(squares))
+    dof = xp.where(spread, (reps + 1) * ratio - 2, xp.zeros_like(ratio))
+    lowest, highest = reps - 1, (reps - 1) * mask.shape[-1]
+    dof = xp.minimum(xp.maximum(dof, xp.full_like(dof, lowest)), xp.full_like(dof, highest))
+    return estimate, _t_factor(dof) * xp.sqrt(total / reps)
 
 
 def estimate_trace(
@@ -484,6 +582,43 @@ def estimate_trace(
 # --------------------------------------------------------------------------------------------
 
 
+def _t97_coefficients() -> tuple[float, ...]:
+    """Coefficients ``a_1 .. a_5`` of ``t_nu(0.97) = z + sum_k a_k / nu^k``, ``z = z(0.97)``.
+
+    ``a_1 .. a_4``: the Cornish-Fisher expansion of Student's t quantile in powers of ``1 / nu``
+    (Abramowitz & Stegun 26.7.5); ``a_5`` makes the series exact at ``nu = 1``, where
+    ``t_1(0.97) = tan(0.47 pi)``. Within 0.6 % of the quantile for ``nu >= 1``, 0.2 % for
+    ``nu >= 2``.
+    """
+    z = _Z97
+    series = (
+        (z**3 + z) / 4,
+        (5 * z**5 + 16 * z**3 + 3 * z) / 96,
+        (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384,
+        (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160,
+    )
+    return (*series, math.tan(0.47 * math.pi) - z - sum(series))
+
+
+_Z97 = 1.8807936081512509
+"""The 97th percentile of the standard normal distribution."""
+
+_T97 = _t97_coefficients()
+
+
+def _t_factor(dof: Any) -> Any:
+    """``kappa(dof) = max(1, t_dof(0.97) / 2)`` for ``dof >= 1``: a number or an array."""
+    inverse = 1 / dof
+    series = 0.0
+    for coefficient in reversed(_T97):
+        series = inverse * (coefficient + series)
+    half = (_Z97 + series) / 2
+    if isinstance(half, float):
+        return max(half, 1.0)
+    xp = _namespace(half)
+    return xp.maximum(half, xp.ones_like(half))
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
@@ -520,15 +655,92 @@ def _column_dots(v: Array, w: Array) -> Array:
     return xp.sum(v * w, axis=-2)
 
 
-def _mean_and_stderr(terms: Array, xp: Any) -> tuple[Array, Array]:
-    """Mean of ``(B, k)`` terms over ``k`` and its standard error (NaN when ``k == 1``)."""
+def _mean_and_variance(terms: Array, xp: Any) -> tuple[Array, Array]:
+    """Mean of ``(B, k)`` independent terms over ``k >= 2`` and its variance estimate."""
     k = terms.shape[-1]
     mean = xp.mean(terms, axis=-1)
-    if k == 1:
-        return mean, xp.full_like(mean, math.nan)
     deviations = terms - mean[..., None]
-    variance = xp.sum(deviations * deviations, axis=-1) / (k - 1)
-    return mean, xp.sqrt(variance / k)
+    return mean, xp.sum(deviations * deviations, axis=-1) / (k * (k - 1))
+
+
+def _mean_and_stderr(terms: Array, xp: Any, images: Callable[[], Array]) -> tuple[Array, Array]:
+    """Mean of ``(B, k)`` independent terms over ``k`` and its standard error.
+
+    ``kappa(k - 1)`` times the sample standard deviation over ``sqrt(k)``; for ``k == 1``, the
+    single-term estimate from ``images()``, the columns ``A v`` of the term ``v^T A v``.
+    """
+    k = terms.shape[-1]
+    if k == 1:
+        return xp.mean(terms, axis=-1), _single_term_stderr(images(), xp)
+    mean, variance = _mean_and_variance(terms, xp)
+    return mean, _t_factor(k - 1) * xp.sqrt(variance)
+
+
+def _single_term_stderr(images: Array, xp: Any) -> Array:
+    """``sqrt(2 sum ||A v||^2)`` over the ``(B, n, c)`` columns ``A v`` of independent terms."""
+    return xp.sqrt(2 * xp.sum(images * images, axis=(-2, -1)))
+
+
+def _exact_trace(matvec: Matvec, like: Array, xp: Any) -> tuple[Array, Array]:
+    """The exact traces from the ``n`` identity columns (``n`` matvecs), standard error 0."""
+    batch, n = like.shape[0], like.shape[-2]
+    eye = xp.eye(n, dtype=like.dtype, device=array_api_compat.device(like))
+    columns = xp.broadcast_to(eye, (batch, n, n))
+    trace = xp.sum(_column_dots(columns, _apply(matvec, columns)), axis=-1)
+    return trace, xp.zeros_like(trace)
+
+
+def _xtrace_covariance(
+    s: Array,
+    w: Array,
+    r: Array,
+    h: Array,
+    t: Array,
+    c: Array,
+    residual: Array,
+    projected_sq: Array,
+    *,
+    n: int,
+    improved: bool,
+    xp: Any,
+) -> Array:
+    """XTrace's ``c_hat``: the mean of ``D_ij D_ji`` over the pairs ``i != j``, shape ``(B,)``.
+
+    The arguments are those of :func:`xtrace`: ``s`` (the normalized ``R^{-T}``), ``w``
+    (``Q^T Omega``), ``r``, ``h`` (``Q^T J Q``), ``t`` (``(J Q)^T Omega``), ``c`` (the
+    coordinates of ``Q_(i) Q_(i)^T w_i``), the unscaled Hutchinson terms ``residual`` and
+    ``projected_sq = ||P_(i) w_i||^2``. Leaving out ``w_j`` as well adds to the complement of the
+    basis of ``w_i`` (in the coordinates of ``Q``) the unit vector ``e = (s_j - g s_i) / rho``,
+    ``g = s_i . s_j``, ``rho = sqrt(1 - g^2)``; with ``beta = e . Q^T w_i``, the low-rank part
+    loses ``e^T H e`` and the Hutchinson term of ``w_i`` (coordinates ``c_i - beta e``) grows by
+    ``beta (e . (r_i + t_i - (H + H^T) c_i)) + beta^2 e^T H e``.
+    """
+    m = s.shape[-1]
+    st = xp.matrix_transpose
+    eye = xp.eye(m, dtype=s.dtype, device=array_api_compat.device(s))
+    g = st(s) @ s
+    floor = xp.finfo(s.dtype).eps
+    rho_sq = xp.where(eye > 0, xp.ones_like(g), xp.maximum(1 - g * g, xp.full_like(g, floor)))
+    rho = xp.sqrt(rho_sq)
+
+    def along(x: Array) -> Array:
+        """``e_ij . x_i`` from ``X[i, j] = x_i . s_j``."""
+        return (x - g * xp.sum(x * eye, axis=-1)[..., :, None]) / rho
+
+    beta = along(st(w) @ s)
+    linear = along(st(r + t - (h + st(h)) @ c) @ s)
+    shs = st(s) @ h @ s
+    d = xp.sum(shs * eye, axis=-1)
+    e_h = (d[..., None, :] - g * (shs + st(shs)) + g * g * d[..., :, None]) / rho_sq
+    growth = beta * linear + beta * beta * e_h
+    if improved:
+        before = ((n - m + 1) / projected_sq * residual)[..., :, None]
+        after = (n - m + 2) / (projected_sq[..., :, None] + beta * beta)
+        delta = e_h + before - after * (residual[..., :, None] + growth)
+    else:
+        delta = e_h - growth
+    delta = delta * (1 - eye)
+    return xp.sum(delta * st(delta), axis=(-2, -1)) / (m * (m - 1))
 
 
 def _normalized_inverse_transpose_columns(r: Array, xp: Any) -> Array:
@@ -547,6 +759,16 @@ def _normalized_inverse_transpose_columns(r: Array, xp: Any) -> Array:
     inverse = xp.linalg.inv(r + eye * (safe - diagonal)[..., None, :])
     s = xp.matrix_transpose(inverse)
     return s / xp.linalg.vector_norm(s, axis=-2, keepdims=True)
+
+
+def _probes_and_mask(colors: Array, signs: Array, num_colors: int | None) -> tuple[Array, Array]:
+    """Probing's probes ``(B, n, r * c)`` (see :func:`probe_matrix`) and the ``(n, c)`` classes."""
+    xp = _namespace(signs)
+    _check_probes(signs, "signs", xp)
+    batch, n, reps = signs.shape
+    mask = _color_mask(colors, n, num_colors, signs, xp)
+    probes = signs[..., None] * mask[:, None, :]  # (B, n, r, c)
+    return xp.reshape(probes, (batch, n, reps * mask.shape[-1])), mask
 
 
 def _color_mask(colors: Array, n: int, num_colors: int | None, like: Array, xp: Any) -> Array:

@@ -6,12 +6,17 @@ Passes run together under ``torch.func.vmap``: VJPs pull a batch of cotangents t
 autograd graph, so a loss built on a divergence backpropagates to them (``loss.backward()``),
 and everything composes with ``torch.func`` transforms. Device and dtype follow the
 differentiated input. Passes read their own entries with masks.
+
+Random operations of the function (dropout in training mode) draw once per call, whatever the
+chunking: every evaluation of the function starts from the state torch's global generators had
+when the passes started, so every pass differentiates the same forward pass.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -23,7 +28,7 @@ from .._backend import Backend, Finish, Linear, Seed
 from .._core import detection
 from .._core.detection import LRU
 from .._transforms import Call
-from ._detect import TensorSpec, Traced, find_modules, quiet_batch_norm, trace
+from ._detect import TensorSpec, Traced, plain_kernels, quiet_batch_norm, trace
 
 __all__ = ["BACKEND", "TorchBackend"]
 
@@ -48,6 +53,8 @@ class _Passes(Linear):
         if call.spec.has_aux:
             self._g, self._aux_of = _split_aux(call.g)
         self._vjp: Any = None
+        self._traced = cast(Traced, call.traced)
+        self._rng = _Generators(call.xb.device) if self._traced.draws_random else None
 
     def _keep(self, y: torch.Tensor, aux: Any) -> None:
         if self.value is None:
@@ -57,7 +64,7 @@ class _Passes(Linear):
         self, inputs: torch.Tensor, seed: Seed, finish: Finish, chunk: int, *, shared: bool
     ) -> torch.Tensor:
         call = self._call
-        xb, B = call.xb, call.batch_size
+        xb, B = _without_overlap(call.xb), call.batch_size
         g, aux_of = self._g, self._aux_of
         n_passes = int(inputs.shape[0])
 
@@ -66,7 +73,8 @@ class _Passes(Linear):
             # and copies under vmap, ~7% slower on an MLP.
             return t.expand(B, *t.shape).contiguous() if shared else t
 
-        with quiet_batch_norm(cast(Traced, call.traced).modules()):
+        traced = self._traced
+        with quiet_batch_norm(traced.modules()), _differentiable_kernels(rnn=traced.runs_rnn):
             if self._reverse:
                 if self._vjp is None:
                     pulled: Any = torch.func.vjp(g, xb, has_aux=aux_of is not None)
@@ -92,14 +100,58 @@ class _Passes(Linear):
 
             # The value is the same in every pass (out_dims None); chunks are run one by one,
             # as vmap's own chunk_size cannot return an unbatched output. Random operations
-            # (dropout in training mode) draw once per chunk, shared by its passes.
+            # draw once per chunk (shared by its passes), and every chunk the same numbers.
             pushes = torch.func.vmap(push, out_dims=cast(Any, (None, 0)), randomness="same")
             parts = []
             for lo in range(0, n_passes, chunk):
+                if self._rng is not None:
+                    self._rng.rewind()
                 y, part = pushes(inputs[lo : lo + chunk])
                 parts.append(part)
             self._keep(y, aux_of(auxes[0]) if aux_of is not None else None)
             return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+class _Generators:
+    """The state of torch's global generators (the CPU's, and that of the input's device) when
+    the passes of a call start. Every evaluation of the function is rewound to it, so it draws
+    what the first one drew, and leaves them where one evaluation does."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._module: Any = None
+        if device.type not in ("cpu", "meta"):
+            self._module = torch.get_device_module(device.type)
+        self._cpu = torch.get_rng_state()
+        self._own = None if self._module is None else self._module.get_rng_state(device)
+
+    def rewind(self) -> None:
+        torch.set_rng_state(self._cpu)
+        if self._own is not None:
+            self._module.set_rng_state(self._own, self._device)
+
+
+@contextlib.contextmanager
+def _differentiable_kernels(*, rnn: bool) -> Iterator[None]:
+    """Kernels that forward-mode AD and ``vmap`` go through: attention in its math form (the
+    fused CPU and CUDA kernels have no forward derivative, nor batching rules for their
+    gradients), and with ``rnn``, recurrent layers without oneDNN and cuDNN (whose kernels
+    have no forward derivative)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with (
+        sdpa_kernel(SDPBackend.MATH),
+        plain_kernels(cudnn=True) if rnn else contextlib.nullcontext(),
+    ):
+        yield
+
+
+def _without_overlap(x: torch.Tensor) -> torch.Tensor:
+    """``x``, copied if elements share memory (an expanded tensor): forward-mode AD writes
+    tangents into a tensor of its layout."""
+    if any(stride == 0 and size > 1 for stride, size in zip(x.stride(), x.shape, strict=True)):
+        return x.contiguous()
+    return x
 
 
 def _split_aux(
@@ -167,14 +219,16 @@ class TorchBackend(Backend):
     ) -> Traced:
         leaves, treedef = pytree.tree_flatten((args, kwargs))
         x_leaf = len(pytree.tree_leaves(args[: options.pop("argnum")]))
-        modules = find_modules(fun, leaves)
-        return trace(fun, leaves, treedef, x_leaf=x_leaf, modules=modules, **options)
+        return trace(fun, leaves, treedef, x_leaf=x_leaf, **options)
 
     def prefer_reverse(self, traced: detection.Traced) -> bool:
         """Rows, but columns for a convolution network: PyTorch's reverse mode runs one
         forward pass then batched backward passes, faster on dense layers (MLPs: ~20%), while
-        its batched convolution backward is the slower one (3-7x on a blur)."""
-        return not cast(Traced, traced).has_convolution
+        its batched convolution backward is the slower one (3-7x on a blur). Columns too when
+        a linear solve broadcasts its matrix over a batch of right-hand sides: PyTorch's
+        ``vmap`` of its gradient fails (torch 2.13)."""
+        torch_traced = cast(Traced, traced)
+        return not (torch_traced.has_convolution or torch_traced.solves_broadcast)
 
     def linearize(self, call: Call, reverse: bool) -> Linear:
         return _Passes(call, reverse)

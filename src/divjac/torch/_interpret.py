@@ -9,15 +9,20 @@ Every ATen operation is mapped onto a backend-neutral rule of :mod:`divjac._core
   an ``arange`` of its inputs' positions, which gives the source element of every output element;
 * contractions (``mm``, ``addmm``, ``bmm``, ...), convolutions (all variants, transposed ones and
   their input gradient), reductions, cumulative operations, sorting, softmax, layer / group /
-  batch normalization, pooling (max, average, adaptive) and their gradients;
-* operations that have a PyTorch decomposition (upsampling, many ``*_backward`` operations) are
-  decomposed while tracing and never reach the interpreter.
+  batch normalization, pooling (max, average, adaptive) and their gradients, the gradients of
+  resizes, fused attention kernels and their gradients, batched linear algebra and solves;
+* operations that have a PyTorch decomposition (upsampling, recurrent layers, many
+  ``*_backward`` operations) are decomposed while tracing and never reach the interpreter;
+* higher-order operations (``cond``, ...) are not followed: assumed dense.
 
-Integer and boolean results have no derivative (empty dependency sets); constant tensors that do
-not depend on the input are folded when a rule needs their value (gather indices, masks), except
-parameters, whose values may change between calls. An operation without a rule never raises and
-never under-approximates: its outputs depend on everything its inputs depend on, with one
-:class:`~divjac.DenseFallbackWarning` per detection naming every such operation.
+Integer and boolean results have no derivative (empty dependency sets); values that do not
+depend on the input are folded when a rule needs them (gather indices, masks): what the program
+computes from constants it builds itself (``arange``, ``full``, ``torch.tensor([...])``
+literals) and from the graph constants the tracer lets it read (captured integer and boolean
+tensors, whose versions it guards). Captured floating-point tensors (parameters, buffers,
+weights closed over) are never read: they change between calls. An operation without a rule
+never raises and never under-approximates: its outputs depend on everything its inputs depend
+on, with one :class:`~divjac.DenseFallbackWarning` per detection naming every such operation.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import functools
 import math
 import operator
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -169,24 +174,33 @@ class Interpreter:
 
     Args:
         n_labels: number of labels (columns of every dependency matrix).
-        max_entries: abort with :class:`~divjac._core.detection.TooDense` once an intermediate
-            holds more dependency entries than this.
+        limit: abort with :class:`~divjac._core.detection.TooDense` once an intermediate is
+            past it.
+        constants: the graph constants (``get_attr`` targets) whose values may be read; any
+            other constant is unknown.
 
     Attributes:
         fallbacks: names of operations that had no rule (handled as dense).
+        read: the names of the ``constants`` whose values were read.
     """
 
-    def __init__(self, n_labels: int, *, limit: EntryLimit | None = None) -> None:
+    def __init__(
+        self,
+        n_labels: int,
+        *,
+        limit: EntryLimit | None = None,
+        constants: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
         self.n_labels = n_labels
         self.limit = limit
+        self.constants: Mapping[str, torch.Tensor] = constants or {}
         self.fallbacks: set[str] = set()
+        self.read: set[str] = set()
         self._deps: dict[torch.fx.Node, Any] = {}
         self._values: dict[torch.fx.Node, Any] = {}
-        self._module: torch.fx.GraphModule | None = None
 
     def run(self, gm: torch.fx.GraphModule, in_deps: Sequence[Deps]) -> Deps:
         """Dependency sets of the graph's (single tensor) output, given those of its inputs."""
-        self._module = gm
         placeholders = iter(in_deps)
         result: Deps | None = None
         for node in gm.graph.nodes:
@@ -227,8 +241,9 @@ class Interpreter:
     def value(self, arg: Any) -> Any:
         """The concrete value of a graph value that does not depend on the input, else ``None``.
 
-        Parameters (and any tensor that requires grad) are never folded: their values change
-        between calls, so a pattern built on them could go stale.
+        Only the readable ``constants`` are graph constants with a value (their reads are
+        recorded in :attr:`read`); weights are never read, so a pattern cannot go stale when
+        they are trained.
         """
         if not isinstance(arg, torch.fx.Node):
             return arg
@@ -237,14 +252,9 @@ class Interpreter:
         self._values[arg] = None  # guards against cycles while folding
         result: Any = None
         if arg.op == "get_attr":
-            const: Any = getattr(self._module, str(arg.target), None)
-            if (
-                _is_tensor(const)
-                and not isinstance(const, torch.nn.Parameter)
-                and not const.requires_grad
-                and const.device.type != "meta"
-                and not str(arg.target).startswith("_param_constant")
-            ):
+            const = self.constants.get(str(arg.target))
+            if const is not None:
+                self.read.add(str(arg.target))
                 result = const.detach()
         elif arg.op == "call_function" and not self.has_deps(arg):
             result = self._fold(arg)
@@ -299,7 +309,8 @@ class Interpreter:
                 if found is not None and _inexact(node.meta.get("val")):
                     self._deps[node] = found
             return
-        if not isinstance(target, torch._ops.OpOverload):
+        higher_order = isinstance(target, torch._ops.HigherOrderOperator)
+        if not (higher_order or isinstance(target, torch._ops.OpOverload)):
             return  # arithmetic on sizes and other Python values
         vals = _outputs(node)
         if not any(_inexact(v) for v in vals):
@@ -307,8 +318,11 @@ class Interpreter:
         inputs = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if self.has_deps(a)]
         if not inputs:
             return  # constants and parameters: nothing depends on the labels
-        outs = [_shape(v) if _is_tensor(v) else None for v in vals]
-        results = self._apply(node, outs)
+        outs = [_shape(v) if _inexact(v) else None for v in vals]  # None: no derivative
+        if higher_order:  # a subgraph (cond, ...): not followed
+            results = self.dense(node, outs, str(target))
+        else:
+            results = self._apply(node, outs)
         stored: list[Deps | None] = []
         for val, dep in zip(vals, results, strict=True):
             if dep is None or not _inexact(val) or dep.is_empty:
@@ -972,6 +986,49 @@ def _pool_backward(it, node, outs):
     return [grad]
 
 
+# Gradients of resizes: (grad_output, output_size, input_size, ..., scales of each axis).
+_UPSAMPLE_BACKWARDS = (
+    "upsample_nearest1d_backward", "upsample_nearest2d_backward", "upsample_nearest3d_backward",
+    "_upsample_nearest_exact1d_backward", "_upsample_nearest_exact2d_backward",
+    "_upsample_nearest_exact3d_backward", "upsample_linear1d_backward",
+    "upsample_bilinear2d_backward", "upsample_trilinear3d_backward",
+    "upsample_bicubic2d_backward", "_upsample_bilinear2d_aa_backward",
+    "_upsample_bicubic2d_aa_backward", "_upsample_lanczos2d_aa_backward",
+)  # fmt: skip
+_SCALES = {1: ("scales",), 2: ("scales_h", "scales_w"), 3: ("scales_d", "scales_h", "scales_w")}
+
+
+@_rule(*_UPSAMPLE_BACKWARDS)
+def _upsample_backward(it, node, outs):
+    """Each input element collects the gradients of the outputs that read it. Resizes are
+    separable: the pairs of one axis are those of the same gradient along that axis alone (the
+    other axes of length one), applied to the identity; weights that are zero are true zeros
+    (they do not depend on the input)."""
+    b = bind(node)
+    grad = it.deps(b["grad_output"])
+    in_shape = outs[0]
+    nd = len(in_shape) - 2
+    dtype = node.args[0].meta["val"].dtype
+    if dtype not in (torch.float32, torch.float64):
+        dtype = torch.float64
+    for j in range(nd):
+        axis = 2 + j
+        n_out, n_in = grad.shape[axis], in_shape[axis]
+        out_size, in_size = [1] * nd, [1] * nd
+        out_size[j], in_size[j] = n_out, n_in
+        args = dict(b)
+        args["grad_output"] = torch.eye(n_out, dtype=dtype).reshape(n_out, 1, *out_size)
+        args["output_size"], args["input_size"] = out_size, [n_out, 1, *in_size]
+        for k, name in enumerate(_SCALES[nd]):
+            if k != j:
+                args[name] = None
+        with torch.no_grad():
+            pulled = node.target(**args)
+        reads, inputs = np.nonzero(pulled.reshape(n_out, n_in).numpy())
+        grad = D.axis_map(grad, axis, n_in, inputs, reads)
+    return [grad]
+
+
 # --- scatter-like operations --------------------------------------------------------------------
 
 
@@ -1123,31 +1180,145 @@ def _col2im(it, node, outs):
 _LINALG = (
     "_linalg_svd", "linalg_svd", "_linalg_eigh", "linalg_eigh", "linalg_eig", "_linalg_eigvals",
     "linalg_inv_ex", "linalg_inv", "_linalg_det", "linalg_det", "_linalg_slogdet",
-    "linalg_cholesky_ex", "cholesky", "_linalg_solve_ex", "linalg_solve", "linalg_lu_factor_ex",
-    "linalg_lu", "linalg_qr", "triangular_solve", "linalg_solve_triangular", "cholesky_solve",
+    "linalg_cholesky_ex", "cholesky", "linalg_lu_factor_ex", "linalg_lu", "linalg_qr",
     "cholesky_inverse", "linalg_householder_product", "linalg_pinv", "linalg_matrix_exp",
-    "_linalg_check_errors", "linalg_ldl_factor_ex", "geqrf", "ormqr", "lu_solve",
-    "linalg_lu_solve",
+    "_linalg_check_errors", "linalg_ldl_factor_ex", "geqrf", "ormqr",
 )  # fmt: skip
+
+
+def _per_batch(
+    it: Interpreter,
+    node: torch.fx.Node,
+    outs: list[tuple[int, ...] | None],
+    inputs: Sequence[Deps],
+    lead: int,
+) -> list[Deps | None]:
+    """Operations independent along their ``lead`` leading axes (a batch, heads): within one
+    entry of those, every output element depends on every input element. An output whose
+    leading axes are not the inputs' is dense (and reported)."""
+    results: list[Deps | None] = []
+    for s in outs:
+        if s is None or not inputs:
+            results.append(None)
+            continue
+        batch = s[:lead]
+        if len(s) < lead or any(len(d.shape) < lead or d.shape[:lead] != batch for d in inputs):
+            if math.prod(s):
+                it.fallbacks.add(str(node.target))
+            results.append(D.dense(s, *inputs))
+            continue
+        parts = [D.batched_dense(d, len(d.shape) - lead, s, len(s) - lead) for d in inputs]
+        results.append(D.union(*parts))
+    return results
+
+
+def _inputs_with_deps(it: Interpreter, node: torch.fx.Node) -> list[Deps]:
+    return [it.deps(a) for a in pytree.tree_leaves((node.args, node.kwargs)) if it.has_deps(a)]
 
 
 @_rule(*_LINALG)
 def _linalg(it, node, outs):
     """Batched matrix functions: leading axes are a batch, the trailing matrix axes are dense."""
-    inputs = [it.deps(a) for a in pytree.tree_leaves((node.args, node.kwargs)) if it.has_deps(a)]
+    inputs = _inputs_with_deps(it, node)
     lead = len(inputs[0].shape) - 2
+    if lead < 0:
+        return it.dense(node, outs, str(node.target))
+    return _per_batch(it, node, outs, inputs, lead)
+
+
+# Solvers of ``A X = B``: the names of ``A`` and ``B`` in their schemas.
+_SOLVES = {
+    "_linalg_solve_ex": ("A", "B"), "linalg_solve": ("A", "B"), "linalg_solve_ex": ("A", "B"),
+    "cholesky_solve": ("input2", "self"), "triangular_solve": ("A", "self"),
+    "linalg_solve_triangular": ("self", "B"), "linalg_lu_solve": ("LU", "B"),
+    "lu_solve": ("LU_data", "self"),
+}  # fmt: skip
+
+
+@_rule(*_SOLVES)
+def _solve(it, node, outs):
+    """``A X = B`` (``X A = B`` with ``left=False``): a column (row) of ``X`` reads the same
+    column (row) of ``B`` and all of ``A`` (of its batch entry); the other outputs
+    (factorizations, a copy of ``A``) read ``A`` alone."""
+    b = bind(node)
+    a_name, b_name = _SOLVES[_packet(node.target)]
+    a, rhs = it.deps(b[a_name]), it.deps(b[b_name])
+    n_a = len(a.shape)
+    vector = _packet(node.target) in ("_linalg_solve_ex", "linalg_solve", "linalg_solve_ex") and (
+        len(rhs.shape) == 1 or (len(rhs.shape) == n_a - 1 and rhs.shape == a.shape[:-1])
+    )  # linalg.solve takes (batches of) vectors
+    if vector:
+        axis = len(rhs.shape) - 1
+    else:
+        axis = len(rhs.shape) - (2 if b.get("left", True) else 1)
+    whole_a = D.reduce(a, [n_a - 2, n_a - 1], keepdims=True)
+    solution = [D.broadcast_to(D.reduce(rhs, [axis], keepdims=True), outs[0])]
+    if not a.is_empty:
+        reduced = D.reshape(whole_a, whole_a.shape[:-1]) if vector else whole_a
+        solution.append(D.broadcast_to(reduced, outs[0]))
+    results: list[Deps | None] = [D.union(*solution)]
+    for s in outs[1:]:
+        results.append(None if s is None or a.is_empty else D.broadcast_to(whole_a, s))
+    return results
+
+
+# Attention on ``(batch, heads, length, features)``. (PyTorch decomposes the CPU kernel
+# ``_scaled_dot_product_flash_attention_for_cpu`` into operations with exact rules.)
+_ATTENTION = (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable",
+    "_scaled_dot_product_attention_math_for_mps",
+)  # fmt: skip
+
+
+@_rule(*_ATTENTION)
+def _attention(it, node, outs):
+    """Output row ``l`` reads row ``l`` of the queries and of the mask, and every key and value
+    of its batch entry and head."""
+    b = bind(node)
+    q, k, v = (it.deps(b[name]) for name in ("query", "key", "value"))
+    mask = b.get("attn_mask", b.get("attn_bias"))
+    inputs = _inputs_with_deps(it, node)
+    nd = len(q.shape)
+    if nd < 2 or not (len(k.shape) == len(v.shape) == nd and q.shape[:-2] == k.shape[:-2]):
+        return _per_batch(it, node, outs, inputs, 1)  # grouped-query attention: per batch
+    memory = D.union(*(D.reduce(d, [nd - 2, nd - 1], keepdims=True) for d in (k, v)))
+    rows = D.reduce(q, [nd - 1], keepdims=True)  # (..., L, 1)
+    per_row = D.union(rows, D.broadcast_to(memory, rows.shape))
+    if it.has_deps(mask):
+        scores = (*q.shape[:-1], k.shape[-2])
+        mixed = D.reduce(D.broadcast_to(it.deps(mask), scores), [nd - 1], keepdims=True)
+        per_row = D.union(per_row, mixed)
     results: list[Deps | None] = []
     for s in outs:
-        if s is None:
-            results.append(None)
-            continue
-        parts = []
-        for d in inputs:
-            if lead < 0 or len(d.shape) < lead or len(s) < lead or d.shape[:lead] != s[:lead]:
-                return it.dense(node, outs, str(node.target))
-            parts.append(D.batched_dense(d, len(d.shape) - lead, s, len(s) - lead))
-        results.append(D.union(*parts))
+        if s is not None and len(s) == nd and s[:-1] == rows.shape[:-1]:
+            results.append(D.broadcast_to(per_row, s))  # the output (and debug scores)
+        elif s is not None and s == rows.shape[:-1]:
+            results.append(D.reshape(per_row, s))  # the log-sum-exp of every row
+        else:
+            results.extend(_per_batch(it, node, [s], inputs, nd - 2))
     return results
+
+
+_ATTENTION_BACKWARD = (
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention_backward",
+    "_scaled_dot_product_fused_attention_overrideable_backward",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+)
+# Attention kernels on ``(batch, length, heads, features)``.
+_ATTENTION_PER_BATCH = (
+    "_efficient_attention_forward", "_efficient_attention_backward", "_flash_attention_forward",
+    "_flash_attention_backward",
+)  # fmt: skip
+
+
+@_rule(*_ATTENTION_BACKWARD, *_ATTENTION_PER_BATCH)
+def _attention_gradients(it, node, outs):
+    """The gradients of attention mix everything within one batch entry (and head)."""
+    lead = 2 if _packet(node.target) in _ATTENTION_BACKWARD else 1
+    return _per_batch(it, node, outs, _inputs_with_deps(it, node), lead)
 
 
 @_rule("_fft_r2c", "_fft_c2r", "_fft_c2c")

@@ -1,0 +1,258 @@
+"""Calibration of the stochastic estimators on the per-sample Jacobians of small networks.
+
+The Jacobians of an MLP, a CNN and a transformer block (pre-LayerNorm self-attention and MLP,
+with residual connections: a large diagonal) at ``B`` random inputs are built once, as dense
+matrices, by central differences of NumPy forward passes; the estimators then see them through a
+batched matvec, ``R`` independent repetitions of the batch at once. The standard error is meant
+to be read as a confidence interval: ``estimate +- 2 * stderr`` must cover the exact trace
+90-99 % of the ``R * B`` times, at small budgets (3-8 matvecs) as at moderate ones. Everything is
+seeded: the tests are deterministic.
+
+Measured coverage (8000 intervals each, Rademacher probes; Gaussian and sphere probes alike),
+before and after the calibrated standard errors, over the three models:
+
+==========  ======  ==========  ====================================================
+method      budget  before      after
+==========  ======  ==========  ====================================================
+hutchinson  3-8     0.80-0.92   0.94-0.95
+hutchinson  16-32   0.94-0.95   0.94-0.95
+hutch++     3       0 (NaN)     0.976-0.999 (documented conservative single-term bound)
+hutch++     6-24    0.71-0.92   0.93-0.95
+xtrace      2       0 (NaN)     0.977-0.999 (documented conservative single-term bound)
+xtrace      4-24    0.69-0.93   0.93-0.97
+xtrace      n       inexact     exact, stderr 0 (the n identity columns)
+probing     4-24    0.69-0.90   0.92-0.96
+==========  ======  ==========  ====================================================
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from divjac._core import estimators as est, stochastic
+from divjac._core.pattern import SparsityPattern
+
+B = 8  # inputs (samples) per model
+R = 200  # repetitions of the batch
+
+Forward = Callable[[np.ndarray], np.ndarray]
+
+
+# --------------------------------------------------------------------------------------------
+# Per-sample Jacobians
+# --------------------------------------------------------------------------------------------
+
+
+def _jacobians(f: Forward, x: np.ndarray, h: float = 1e-5) -> np.ndarray:
+    """``(B, n, n)`` Jacobians of ``f: (batch, n) -> (batch, n)`` at the rows of ``x``."""
+    batch, n = x.shape
+    step = h * np.eye(n)
+    plus = (x[:, None, :] + step).reshape(-1, n)
+    minus = (x[:, None, :] - step).reshape(-1, n)
+    columns = (f(plus) - f(minus)).reshape(batch, n, n) / (2 * h)  # [b, j] = d f / d x_j
+    return np.swapaxes(columns, 1, 2)
+
+
+def _mlp(rng: np.random.Generator) -> tuple[np.ndarray, tuple[int, ...]]:
+    n, hidden = 48, 96
+    w1 = rng.standard_normal((n, hidden)) / np.sqrt(n)
+    b1 = 0.1 * rng.standard_normal(hidden)
+    w2 = rng.standard_normal((hidden, n)) / np.sqrt(hidden)
+    return _jacobians(lambda x: np.tanh(x @ w1 + b1) @ w2, rng.standard_normal((B, n))), (n,)
+
+
+def _conv(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """'Same' 3x3 convolution of ``x`` (batch, H, W, C) with ``w`` (3, 3, C, C')."""
+    padded = np.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+    height, width = x.shape[1:3]
+    return sum(
+        padded[:, i : i + height, j : j + width] @ w[i, j] for i in range(3) for j in range(3)
+    )
+
+
+def _cnn(rng: np.random.Generator) -> tuple[np.ndarray, tuple[int, ...]]:
+    shape, hidden = (8, 8, 2), 4
+    w1 = rng.standard_normal((3, 3, 2, hidden)) / np.sqrt(18)
+    w2 = rng.standard_normal((3, 3, hidden, 2)) / np.sqrt(9 * hidden)
+
+    def f(x: np.ndarray) -> np.ndarray:
+        images = x.reshape(-1, *shape)
+        return _conv(np.tanh(_conv(images, w1)), w2).reshape(len(x), -1)
+
+    return _jacobians(f, rng.standard_normal((B, 128))), shape
+
+
+def _layer_norm(x: np.ndarray) -> np.ndarray:
+    centered = x - x.mean(-1, keepdims=True)
+    return centered / np.sqrt((centered**2).mean(-1, keepdims=True) + 1e-5)
+
+
+def _transformer(rng: np.random.Generator) -> tuple[np.ndarray, tuple[int, ...]]:
+    tokens, d, heads, hidden = 8, 8, 2, 16
+    wq, wk, wv, wo = (rng.standard_normal((d, d)) / np.sqrt(d) for _ in range(4))
+    w1 = rng.standard_normal((d, hidden)) / np.sqrt(d)
+    w2 = rng.standard_normal((hidden, d)) / np.sqrt(hidden)
+
+    def attention(x: np.ndarray) -> np.ndarray:
+        q, k, v = (
+            (x @ w).reshape(*x.shape[:-1], heads, d // heads).swapaxes(-2, -3) for w in (wq, wk, wv)
+        )
+        scores = q @ k.swapaxes(-1, -2) / np.sqrt(d // heads)
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        return (weights @ v).swapaxes(-2, -3).reshape(x.shape) @ wo
+
+    def f(x: np.ndarray) -> np.ndarray:
+        x = x.reshape(-1, tokens, d)
+        y = x + attention(_layer_norm(x))
+        return (y + np.tanh(_layer_norm(y) @ w1) @ w2).reshape(len(x), -1)
+
+    return _jacobians(f, rng.standard_normal((B, tokens * d))), (tokens, d)
+
+
+BUILDERS = {"mlp": _mlp, "cnn": _cnn, "transformer": _transformer}
+
+
+@functools.cache
+def _model(name: str) -> tuple[np.ndarray, tuple[int, ...]]:
+    """``(J, per-sample shape)``: ``B`` Jacobians of the model, the same in every test."""
+    return BUILDERS[name](np.random.default_rng(0))
+
+
+# --------------------------------------------------------------------------------------------
+# Repetitions
+# --------------------------------------------------------------------------------------------
+
+
+def _draw(rng: np.random.Generator, distribution: str, shape: tuple[int, ...]) -> np.ndarray:
+    if distribution == "rademacher":
+        return rng.choice(np.array([-1.0, 1.0]), size=shape)
+    return est.normalize_probes(rng.standard_normal(shape), distribution)
+
+
+def _repeat(
+    model: str, method: str, budget: int, distribution: str = "rademacher", reps: int = R
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Estimates, stderrs (``(reps, B)``) and exact traces (``(B,)``) of seeded repetitions.
+
+    ``method`` is a stochastic method, or ``"xtrace-improved"``; probing plans its coloring from
+    the Jacobians' sparsity pattern as the transforms do.
+    """
+    j, shape = _model(model)
+    n = j.shape[-1]
+    rng = np.random.default_rng(zlib.crc32(f"{model}/{method}/{budget}/{distribution}".encode()))
+
+    def matvec(v: np.ndarray) -> np.ndarray:
+        """``J_b`` on the repetition-major batch ``(reps * B, n, k)``, one product per sample."""
+        k = v.shape[-1]
+        columns = np.moveaxis(v.reshape(reps, B, n, k), 0, 2).reshape(B, n, reps * k)
+        return np.moveaxis((j @ columns).reshape(B, n, reps, k), 2, 0).reshape(v.shape)
+
+    if method == "probing":
+        pattern = SparsityPattern(sp.csr_array(np.any(j != 0, axis=0)), shape, shape, B)
+        colors, exact, num = stochastic.probing_plan(
+            pattern, shape, num_probes=budget, probing_distance=None
+        )
+        signs = _draw(rng, "rademacher", (reps * B, n, num))
+        estimate, stderr = est.probing(matvec, colors, signs, exact=exact)
+    else:
+        name = method.removesuffix("-improved")
+        k = est.num_random_vectors(name, budget, n)
+        probes = _draw(rng, distribution, (reps * B, n, k))
+        if method == "xtrace-improved":
+            estimate, stderr = est.xtrace(matvec, probes, improved=True)
+        else:
+            estimate, stderr = est.estimate_trace(method, matvec, probes)
+    return estimate.reshape(reps, B), stderr.reshape(reps, B), np.trace(j, axis1=1, axis2=2)
+
+
+def _coverage(estimate: np.ndarray, stderr: np.ndarray, exact: np.ndarray) -> float:
+    return float(np.mean(np.abs(estimate - exact) <= 2 * stderr))
+
+
+# --------------------------------------------------------------------------------------------
+# Coverage of the two-standard-error interval
+# --------------------------------------------------------------------------------------------
+
+SMALL = {"hutchinson": [3, 4, 5, 6, 8], "hutch++": [6], "xtrace": [4, 6, 8], "probing": [4, 6, 8]}
+MODERATE = {"hutchinson": [16, 32], "hutch++": [12, 24], "xtrace": [16, 24], "probing": [16, 24]}
+CASES = [
+    (model, method, budget)
+    for model in BUILDERS
+    for method in SMALL
+    for budget in SMALL[method] + MODERATE[method]
+    if not (model == "cnn" and method == "probing" and budget == 24)  # exact: 18 colors fit
+]
+
+
+@pytest.mark.parametrize(("model", "method", "budget"), CASES)
+def test_two_stderr_interval_is_a_confidence_interval(model: str, method: str, budget: int) -> None:
+    estimate, stderr, exact = _repeat(model, method, budget)
+    assert np.all(stderr > 0)
+    assert 0.9 <= _coverage(estimate, stderr, exact) <= 0.99
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("distribution", ["gaussian", "sphere"])
+@pytest.mark.parametrize(
+    ("model", "method", "budget"),
+    [case for case in CASES if case[1] != "probing"]
+    + [(model, "xtrace-improved", budget) for model in BUILDERS for budget in (4, 6, 8, 16, 24)],
+)
+def test_two_stderr_interval_with_other_probe_distributions(
+    model: str, method: str, budget: int, distribution: str
+) -> None:
+    estimate, stderr, exact = _repeat(model, method, budget, distribution)
+    assert 0.9 <= _coverage(estimate, stderr, exact) <= 0.99
+
+
+@pytest.mark.parametrize("model", list(BUILDERS))
+@pytest.mark.parametrize(("method", "budget"), [("hutch++", 3), ("xtrace", 2)])
+def test_single_term_stderr_is_finite_and_conservative(
+    model: str, method: str, budget: int
+) -> None:
+    """One Hutchinson term has no sample variance: its documented bound covers (almost) always."""
+    estimate, stderr, exact = _repeat(model, method, budget)
+    assert np.all(np.isfinite(stderr)) and np.all(stderr > 0)
+    assert _coverage(estimate, stderr, exact) >= 0.97
+
+
+@pytest.mark.parametrize("model", list(BUILDERS))
+def test_xtrace_budget_of_n_is_exact(model: str) -> None:
+    """With n matvecs XTrace computes the exact trace: no error, standard error 0."""
+    n = _model(model)[0].shape[-1]
+    for budget in (n, n + 1, 2 * n):  # n odd or even: 2m >= n
+        budget += budget % 2
+        estimate, stderr, exact = _repeat(model, "xtrace", budget, reps=2)
+        np.testing.assert_allclose(estimate, np.broadcast_to(exact, (2, B)), atol=1e-12)
+        np.testing.assert_array_equal(stderr, 0.0)
+    # Two matvecs fewer: an estimate with an error bar.
+    estimate, stderr, exact = _repeat(model, "xtrace", n - 2, reps=2)
+    assert np.all(np.abs(estimate - exact) > 1e-9) and np.all(stderr > 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Unbiasedness: the mean of the repetitions converges to the trace
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", list(BUILDERS))
+@pytest.mark.parametrize(
+    ("method", "budget"),
+    [("hutchinson", 4), ("hutch++", 6), ("xtrace", 8), ("xtrace-improved", 8), ("probing", 8)],
+)
+def test_mean_of_repetitions_converges_to_the_trace(model: str, method: str, budget: int) -> None:
+    distribution = "sphere" if method == "xtrace-improved" else "rademacher"
+    estimate, _, exact = _repeat(model, method, budget, distribution)
+    error = np.abs(estimate.mean(axis=0) - exact)
+    spread = estimate.std(axis=0, ddof=1)
+    assert np.all(error < 4 * spread / np.sqrt(R)), (error, spread)
+    # The mean of the first quarter is farther off than the mean of all R: it converges.
+    first = np.abs(estimate[: R // 4].mean(axis=0) - exact)
+    assert np.sqrt(np.mean(error**2)) < np.sqrt(np.mean(first**2))
