@@ -608,8 +608,8 @@ divergence = _divergence_like(
         num_probes: matvec budget per sample of a stochastic method (default 16; Hutch++ needs
             a multiple of 3, XTrace an even number).
         distribution: probe distribution: ``"rademacher"``, ``"gaussian"`` or ``"sphere"``.
-        return_stderr: return ``(divergence, stderr)``; the standard error is 0 for exact
-            methods.
+        return_stderr: return ``(divergence, stderr)``: an error bar (estimate +- 2 stderr
+            covers the truth at least 94 % of the time, never NaN); 0 for exact methods.
         chunk_size: passes computed at once (bounds memory); ``None`` picks from the sizes.
         has_aux: ``f`` returns ``(output, aux)``; the transform returns ``(div, aux)``.
         coupling: ``"raise"`` refuses functions that mix samples; ``"exact"`` computes the
