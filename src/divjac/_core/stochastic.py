@@ -152,7 +152,7 @@ def missing_randomness(fname: str, example: str, got: str) -> MissingKeyError:
     ``example`` is a source of randomness of the framework; ``got`` names what came first.
 
     Example:
-        >>> str(missing_randomness("divergence", "jax.random.key(0)", "nothing"))[:42]
+        >>> str(missing_randomness("divergence", "jax.random.key(0)", "nothing"))[:41]
         'divergence: a stochastic method takes its'
     """
     return MissingKeyError(
