@@ -27,7 +27,7 @@ import numpy as np
 
 from ._backend import Array, Backend, Linear, Seed
 from ._core import checks, estimators as est, plan, stochastic
-from ._core.detection import AUTO_DETECTION_ENTRIES as AUTO_ENTRIES, Detection, Traced
+from ._core.detection import AUTO_DETECTION_ENTRIES, Detection, Traced
 from ._core.pattern import SparsityPattern
 from ._errors import ArgnumsError, BatchAxisError, OutputError
 
@@ -109,7 +109,7 @@ class Call:
 
     def detect(self, *, per_sample: bool, auto: bool = False) -> Detection:
         """Detect the pattern (abandoned in ``auto`` mode when too dense); checks coupling."""
-        limit = AUTO_ENTRIES if auto else None
+        limit = AUTO_DETECTION_ENTRIES if auto else None
         found = self.traced.detect(per_sample=per_sample, max_entries=limit)
         if found is None:
             found = self.traced.detect(per_sample=False)
@@ -408,7 +408,9 @@ def _exact_divergence(call: Call, ds: _DivSpec) -> tuple[Array, Array, Any]:
         n_seed, batched = n, True
     else:
         whole = (
-            call.traced.detect(per_sample=True, whole_batch=True, max_entries=AUTO_ENTRIES)
+            call.traced.detect(
+                per_sample=True, whole_batch=True, max_entries=AUTO_DETECTION_ENTRIES
+            )
             if per_sample
             else None
         )  # None: dense, or past the memory budget (one pass per sample and element then)

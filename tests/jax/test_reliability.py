@@ -339,3 +339,81 @@ def test_nnx_training_mode_batch_norm_and_dropout():
         )
     for a, b in zip(before, snapshot(), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+# --- real layers: no fallback warning, no false coupling -----------------------------------
+
+
+_LAYERS = (
+    "stack", "solve", "batched_solve", "inv", "cholesky", "layer_norm", "group_norm",
+    "attention", "lstm", "gru", "scan", "resize",
+)  # fmt: skip
+
+
+def _layer(name):
+    import flax.linen as nn
+
+    key = jax.random.key(21)
+    seq = jax.random.normal(key, (3, 5, 4))  # (B, length, features)
+    img = jax.random.normal(key, (2, 4, 4, 4))  # (B, H, W, C)
+
+    def linen(module, x):
+        params = module.init(jax.random.key(22), x)
+        return (lambda x: module.apply(params, x)), x
+
+    spd = jnp.eye(4) * 3.0 + 0.1
+
+    cases = {
+        "stack": ((lambda x: jnp.stack([jnp.sin(x), x**2], axis=1).reshape(x.shape[0], -1)[:, :4]), seq[:, 0]),
+        "solve": ((lambda x: jnp.linalg.solve(spd, jnp.sin(x).T).T), seq[:, 0]),  # shared matrix
+        "batched_solve": ((lambda x: jnp.linalg.solve(spd[None] + jax.vmap(jnp.diag)(x**2), x[..., None])[..., 0]), seq[:, 0]),
+        "inv": ((lambda x: jnp.einsum("bij,bj->bi", jnp.linalg.inv(spd[None] + jax.vmap(jnp.diag)(x**2)), x)), seq[:, 0]),
+        "cholesky": ((lambda x: jnp.linalg.cholesky(spd[None] + jax.vmap(jnp.diag)(x**2))[:, :, 0]), seq[:, 0]),
+        "layer_norm": linen(nn.LayerNorm(param_dtype=jnp.float64), seq),
+        "group_norm": linen(nn.GroupNorm(num_groups=2, param_dtype=jnp.float64), img),
+        "attention": linen(nn.MultiHeadDotProductAttention(2, param_dtype=jnp.float64), seq),
+        "lstm": linen(nn.RNN(nn.OptimizedLSTMCell(4, param_dtype=jnp.float64)), seq),
+        "gru": linen(nn.RNN(nn.GRUCell(4, param_dtype=jnp.float64)), seq),
+        "scan": ((lambda x: jax.lax.scan(lambda c, xi: (jnp.tanh(c + xi), c), x[:, 0], jnp.swapaxes(x, 0, 1))[1].swapaxes(0, 1)), seq),
+        "resize": ((lambda x: jax.image.resize(x, (x.shape[0], 8, 8, 4), "linear")[:, ::2, ::2]), img),
+    }  # fmt: skip
+    return cases[name]
+
+
+@pytest.mark.parametrize("name", _LAYERS)
+def test_real_layers_are_per_sample_without_fallbacks(name):
+    f, x = _layer(name)
+    blocks = jax_diagonal_blocks(f, (x,))
+    pattern = sparsity(f, x)  # warnings are errors: no DenseFallbackWarning
+    assert pattern.is_batch_independent
+    n = int(np.prod(x.shape[1:]))
+    dense = np.abs(blocks.reshape(len(x), -1, n)).max(0) > 0
+    assert not np.any(dense & ~pattern.csr.toarray())  # the pattern covers every nonzero
+    np.testing.assert_allclose(jacobian(f)(x), blocks, rtol=1e-8, atol=1e-10)
+    if blocks.shape[1 : 1 + x.ndim - 1] == x.shape[1:]:
+        np.testing.assert_allclose(divergence(f)(x), traces(blocks, x.shape[1:]), rtol=1e-8)
+
+
+def test_laplacian_through_upsampling_and_attention():
+    """The Laplacian's second-order program (transposed resizes, attention) stays per sample."""
+    import flax.linen as nn
+
+    img = jax.random.normal(jax.random.key(23), (2, 4, 4, 2))
+    seq = jax.random.normal(jax.random.key(24), (2, 3, 4))
+    attention = nn.MultiHeadDotProductAttention(num_heads=2, param_dtype=jnp.float64)
+    params = attention.init(jax.random.key(25), seq)
+
+    def upsampled(x):
+        up = jax.image.resize(x, (x.shape[0], 8, 8, 2), "linear")
+        return jnp.sum(jnp.tanh(up) ** 2, axis=(1, 2, 3))
+
+    def attended(x):
+        return jnp.sum(jnp.tanh(attention.apply(params, x)), axis=(1, 2))
+
+    for fn, x in ((upsampled, img), (attended, seq)):
+        n = int(np.prod(x.shape[1:]))
+        expected = []
+        for b in range(len(x)):
+            hess = jax.hessian(lambda s, b=b, fn=fn, x=x: fn(x.at[b].set(s))[b])(x[b])
+            expected.append(np.trace(np.asarray(hess).reshape(n, n)))
+        np.testing.assert_allclose(laplacian(fn)(x), expected, rtol=1e-8)

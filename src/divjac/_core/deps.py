@@ -46,6 +46,8 @@ __all__ = [
     "rev",
     "slice_",
     "sort_along",
+    "spread",
+    "stack",
     "transpose",
     "union",
     "window",
@@ -251,6 +253,13 @@ def concatenate(deps: Sequence[Deps], axis: int) -> Deps:
     return index_map(src.shape, deps, src)
 
 
+def stack(deps: Sequence[Deps], axis: int) -> Deps:
+    """Stacking along a new axis ``axis`` (of the output)."""
+    axis = axis % (len(deps[0].shape) + 1)
+    expanded = [reshape(d, (*d.shape[:axis], 1, *d.shape[axis:])) for d in deps]
+    return concatenate(expanded, axis)
+
+
 def pad(deps: Deps, value: Deps, config: Sequence[tuple[int, int, int]]) -> Deps:
     """XLA ``pad``: ``config[i] = (low, high, interior)``, low/high may be negative (cropping).
 
@@ -296,9 +305,14 @@ def reduce(deps: Deps, axes: Sequence[int], *, keepdims: bool = False) -> Deps:
     return compose(out_shape, target, np.arange(deps.size), deps)
 
 
+def spread(deps: Deps, axes: Sequence[int]) -> Deps:
+    """Each element depends on its whole line along ``axes`` (an unknown position on them)."""
+    return broadcast_to(reduce(deps, axes, keepdims=True), deps.shape)
+
+
 def sort_along(deps: Deps, axis: int) -> Deps:
     """Sorting-like operations: each element depends on its whole line along ``axis``."""
-    return broadcast_to(reduce(deps, [axis], keepdims=True), deps.shape)
+    return spread(deps, [axis])
 
 
 def dense(out_shape: Sequence[int], *deps: Deps) -> Deps:

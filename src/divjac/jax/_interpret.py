@@ -54,13 +54,15 @@ _ZERO_DERIVATIVE = {
 }  # fmt: skip
 _IDENTITY = {"optimization_barrier", "sharding_constraint", "device_put", "mesh_cast", "reshard"}
 _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"}
+# Collective reductions; under ``vmap(..., axis_name=...)`` their axes are positional.
+_COLLECTIVES = {"psum", "pmax", "pmin"}
 _CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 _WINDOW = {"reduce_window_sum", "reduce_window_max", "reduce_window_min"}
 _SCATTER = {"scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul",
             "scatter-min", "scatter_min", "scatter-max", "scatter_max", "scatter-sub",
             "scatter_sub"}  # fmt: skip
 # Batched linear algebra: leading axes are a batch, the trailing matrix axes are dense.
-_LINALG = {"cholesky", "triangular_solve", "lu", "qr", "geqrf", "geqp3", "householder_product",
+_LINALG = {"cholesky", "lu", "qr", "geqrf", "geqp3", "householder_product",
            "eigh", "eig", "svd", "schur", "hessenberg", "tridiagonal", "tridiagonal_solve",
            "cholesky_update"}  # fmt: skip
 _CALLS = {"jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
@@ -270,6 +272,9 @@ class Interpreter:
         if derived is not None:
             return derived
         self.fallbacks.add(name)
+        sliced = _per_slice(scope, eqn)
+        if sliced is not None:
+            return sliced
         return [D.dense(s, *ins) for s in out_shapes]
 
 
@@ -325,6 +330,11 @@ def _concatenate(it, scope, eqn, ins, outs):
     return [D.concatenate(ins, eqn.params["dimension"])]
 
 
+@_rule("stack")
+def _stack(it, scope, eqn, ins, outs):
+    return [D.stack(ins, eqn.params["axis"])]
+
+
 @_rule("tile")
 def _tile(it, scope, eqn, ins, outs):
     return [
@@ -348,6 +358,20 @@ def _split(it, scope, eqn, ins, outs):
 @_rule(*_REDUCTIONS)
 def _reduce(it, scope, eqn, ins, outs):
     return [D.reduce(ins[0], eqn.params["axes"])]
+
+
+@_rule(*_COLLECTIVES)
+def _collective(it, scope, eqn, ins, outs):
+    """A reduction over the positional axes ``vmap(..., axis_name=...)`` gives a named axis.
+
+    A named axis left over (inside ``shard_map`` or ``pmap``) mixes the values of other
+    instances, which are not tracked: dense.
+    """
+    axes = eqn.params["axes"]
+    if all(isinstance(a, int | np.integer) for a in axes):
+        return [D.reduce(d, axes) for d in ins]
+    it.fallbacks.add(eqn.primitive.name)
+    return [D.dense(s, *ins) for s in outs]
 
 
 @_rule(*_CUMULATIVE)
@@ -379,6 +403,12 @@ def _select_n(it, scope, eqn, ins, outs):
     ])  # fmt: skip
     full = [D.broadcast_to(c, outs[0]) for c in cases]
     return [D.index_map(outs[0], full, src)]
+
+
+@_rule("select_if_vmap")
+def _select_if_vmap(it, scope, eqn, ins, outs):
+    """Equinox's select (``x`` unless mapped with a mapped predicate): element-wise."""
+    return [D.elementwise(outs[0], *ins[1:])]
 
 
 @_rule("dot_general")
@@ -483,6 +513,24 @@ def _linalg(it: Interpreter, ins: list[Deps], outs: list[tuple[int, ...]], name:
     return results
 
 
+@_rule("triangular_solve")
+def _triangular_solve(it, scope, eqn, ins, outs):
+    """``op(a) x = b`` (or ``x op(a) = b``) with a triangular ``op(a)``: substitution.
+
+    Solving with a lower triangular matrix from the left, ``x[i, j]`` depends on ``b[k, j]``
+    for ``k <= i`` (a prefix along the rows); the other cases are the suffix or the columns.
+    Every element depends on its batch entry's whole matrix.
+    """
+    a, b = ins
+    p = eqn.params
+    lower = p["lower"] != p["transpose_a"]
+    if p["left_side"]:
+        solved = D.cumulative(b, -2, reverse=not lower)
+    else:
+        solved = D.cumulative(b, -1, reverse=lower)
+    return [D.union(solved, D.batched_dense(a, 2, outs[0], 2))]
+
+
 @_rule("custom_linear_solve")
 def _custom_linear_solve(it, scope, eqn, ins, outs):
     lengths = eqn.params["const_lengths"]
@@ -517,8 +565,7 @@ def _dynamic_slice(it, scope, eqn, ins, outs):
         return [D.slice_(operand, begin, limit)]
     # Unknown start: along each partially sliced axis the element may come from anywhere.
     axes = [a for a, (dim, size) in enumerate(zip(operand.shape, sizes, strict=True)) if size < dim]
-    smeared = D.broadcast_to(D.reduce(operand, axes, keepdims=True), operand.shape)
-    return [D.slice_(smeared, [0] * len(sizes), sizes)]
+    return [D.slice_(D.spread(operand, axes), [0] * len(sizes), sizes)]
 
 
 @_rule("dynamic_update_slice")
@@ -540,30 +587,56 @@ def _dynamic_update_slice(it, scope, eqn, ins, outs):
     return [D.union(operand, D.broadcast_to(smeared, shape))]
 
 
-def _gather_index_map(eqn: Any, operand_shape: tuple[int, ...], indices: np.ndarray) -> np.ndarray:
-    """Source index (or -1) of every gathered element, by gathering an index array."""
-    params = dict(eqn.params)
-    mode = params.get("mode")
-    params["fill_value"] = 0 if "FILL" in str(mode) else params.get("fill_value")
-    ids = jnp.arange(1, math.prod(operand_shape) + 1, dtype=jnp.int32).reshape(operand_shape)
+def _index_columns(scope: _Scope, var: Any) -> list[np.ndarray | None]:
+    """Values of the components of a gather's or scatter's index vectors (``None``: unknown).
+
+    The index vectors lie along the last axis. An index array concatenated from columns keeps
+    its known ones: in ``x[jnp.arange(B), labels]`` the batch column is known even when the
+    labels are computed (``argmax``) or traced.
+    """
+    shape = _shape(var.aval)
+    value = scope.value(var)
+    if value is not None:
+        return list(np.moveaxis(np.broadcast_to(value, shape), -1, 0))
+    eqn = None if isinstance(var, jcore.Literal) else scope.producers.get(var)
+    last = len(shape) - 1
+    if eqn is not None and eqn.primitive.name == "concatenate" and eqn.params["dimension"] == last:
+        return [c for v in eqn.invars for c in _index_columns(scope, v)]
+    return [None] * shape[-1]
+
+
+def _index_array(var: Any, columns: list[np.ndarray | None]) -> np.ndarray:
+    """The index array of ``var`` with its unknown components replaced by zeros."""
+    indices = np.zeros(_shape(var.aval), np.dtype(var.aval.dtype))
+    for k, column in enumerate(columns):
+        if column is not None:
+            indices[..., k] = column
+    return indices
+
+
+def _index_gather(
+    operand_shape: tuple[int, ...], indices: np.ndarray, params: dict[str, Any]
+) -> np.ndarray:
+    """Source index (or -1) of every element a gather reads, by gathering an index array.
+
+    Evaluated on NumPy arrays outside any surrounding trace (under ``jax.jit`` too).
+    """
+    ids = np.arange(1, math.prod(operand_shape) + 1, dtype=np.int32).reshape(operand_shape)
     with jax.ensure_compile_time_eval():
-        out = lax.gather_p.bind(ids, jnp.asarray(indices), **params)
+        out = lax.gather_p.bind(ids, indices, **params)
     return np.asarray(out).astype(np.int64) - 1
 
 
 @_rule("gather")
 def _gather(it, scope, eqn, ins, outs):
-    operand = ins[0]
-    indices = scope.value(eqn.invars[1])
-    if indices is not None:
-        return [D.gather(operand, _gather_index_map(eqn, operand.shape, indices))]
-    # Unknown indices: any position along the indexed axes (other axes stay exact).
-    dnums = eqn.params["dimension_numbers"]
-    smeared = D.broadcast_to(
-        D.reduce(operand, list(dnums.start_index_map), keepdims=True), operand.shape
-    )
-    zeros = np.zeros(_shape(eqn.invars[1].aval), np.int32)
-    return [D.gather(smeared, _gather_index_map(eqn, operand.shape, zeros))]
+    columns = _index_columns(scope, eqn.invars[1])
+    start_index_map = eqn.params["dimension_numbers"].start_index_map
+    # Unknown components: any position along their operand axes (the other axes stay exact).
+    operand = D.spread(ins[0], [start_index_map[k] for k, c in enumerate(columns) if c is None])
+    params = dict(eqn.params)
+    params["fill_value"] = 0 if "FILL" in str(params.get("mode")) else params.get("fill_value")
+    src = _index_gather(operand.shape, _index_array(eqn.invars[1], columns), params)
+    return [D.gather(operand, src)]
 
 
 def _scatter_as_gather(eqn: Any) -> tuple[Any, tuple[int, ...]]:
@@ -589,26 +662,26 @@ def _scatter_as_gather(eqn: Any) -> tuple[Any, tuple[int, ...]]:
 @_rule(*_SCATTER)
 def _scatter(it, scope, eqn, ins, outs):
     operand, updates = ins[0], ins[2]
-    indices = scope.value(eqn.invars[1])
-    static = indices is not None
-    if indices is None:
-        # Unknown indices: route as if they were zero, then let each update land anywhere
-        # along the scattered axes (the other axes, batching axes included, stay exact).
-        indices = np.zeros(_shape(eqn.invars[1].aval), np.int32)
+    columns = _index_columns(scope, eqn.invars[1])
+    scattered = eqn.params["dimension_numbers"].scatter_dims_to_operand_dims
+    # Unknown components: route as if they were zero, then let each update land anywhere
+    # along their operand axes (the other axes, batching axes included, stay exact).
+    unknown = [scattered[k] for k, c in enumerate(columns) if c is None]
     shape = operand.shape
     gdn, sizes = _scatter_as_gather(eqn)
-    ids = jnp.arange(1, math.prod(shape) + 1, dtype=jnp.int32).reshape(shape)
-    with jax.ensure_compile_time_eval():
-        dest = lax.gather(
-            ids, jnp.asarray(indices), gdn, sizes, mode=eqn.params.get("mode"), fill_value=0
-        )
-    target = np.asarray(dest).astype(np.int64).ravel() - 1
+    params = dict(
+        dimension_numbers=gdn,
+        slice_sizes=sizes,
+        mode=lax.GatherScatterMode.from_any(eqn.params.get("mode")),
+        fill_value=0,
+        indices_are_sorted=False,
+        unique_indices=False,
+    )
+    target = _index_gather(shape, _index_array(eqn.invars[1], columns), params).ravel()
     landed = target >= 0
     routed = D.compose(shape, target[landed], np.flatnonzero(landed), updates)
-    if not static:
-        axes = list(eqn.params["dimension_numbers"].scatter_dims_to_operand_dims)
-        routed = D.broadcast_to(D.reduce(routed, axes, keepdims=True), shape)
-    elif eqn.primitive.name == "scatter":
+    routed = D.spread(routed, unknown)
+    if not unknown and eqn.primitive.name == "scatter":
         keep = np.arange(math.prod(shape))
         keep[target[landed]] = -1
         operand = D.gather(operand, keep.reshape(shape))
@@ -734,6 +807,36 @@ def _guarded(derive: Callable[..., list[Deps] | None]) -> Callable[..., list[Dep
     return wrapper
 
 
+def _struct(var: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(var.aval.shape, var.aval.dtype)
+
+
+def _moving(
+    scope: _Scope, eqn: Any
+) -> tuple[Callable[[Sequence[Any], Sequence[Any]], list[Any]], list[Any], list[bool]]:
+    """The equation as a function of its primal inputs and of the differentiated ones.
+
+    Only the floating-point inputs that carry labels are differentiated (the others get
+    symbolic-zero tangents), as when JAX differentiates the program with respect to the seeded
+    input. A custom rule (``custom_jvp`` / ``custom_vjp``) then sees the perturbation pattern
+    it sees in use, so JAX reuses its trace for that pattern: a trace for another pattern
+    empties and refills the stores JAX keeps for the user's function, and one that fails
+    (an Equinox rule asserting that an argument is not perturbed) leaves them empty, breaking
+    every later differentiation of that function ("Store empty").
+
+    Returns ``(call, var_in, moving)``: ``call(primals, moved)`` evaluates the equation on its
+    variable inputs ``var_in`` with those flagged in ``moving`` replaced by ``moved``.
+    """
+    fn, var_in = _single_eqn_fun(eqn)
+    moving = [_is_inexact(v.aval) and not scope.read(v).is_empty for v in var_in]
+
+    def call(primals: Sequence[Any], moved: Sequence[Any]) -> list[Any]:
+        replaced = iter(moved)
+        return fn(*(next(replaced) if m else p for p, m in zip(primals, moving, strict=True)))
+
+    return call, var_in, moving
+
+
 @_guarded
 def _via_jvp(it: Interpreter, scope: _Scope, eqn: Any) -> list[Deps] | None:
     """Dependencies from the equation's JVP rule: tangents in, tangents out.
@@ -742,33 +845,47 @@ def _via_jvp(it: Interpreter, scope: _Scope, eqn: Any) -> list[Deps] | None:
     dependency sets gives the outputs' dependency sets (primal inputs act as constants).
     ``None`` if the rule cannot be traced or refers to the primitive itself.
     """
-    fn, var_in = _single_eqn_fun(eqn)
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in var_in]
+    call, var_in, moving = _moving(scope, eqn)
+    avals = [_struct(v) for v in var_in]
+
+    def tangents_out(primals: list[Any], tangents: list[Any]) -> list[Any]:
+        start = [p for p, m in zip(primals, moving, strict=True) if m]
+        return jax.jvp(lambda *moved: call(primals, moved), start, tangents)[1]
+
     try:
-        jvp_jaxpr = jax.make_jaxpr(lambda p, t: jax.jvp(fn, p, t)[1])(avals, avals)
+        jvp_jaxpr = jax.make_jaxpr(tangents_out)(
+            avals, [a for a, m in zip(avals, moving, strict=True) if m]
+        )
     except Exception:
         return None
-    var_deps = [scope.read(v) for v in var_in]
-    empties = [D.empty(d.shape, it.n_labels) for d in var_deps]
-    return it.run(jvp_jaxpr, [*empties, *var_deps])
+    moved_deps = [scope.read(v) for v, m in zip(var_in, moving, strict=True) if m]
+    values = [*(scope.value(v) for v in var_in), *[None] * len(moved_deps)]
+    empties = [D.empty(a.shape, it.n_labels) for a in avals]
+    return it.run(jvp_jaxpr, [*empties, *moved_deps], in_values=values)
 
 
 @_guarded
 def _via_vjp(it: Interpreter, scope: _Scope, eqn: Any) -> list[Deps] | None:
     """Dependencies from the equation's VJP (transpose) rule, as a local Jacobian pattern.
 
-    Each output element gets its own label; pulling the labels back through the VJP gives the
-    local pattern (inputs x outputs), which is then composed with the inputs' dependency sets.
-    ``None`` if the rule cannot be traced or refers to the primitive itself.
+    Each floating-point output element gets its own label; pulling the labels back through the
+    VJP gives the local pattern (inputs x outputs), which is then composed with the inputs'
+    dependency sets. ``None`` if the rule cannot be traced or refers to the primitive itself.
     """
-    fn, var_in = _single_eqn_fun(eqn)
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in var_in]
-    outs = [_shape(v.aval) for v in eqn.outvars]
-    out_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+    call, var_in, moving = _moving(scope, eqn)
+    avals = [_struct(v) for v in var_in]
+    kept = [k for k, v in enumerate(eqn.outvars) if _is_inexact(v.aval)]
+
+    def cotangents_in(primals: list[Any], cts: list[Any]) -> Any:
+        start = [p for p, m in zip(primals, moving, strict=True) if m]
+        outputs = lambda *moved: [call(primals, moved)[k] for k in kept]  # noqa: E731
+        return jax.vjp(outputs, *start)[1](cts)
+
     try:
-        vjp_jaxpr = jax.make_jaxpr(lambda p, c: jax.vjp(fn, *p)[1](c))(avals, out_avals)
+        vjp_jaxpr = jax.make_jaxpr(cotangents_in)(avals, [_struct(eqn.outvars[k]) for k in kept])
     except Exception:
         return None
+    outs = [_shape(eqn.outvars[k].aval) for k in kept]
     sizes = [math.prod(s) for s in outs]
     n_out = sum(sizes)
     offsets = np.cumsum([0, *sizes])
@@ -778,35 +895,149 @@ def _via_vjp(it: Interpreter, scope: _Scope, eqn: Any) -> list[Deps] | None:
     ]
     local = Interpreter(n_out)
     local.deriving = it.deriving
-    pulled = local.run(vjp_jaxpr, [*(D.empty(a.shape, n_out) for a in avals), *seeds])
+    values = [*(scope.value(v) for v in var_in), *[None] * len(seeds)]
+    empties = [D.empty(a.shape, n_out) for a in avals]
+    pulled = local.run(vjp_jaxpr, [*empties, *seeds], in_values=values)
     it.fallbacks |= local.fallbacks
-    var_deps = [scope.read(v) for v in var_in]
-    stacked_in = D.concatenate([D.reshape(d, (d.size,)) for d in var_deps], 0)
+    moved_deps = [scope.read(v) for v, m in zip(var_in, moving, strict=True) if m]
+    stacked_in = D.concatenate([D.reshape(d, (d.size,)) for d in moved_deps], 0)
     pattern = D.concatenate([D.reshape(p, (p.size,)) for p in pulled], 0).matrix().T.tocoo()
-    results = []
-    for k, s in enumerate(outs):
-        lo, hi = offsets[k], offsets[k + 1]
+    results = [D.empty(_shape(v.aval), it.n_labels) for v in eqn.outvars]
+    for k, s, lo, hi in zip(kept, outs, offsets[:-1], offsets[1:], strict=True):
         mask = (pattern.row >= lo) & (pattern.row < hi)
-        results.append(D.compose(s, pattern.row[mask] - lo, pattern.col[mask], stacked_in))
+        results[k] = D.compose(s, pattern.row[mask] - lo, pattern.col[mask], stacked_in)
     return results
+
+
+def _same_params(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    try:
+        return all(a[k] is b[k] or bool(a[k] == b[k]) for k in a)
+    except Exception:  # values without a truth value (arrays): not provably equal
+        return False
+
+
+def _maps_itself(eqn: Any, axes: list[int | None]) -> bool:
+    """Whether mapping the equation over ``axes`` of its inputs gives back the equation itself.
+
+    The primitive is applied, with the same parameters, to one slice of the inputs mapped on
+    ``axes`` (``None``: shared by every slice) under ``jax.vmap``; its batching rule must
+    return the very same equation on the whole inputs, with the outputs mapped on axis 0.
+    """
+    fn, var_in = _single_eqn_fun(eqn)
+    var_axes = tuple(a for v, a in zip(eqn.invars, axes, strict=True) if isinstance(v, jcore.Var))
+    try:
+        mapped = jax.make_jaxpr(jax.vmap(fn, in_axes=var_axes))(*map(_struct, var_in)).jaxpr
+    except Exception:
+        return False
+    if len(mapped.eqns) != 1:
+        return False
+    (again,) = mapped.eqns
+    return (
+        again.primitive is eqn.primitive
+        and _same_params(again.params, eqn.params)
+        and [isinstance(v, jcore.Var) for v in again.invars]
+        == [isinstance(v, jcore.Var) for v in eqn.invars]
+        and [v for v in again.invars if isinstance(v, jcore.Var)] == list(mapped.invars)
+        and list(again.outvars) == list(mapped.outvars)
+    )
+
+
+def _random(aval: Any, rng: np.random.Generator) -> np.ndarray:
+    shape, dtype = _shape(aval), np.dtype(aval.dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return rng.standard_normal(shape).astype(dtype)
+    return rng.integers(0, 2, shape).astype(dtype)
+
+
+def _agrees_on_slices(eqn: Any, axes: list[int | None], length: int) -> bool:
+    """The batching rule's claim, checked at a random point on the first and last slices.
+
+    Guards against a batching rule that does not hold for these slices (a primitive whose
+    abstract evaluation accepts them but which is not defined on them).
+    """
+    if eqn.effects:
+        return False
+    rng = np.random.default_rng(0)
+    try:
+        whole_in = [_random(v.aval, rng) if isinstance(v, jcore.Var) else None for v in eqn.invars]
+    except TypeError:  # opaque dtypes (PRNG keys): cannot be drawn
+        return False
+    whole = _evaluate(eqn, whole_in)
+    for b in sorted({0, length - 1}):
+        sliced = [
+            x if x is None or a is None else x[b] for x, a in zip(whole_in, axes, strict=True)
+        ]
+        part = _evaluate(eqn, sliced)
+        if whole is None or part is None:
+            return False
+        close = (
+            np.allclose(w[b], q, rtol=1e-5, atol=1e-6, equal_nan=True)
+            for w, q in zip(whole, part, strict=True)
+        )
+        if not all(close):
+            return False
+    return True
+
+
+def _per_slice(scope: _Scope, eqn: Any) -> list[Deps] | None:
+    """A dense fallback that keeps the slices of the leading axis apart, where that is sound.
+
+    When the equation maps itself over the leading axis of its inputs (those of the outputs'
+    leading length; the others are shared by every slice), output slice ``b`` depends on the
+    input slices ``b`` and the shared inputs only: each slice is dense, samples stay apart.
+    ``None`` otherwise.
+    """
+    lead = {s[:1] for s in (_shape(v.aval) for v in eqn.outvars)}
+    if len(lead) != 1 or lead == {()} or lead == {(0,)}:
+        return None
+    (length,) = lead.pop()
+    axes = [
+        0 if isinstance(v, jcore.Var) and _shape(v.aval)[:1] == (length,) else None
+        for v in eqn.invars
+    ]
+    if not (_maps_itself(eqn, axes) and _agrees_on_slices(eqn, axes, length)):
+        return None
+    n_labels = scope.interp.n_labels
+    sliced = [scope.read(v) for v, a in zip(eqn.invars, axes, strict=True) if a == 0]
+    shared = [scope.read(v) for v, a in zip(eqn.invars, axes, strict=True) if a is None]
+    results = []
+    for v in eqn.outvars:
+        s = _shape(v.aval)
+        parts = [D.batched_dense(d, len(d.shape) - 1, s, len(s) - 1) for d in sliced]
+        results.append(D.union(D.empty(s, n_labels), *parts, *(D.dense(s, d) for d in shared)))
+    return results
+
+
+def _custom_call(
+    it: Interpreter,
+    scope: _Scope,
+    eqn: Any,
+    ins: list[Deps],
+    outs: list[tuple[int, ...]],
+    program: Any,
+    derive: Callable[[Interpreter, _Scope, Any], list[Deps] | None],
+) -> list[Deps]:
+    """A custom-derivative function: its primal ``program`` and its derivative rule."""
+    values = [scope.value(v) for v in eqn.invars]
+    primal = it.run(program, ins, in_values=values)
+    derived = derive(it, scope, eqn)
+    if derived is None:
+        it.fallbacks.add(eqn.primitive.name)
+        return [D.dense(s, *ins) for s in outs]
+    return [D.union(a, b) for a, b in zip(primal, derived, strict=True)]
 
 
 @_rule("custom_jvp_call")
 def _custom_jvp_call(it, scope, eqn, ins, outs):
     """The primal program and the custom JVP rule (a straight-through estimator's rule too)."""
-    primal = it.run(eqn.params["call_jaxpr"], ins)
-    tangent = _via_jvp(it, scope, eqn)
-    if tangent is None:
-        return [D.dense(s, *ins) for s in outs]
-    return [D.union(a, b) for a, b in zip(primal, tangent, strict=True)]
+    return _custom_call(it, scope, eqn, ins, outs, eqn.params["call_jaxpr"], _via_jvp)
 
 
 @_rule("custom_vjp_call", "custom_vjp_call_jaxpr")
 def _custom_vjp_call(it, scope, eqn, ins, outs):
     """The primal program and the custom VJP rule (forward mode cannot use this function)."""
     it.has_custom_vjp = True
-    primal = it.run(eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr")), ins)
-    pulled = _via_vjp(it, scope, eqn)
-    if pulled is None:
-        return [D.dense(s, *ins) for s in outs]
-    return [D.union(a, b) for a, b in zip(primal, pulled, strict=True)]
+    program = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
+    return _custom_call(it, scope, eqn, ins, outs, program, _via_vjp)
