@@ -410,3 +410,26 @@ def test_tie_direction_follows_the_program(case, reverse):
         fun, args, argnum = CASES[case]()
     traced = BACKEND.trace(fun, args, {}, argnum=argnum, batch_axis=0, has_aux=False)
     assert BACKEND.prefer_reverse(traced) is reverse
+
+
+@pytest.mark.parametrize("method", ["auto", "exact", "hutchinson"])
+def test_f_keywords_reach_f(method):
+    """``generator=`` (and ``probes=``) are f's own keywords: divjac's randomness comes first."""
+
+    def noisy(x, *, generator, probes=1.0):
+        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype)
+        return torch.tanh(x + noise) * probes
+
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def seeded(x):
+        return noisy(x, generator=torch.Generator().manual_seed(7), probes=2.0)
+
+    exact = traces(torch_diagonal_blocks(seeded, (x,)), (3,))
+    div = divergence(noisy, method=method, num_probes=3 if method == "hutchinson" else None)
+    randomness = (
+        (torch.eye(3, dtype=x.dtype)[:, None].expand(3, 4, 3),) if method == "hutchinson" else ()
+    )
+    got = div(*randomness, x, generator=torch.Generator().manual_seed(7), probes=2.0)
+    scale = 1 / 3 if method == "hutchinson" else 1.0  # unit probes: the mean of the diagonal
+    np.testing.assert_allclose(got.detach(), scale * exact, rtol=1e-10)
