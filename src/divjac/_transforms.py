@@ -440,7 +440,9 @@ def _stochastic_divergence(
             found.coupling, fname=fname, fallbacks=found.fallbacks, method=ds.method
         )
     B, n = call.batch_size, call.n_in
-    linear = call.backend.linearize(call, found.has_custom_vjp)
+    # Rows or columns, as the exact method would choose: every estimator estimates the trace
+    # of J^T (pushed rows) as well as that of J.
+    linear = call.backend.linearize(call, call.prefer_reverse(found))
     matvec = _batched_matvec(call, linear, ds.chunk_size)
     if ds.method == "probing":
         pattern = found.pattern if found.coupling is None else None
