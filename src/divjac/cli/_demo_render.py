@@ -96,7 +96,7 @@ def divergence_table(report: Report, case: str) -> Table:
         passes = format_count(row.passes) if row.passes is not None else ""
         table.add_row(label, passes, *_cells(row, report.backends))
     notes = [
-        "passes: batched JVPs per sample. error: ||div - exact|| / ||exact|| over the batch, "
+        "passes: batched JVPs or VJPs per sample. error: ||div - exact|| / ||exact|| over the batch, "
         "exact = method 'auto'."
     ]
     for row in rows:
