@@ -242,7 +242,11 @@ def _flow(adjoint=None):
     return flow
 
 
-@pytest.mark.parametrize("vmapped", [True, False], ids=["vmap", "batched-state"])
+@pytest.mark.parametrize(
+    "vmapped",
+    [True, pytest.param(False, marks=pytest.mark.slow)],
+    ids=["vmap", "batched-state"],
+)
 def test_diffrax_flow_map_is_per_sample(vmapped):
     diffrax = pytest.importorskip("diffrax")
     wrap = jax.vmap if vmapped else (lambda flow: flow)
@@ -422,6 +426,7 @@ def test_detection_does_not_retrace_custom_rules_with_other_perturbations():
     )
 
 
+@pytest.mark.slow  # a regression guard (the custom_vjp test reproduces the cause, fast)
 @pytest.mark.parametrize("coupling", ["raise", "exact"])
 def test_diffrax_user_vjp_after_detection(coupling):
     pytest.importorskip("diffrax")
