@@ -68,6 +68,8 @@ class Call:
     g: Callable[[Array], Any]
     xb: Array
     traced: Traced
+    args: tuple[Any, ...]  # the caller's (f's arguments, the differentiated one included)
+    kwargs: dict[str, Any]
 
     @property
     def backend(self) -> Backend:
@@ -176,7 +178,7 @@ def _prepare(spec: Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         yb = _from_axis(backend, y, axis)
         return (yb, aux) if has_aux else yb
 
-    return Call(spec, g, _from_axis(backend, x, axis), traced)
+    return Call(spec, g, _from_axis(backend, x, axis), traced, args, kwargs)
 
 
 def _check_output(spec: Spec, out: Any, x_shape: tuple[int, ...], axis: int | None) -> None:

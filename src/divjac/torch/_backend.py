@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -28,7 +28,7 @@ from .._backend import Backend, Finish, Linear, Seed
 from .._core import detection
 from .._core.detection import LRU
 from .._transforms import Call
-from ._detect import TensorSpec, Traced, plain_kernels, quiet_batch_norm, trace
+from ._detect import TensorSpec, Traced, plain_kernels, trace
 
 __all__ = ["BACKEND", "TorchBackend"]
 
@@ -74,7 +74,7 @@ class _Passes(Linear):
             return t.expand(B, *t.shape).contiguous() if shared else t
 
         traced = self._traced
-        with quiet_batch_norm(traced.modules()), _differentiable_kernels(rnn=traced.runs_rnn):
+        with traced.running_stats(), _differentiable_kernels(traced):
             if self._reverse:
                 if self._vjp is None:
                     pulled: Any = torch.func.vjp(g, xb, has_aux=aux_of is not None)
@@ -131,19 +131,110 @@ class _Generators:
             self._module.set_rng_state(self._own, self._device)
 
 
-@contextlib.contextmanager
-def _differentiable_kernels(*, rnn: bool) -> Iterator[None]:
-    """Kernels that forward-mode AD and ``vmap`` go through: attention in its math form (the
-    fused CPU and CUDA kernels have no forward derivative, nor batching rules for their
-    gradients), and with ``rnn``, recurrent layers without oneDNN and cuDNN (whose kernels
-    have no forward derivative)."""
+class _Tape(Linear):
+    """The VJP of the batch-first function on torch's autograd tape, as FFJORD's code does it:
+    one forward pass, then ``torch.autograd.grad`` per chunk of cotangents (batched by
+    ``is_grads_batched``, or one by one for a few). Outside ``torch.func`` transforms this is
+    the fast way to pull rows: ``torch.func.vjp`` wraps every operation of the forward pass
+    (about 2 ms per call on FFJORD's ODE function at B=256, against its 1.5 ms of compute).
+
+    With grad mode on (as the caller has it), the passes are on the autograd graph
+    (``create_graph``): a loss on the result backpropagates to the parameters and the input.
+    With it off, nothing is kept on the graph. The function is evaluated once, so a random
+    operation (dropout) draws once.
+    """
+
+    def __init__(self, call: Call) -> None:
+        self._call = call
+        self._traced = cast(Traced, call.traced)
+        self._tape: tuple[torch.Tensor, torch.Tensor, bool] | None = None
+
+    def _record(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        call = self._call
+        xb = call.xb
+        # On the graph only when something the caller has requires grad (the input, an
+        # argument or a captured parameter); else the results carry no graph, as torch.func's.
+        create = torch.is_grad_enabled() and (
+            xb.requires_grad
+            or any(
+                isinstance(a, torch.Tensor) and a.requires_grad
+                for a in pytree.tree_leaves((call.args, call.kwargs))
+            )
+            or self._traced.captures_grad()
+        )
+        with torch.enable_grad():
+            x = xb if xb.requires_grad else xb.detach().requires_grad_()
+            out = call.g(x)
+        y, aux = out if call.spec.has_aux else (out, None)
+        if create:
+            self.value, self.aux = y, aux
+        else:
+            self.value = y.detach()
+            self.aux = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, aux)
+        return x, y, create
+
+    def _pull(self, cotangent: torch.Tensor) -> torch.Tensor:
+        if self._tape is None:
+            raise AssertionError("divjac: the tape is recorded before its passes")
+        x, y, create = self._tape
+        if not y.requires_grad:  # the output depends on neither x nor parameters
+            return x.new_zeros(x.shape)
+        (pulled,) = torch.autograd.grad(
+            y,
+            x,
+            cotangent.to(y.dtype),
+            retain_graph=True,
+            create_graph=create,
+            allow_unused=True,
+            materialize_grads=True,
+        )
+        return pulled
+
+    def passes(
+        self, inputs: torch.Tensor, seed: Seed, finish: Finish, chunk: int, *, shared: bool
+    ) -> torch.Tensor:
+        B = self._call.batch_size
+
+        def one(c: torch.Tensor) -> torch.Tensor:
+            t = seed(c)
+            return finish(c, t, self._pull(t.expand(B, *t.shape) if shared else t))
+
+        # Batched backward passes by torch.func's vmap over autograd (is_grads_batched's own
+        # vmap lacks batching rules for some backward kernels, GroupNorm's among them).
+        batched = torch.func.vmap(one)
+        traced = self._traced
+        parts = []
+        with traced.running_stats(), _differentiable_kernels(traced):
+            if self._tape is None:
+                self._tape = self._record()
+            for lo in range(0, int(inputs.shape[0]), chunk):
+                cs = inputs[lo : lo + chunk]
+                if len(cs) <= _ONE_BY_ONE:
+                    parts.extend(one(c)[None] for c in cs)
+                else:
+                    parts.append(batched(cs))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+# Chunks of up to this many passes pull their cotangents one by one (no vmap to set up).
+_ONE_BY_ONE = 4
+
+
+def _differentiable_kernels(traced: Traced) -> contextlib.AbstractContextManager[None]:
+    """Kernels that forward-mode AD, ``vmap`` and double backward go through: attention in its
+    math form (the fused CPU and CUDA kernels have no forward derivative, nor batching rules
+    for their gradients), and recurrent layers without oneDNN and cuDNN (whose kernels have no
+    forward derivative). Only where the graph has them (the contexts cost ~25 us)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with (
-        sdpa_kernel(SDPBackend.MATH),
-        plain_kernels(cudnn=True) if rnn else contextlib.nullcontext(),
-    ):
-        yield
+    if not (traced.attends or traced.runs_rnn):
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    if traced.attends:
+        stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+    if traced.runs_rnn:
+        stack.enter_context(plain_kernels(cudnn=True))
+    return stack
 
 
 def _without_overlap(x: torch.Tensor) -> torch.Tensor:
@@ -231,6 +322,10 @@ class TorchBackend(Backend):
         return not (torch_traced.has_convolution or torch_traced.solves_broadcast)
 
     def linearize(self, call: Call, reverse: bool) -> Linear:
+        """Rows on the autograd tape outside ``torch.func`` transforms, else (and columns) by
+        ``torch.func`` passes."""
+        if reverse and torch._C._functorch.peek_interpreter_stack() is None:
+            return _Tape(call)
         return _Passes(call, reverse)
 
     def grad_of_sum(

@@ -95,6 +95,9 @@ class Traced(detection.Traced):
         identified: weak references to the objects the cache key identifies by ``id``.
         unreached: modules the trace ran that :func:`reach` did not find, with the signature
             of their state then.
+        batch_norms: the batch normalization modules the trace ran (their running statistics
+            are kept still during passes).
+        captured: the floating-point tensors the graph captured (parameters, buffers), weakly.
         reads: version counter of every ``versioned`` constant a detection read, when it read.
     """
 
@@ -105,11 +108,24 @@ class Traced(detection.Traced):
     versioned: frozenset[str]
     identified: tuple[weakref.ref[Any], ...]
     unreached: tuple[tuple[weakref.ref[nn.Module], Hashable], ...]
+    batch_norms: tuple[weakref.ref[nn.Module], ...]
+    captured: tuple[weakref.ref[torch.Tensor], ...]
     reads: dict[str, int] = field(default_factory=dict)
 
     def modules(self) -> list[nn.Module]:
         """The modules the function may run (alive while a call runs it)."""
         return [m for m in (r() for r in self.module_refs) if m is not None]
+
+    def captures_grad(self) -> bool:
+        """Whether a captured tensor requires grad now (a parameter being trained)."""
+        return any(t is not None and t.requires_grad for t in (r() for r in self.captured))
+
+    def running_stats(self) -> contextlib.AbstractContextManager[None]:
+        """The batch normalization modules of the function kept from updating their running
+        statistics (a context)."""
+        if not self.batch_norms:
+            return contextlib.nullcontext()
+        return quiet_batch_norm([m for m in (r() for r in self.batch_norms) if m is not None])
 
     def current(self) -> bool:
         """Whether the trace still holds for a call whose cache key is its own: the objects the
@@ -132,6 +148,14 @@ class Traced(detection.Traced):
             and isinstance(node.target, torch._ops.OpOverload)
             and torch.Tag.nondeterministic_seeded in node.target.tags
             for node in self.gm.graph.nodes
+        )
+
+    @functools.cached_property
+    def attends(self) -> bool:
+        """Whether the graph may run attention (a softmax: the decomposition of every
+        attention kernel has one)."""
+        return any(
+            node.op == "call_function" and node.target in _SOFTMAXES for node in self.gm.graph.nodes
         )
 
     @functools.cached_property
@@ -173,6 +197,7 @@ class Traced(detection.Traced):
         return Propagated(out, frozenset(interp.fallbacks))
 
 
+_SOFTMAXES = (torch.ops.aten._softmax.default, torch.ops.aten._safe_softmax.default)
 _SOLVES_EX = (torch.ops.aten._linalg_solve_ex.default, torch.ops.aten.linalg_solve_ex.default)
 
 
@@ -479,6 +504,10 @@ def outside_transforms() -> Iterator[None]:
         yield
 
 
+def _updates_running_stats(m: nn.Module) -> bool:
+    return isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+
+
 @contextlib.contextmanager
 def quiet_batch_norm(
     modules: Sequence[nn.Module], ran: list[nn.Module] | None = None
@@ -487,32 +516,34 @@ def quiet_batch_norm(
 
     Training-mode outputs use the batch statistics either way; the in-place update of the
     running statistics would be repeated by every pass (and ``torch.func`` transforms refuse
-    in-place updates of captured buffers). Applies to ``modules`` (and their submodules) and to
-    every module this thread calls inside the block, however the function reaches it; those
-    are appended to ``ran``.
+    in-place updates of captured buffers). Applies to ``modules`` (not their submodules: give
+    them all); with ``ran``, also to every module this thread calls inside the block, however
+    the function reaches it (found by a global forward pre-hook, which slows every module
+    call: passes give the modules their trace ran instead), and those are appended to ``ran``.
     """
     thread = threading.get_ident()
-    changed: list[nn.modules.batchnorm._BatchNorm] = []
+    changed: list[nn.Module] = []
 
     def quiet(m: nn.Module) -> None:
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats:
+        if _updates_running_stats(m):
             m.track_running_stats = False
             changed.append(m)
+
+    found = ran if ran is not None else []
 
     def pre_hook(m: nn.Module, args: Any) -> None:
         if threading.get_ident() == thread:
             quiet(m)
-            if ran is not None:
-                ran.append(m)
+            found.append(m)
 
-    for module in modules:
-        for m in module.modules():
-            quiet(m)
-    handle = nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    for m in modules:
+        quiet(m)
+    handle = None if ran is None else nn.modules.module.register_module_forward_pre_hook(pre_hook)
     try:
         yield
     finally:
-        handle.remove()
+        if handle is not None:
+            handle.remove()
         for bn in changed:
             bn.track_running_stats = True
 
@@ -653,6 +684,7 @@ def trace(
         branch = _branch(gm, reached, actual) if on_values and actual is not None else None
     _check_own_changes(fun, reached, reach(fun, static))
     readable, versioned = _readable_constants(gm, reached)
+    captured = _captured_floats(gm)
     _drop_constants(gm, keep=readable)
     found_ids = {id(m) for m in reached.modules}
     unreached = {id(m): m for m in ran if id(m) not in found_ids}
@@ -675,6 +707,12 @@ def trace(
         versioned=versioned,
         identified=tuple(weakref.ref(obj) for obj in reached.identified),
         unreached=tuple((weakref.ref(m), _module_signature(m)) for m in unreached.values()),
+        batch_norms=tuple(
+            weakref.ref(m)
+            for m in {id(m): m for m in ran}.values()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        ),
+        captured=tuple(weakref.ref(t) for t in captured),
     )
     if key is not None:
         if not on_values:
@@ -894,6 +932,20 @@ def _readable_constants(
         elif users and all(u.target in lifted for u in users):
             readable[name] = const
     return readable, frozenset(versioned)
+
+
+def _captured_floats(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
+    """The floating-point tensors (not fake, not meta) that the graph holds as constants."""
+    found = {}
+    for node in gm.graph.nodes:
+        const = getattr(gm, str(node.target), None) if node.op == "get_attr" else None
+        if (
+            isinstance(const, torch.Tensor)
+            and (const.is_floating_point() or const.is_complex())
+            and const.device.type != "meta"
+        ):
+            found[id(const)] = const
+    return list(found.values())
 
 
 def _drop_constants(gm: torch.fx.GraphModule, keep: dict[str, torch.Tensor]) -> None:
