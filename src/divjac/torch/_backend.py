@@ -203,7 +203,7 @@ class _Tape(Linear):
         # vmap lacks batching rules for some backward kernels, GroupNorm's among them).
         batched = torch.func.vmap(one)
         traced = self._traced
-        parts = []
+        parts: list[torch.Tensor] = []
         with traced.running_stats(), _differentiable_kernels(traced):
             if self._tape is None:
                 self._tape = self._record()
@@ -220,7 +220,7 @@ class _Tape(Linear):
 _ONE_BY_ONE = 4
 
 
-def _differentiable_kernels(traced: Traced) -> contextlib.AbstractContextManager[None]:
+def _differentiable_kernels(traced: Traced) -> contextlib.AbstractContextManager[Any]:
     """Kernels that forward-mode AD, ``vmap`` and double backward go through: attention in its
     math form (the fused CPU and CUDA kernels have no forward derivative, nor batching rules
     for their gradients), and recurrent layers without oneDNN and cuDNN (whose kernels have no

@@ -504,8 +504,11 @@ def outside_transforms() -> Iterator[None]:
         yield
 
 
+_BatchNorm = nn.modules.batchnorm._BatchNorm
+
+
 def _updates_running_stats(m: nn.Module) -> bool:
-    return isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+    return isinstance(m, _BatchNorm) and m.training and m.track_running_stats
 
 
 @contextlib.contextmanager
@@ -522,10 +525,10 @@ def quiet_batch_norm(
     call: passes give the modules their trace ran instead), and those are appended to ``ran``.
     """
     thread = threading.get_ident()
-    changed: list[nn.Module] = []
+    changed: list[_BatchNorm] = []
 
     def quiet(m: nn.Module) -> None:
-        if _updates_running_stats(m):
+        if isinstance(m, _BatchNorm) and _updates_running_stats(m):
             m.track_running_stats = False
             changed.append(m)
 
@@ -708,9 +711,7 @@ def trace(
         identified=tuple(weakref.ref(obj) for obj in reached.identified),
         unreached=tuple((weakref.ref(m), _module_signature(m)) for m in unreached.values()),
         batch_norms=tuple(
-            weakref.ref(m)
-            for m in {id(m): m for m in ran}.values()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            weakref.ref(m) for m in {id(m): m for m in ran}.values() if isinstance(m, _BatchNorm)
         ),
         captured=tuple(weakref.ref(t) for t in captured),
     )
