@@ -432,8 +432,9 @@ def _exact_divergence(call: Call, ds: _DivSpec) -> tuple[Array, Array, Any]:
 
 def _stochastic_divergence(
     call: Call, ds: _DivSpec, randomness: Any
-) -> tuple[Array, Array, Array, Any]:
-    """(batch-first value, estimate (B,), stderr (B,), aux) of a stochastic method."""
+) -> tuple[Array, Array, Array | None, Any]:
+    """(batch-first value, estimate (B,), stderr (B,) or ``None`` when not asked for, aux) of a
+    stochastic method."""
     fname = call.spec.fname
     checks.check_square(call.in_sample, call.out_sample, fname=fname)
     found = call.detect(per_sample=ds.method == "probing", auto=True)
@@ -441,10 +442,10 @@ def _stochastic_divergence(
         raise checks.coupling_error(
             found.coupling, fname=fname, fallbacks=found.fallbacks, method=ds.method
         )
-    B, n = call.batch_size, call.n_in
+    backend, B, n = call.backend, call.batch_size, call.n_in
     # Rows or columns, as the exact method would choose: every estimator estimates the trace
     # of J^T (pushed rows) as well as that of J.
-    linear = call.backend.linearize(call, call.prefer_reverse(found))
+    linear = backend.linearize(call, call.prefer_reverse(found))
     matvec = _batched_matvec(call, linear, ds.chunk_size)
     if ds.method == "probing":
         pattern = found.pattern if found.coupling is None else None
@@ -455,16 +456,36 @@ def _stochastic_divergence(
             probing_distance=ds.probing_distance,
             need_stderr=ds.return_stderr,
         )
-        signs = _draw(call, randomness, (B, n, reps), "rademacher")
+        signs = backend.moveaxis(
+            _draw(call, randomness, reps, "rademacher").reshape(reps, B, n), 0, -1
+        )
         estimate, stderr = est.probing(
             matvec, colors, signs, exact=exact, num_colors=int(colors.max()) + 1
         )
     else:
         num = ds.num_probes or stochastic.default_num_probes(ds.method, n)
         k = est.num_random_vectors(ds.method, num, n)
-        V = _draw(call, randomness, (B, n, k), ds.distribution)
-        estimate, stderr = est.estimate_trace(ds.method, matvec, V)
+        columns = _draw(call, randomness, k, ds.distribution)
+        if ds.method == "hutchinson" and (k > 1 or not ds.return_stderr):
+            terms = _probe_terms(call, linear, columns, ds.chunk_size)
+            estimate, stderr = est.hutchinson_from_terms(terms, stderr=ds.return_stderr)
+        else:
+            V = call.backend.moveaxis(columns.reshape(k, B, n), 0, -1)
+            estimate, stderr = est.estimate_trace(ds.method, matvec, V)
     return linear.value, estimate, stderr, linear.aux
+
+
+def _probe_terms(call: Call, linear: Linear, columns: Array, chunk_size: int | None) -> Array:
+    """Hutchinson's terms ``v^T J_b v`` ``(B, k)`` of the probes ``columns`` ``(k, B, *in)``,
+    each from one batched pass, in the layout of the passes (as hand-written code does)."""
+    backend, B, k = call.backend, call.batch_size, int(columns.shape[0])
+
+    def dot(c: Array, t: Array, pushed: Array) -> Array:
+        return (pushed * t).reshape(B, -1).sum(1)
+
+    inputs, seed = backend.stacked_seeds(columns)
+    terms = linear.passes(inputs, seed, dot, call.chunk(k, chunk_size), shared=False)
+    return backend.moveaxis(terms, 0, 1)
 
 
 def _batched_matvec(call: Call, linear: Linear, chunk_size: int | None) -> Callable[[Array], Array]:
@@ -487,20 +508,21 @@ def _is_probes(backend: Backend, randomness: Any) -> bool:
     return backend.is_array(randomness) and backend.is_floating_input(randomness.dtype)
 
 
-def _draw(call: Call, randomness: Any, shape: tuple[int, int, int], distribution: str) -> Array:
-    """Probes ``(B, n, k)``: the caller's (reusable noise) or drawn from ``randomness``."""
+def _draw(call: Call, randomness: Any, k: int, distribution: str) -> Array:
+    """Probes ``(k, B, *in)``: the caller's (reusable noise) or ``k`` per sample drawn from
+    ``randomness``."""
     backend, fname = call.backend, call.spec.fname
-    B, n, k = shape
+    B, n, shape = call.batch_size, call.n_in, call.in_sample
     if _is_probes(backend, randomness):
         probes = backend.asarray(randomness, like=call.xb)
         axis = call.spec.batch_axis
-        x_shape = stochastic.caller_shape(call.in_sample, B, axis)
+        x_shape = stochastic.caller_shape(shape, B, axis)
         if stochastic.check_probes_shape(tuple(probes.shape), x_shape, k, fname=fname):
             probes = probes[None]
-        moved = probes[:, None] if axis is None else backend.moveaxis(probes, axis + 1, 1)
-        return backend.moveaxis(moved.reshape(k, B, n), 0, -1)
-    raw = backend.draw(randomness, shape, distribution, like=call.xb)
-    return est.normalize_probes(raw, distribution)
+        return probes[:, None] if axis is None else backend.moveaxis(probes, axis + 1, 1)
+    raw = backend.draw(randomness, (B, n, k), distribution, like=call.xb)
+    columns = backend.moveaxis(est.normalize_probes(raw, distribution), -1, 0)
+    return columns.reshape(k, B, *shape)
 
 
 def _split_randomness(
@@ -553,9 +575,10 @@ def _divergence_transform(
             y, div, stderr, aux = _stochastic_divergence(call, ds, randomness[0])
         else:
             y, div, aux = _exact_divergence(call, ds)
-            stderr = backend.zeros_like(div)
+            stderr = backend.zeros_like(div) if ds.return_stderr else None
         if call.spec.batch_axis is None:
-            div, stderr = div[0], stderr[0]
+            div = div[0]
+            stderr = None if stderr is None else stderr[0]
         result = (div, stderr) if ds.return_stderr else div
         return call.unbatch(y), result, aux
 

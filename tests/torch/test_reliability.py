@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import torch
 from divjac import BatchCouplingError, RetraceWarning
-from divjac.torch import _detect, divergence, jacobian, laplacian, sparsity
+from divjac.torch import _detect, _reach, divergence, jacobian, laplacian, sparsity
 from divjac.torch._backend import BACKEND
 from tests.reference import torch_diagonal_blocks, traces
 from torch import nn
@@ -43,20 +43,6 @@ def _hessian_traces(u, x: torch.Tensor) -> np.ndarray:
         h = torch.autograd.functional.hessian(ub, x[b])
         out.append(float(torch.trace(h.reshape(x[b].numel(), -1))))
     return np.array(out)
-
-
-@pytest.fixture
-def traces_made(monkeypatch):
-    """The number of times a graph is traced (each miss of the cache traces once)."""
-    count = [0]
-    original = _detect._trace_graph
-
-    def counting(*args, **kwargs):
-        count[0] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(_detect, "_trace_graph", counting)
-    return count
 
 
 # --- 1. captured tensors: floats are never read, integers and booleans are guarded -----------
@@ -368,8 +354,8 @@ def test_guard_cost_grows_with_tensors_not_their_elements():
 
     small, large = mlp(8), mlp(2048)
     assert sum(p.numel() for p in large.parameters()) > 10_000_000
-    sig_small = _detect.reach(small, []).signature
-    sig_large = _detect.reach(large, []).signature
+    sig_small = _reach.reach(small, []).signature
+    sig_large = _reach.reach(large, []).signature
     assert len(sig_small) == len(sig_large)
 
 

@@ -245,6 +245,22 @@ def hutchinson(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
     return _mean_and_stderr(_column_dots(probes, products), xp, lambda: products)
 
 
+def hutchinson_from_terms(terms: Array, *, stderr: bool = True) -> tuple[Array, Array | None]:
+    """Hutchinson's estimate from its terms ``v^T J v`` (``(B, k)``, ``k`` independent probes
+    per sample), as :func:`hutchinson` computes it; the standard error with ``stderr`` (which
+    needs ``k >= 2``: the single-term bound needs the images ``J v``), else ``None``.
+
+    Raises:
+        ValueError: ``stderr`` for a single term.
+    """
+    if not stderr:
+        return terms.mean(-1), None
+    xp = _namespace(terms)
+    if terms.shape[-1] < 2:
+        raise ValueError("the standard error of a single term needs its image: use hutchinson")
+    return _mean_and_stderr(terms, xp, lambda: terms)
+
+
 def hutch_plus_plus(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
     """Hutch++ trace estimator, per sample (Meyer, Musco, Musco & Woodruff 2021).
 

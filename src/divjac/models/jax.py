@@ -14,8 +14,10 @@ import jax
 __all__ = [
     "blur",
     "cnn",
+    "concat_squash",
     "gaussian_kernel",
     "init_cnn",
+    "init_concat_squash",
     "init_mlp",
     "init_mlp_xt",
     "init_unet",
@@ -162,3 +164,32 @@ def blur(x: jax.Array, kernel: jax.Array | None = None) -> jax.Array:
     """Gaussian blur of a batch of images ``[k, H, W]`` (``'same'``, zero padding)."""
     kernel = gaussian_kernel(dtype=x.dtype) if kernel is None else kernel
     return jax.vmap(lambda img: convolve2d(img, kernel, mode="same"))(x)
+
+
+def init_concat_squash(
+    key: jax.Array, d: int, hidden: tuple[int, ...] = (64, 64, 64), dtype: Any = jnp.float32
+) -> list[dict[str, jax.Array]]:
+    """Weights of FFJORD's ODE function (:func:`concat_squash`): per layer, the dense weight
+    and bias, the gate's and the shift's."""
+    sizes = (d, *hidden, d)
+    layers = []
+    for k, a, b in zip(jax.random.split(key, len(sizes) - 1), sizes[:-1], sizes[1:], strict=True):
+        k1, k2, k3 = jax.random.split(k, 3)
+        w, bias = _dense(k1, a, b, dtype)
+        gate_w, gate_b = _dense(k2, 1, b, dtype)
+        shift_w, _ = _dense(k3, 1, b, dtype)
+        layers.append({"w": w, "b": bias, "gate_w": gate_w, "gate_b": gate_b, "shift_w": shift_w})
+    return layers
+
+
+def concat_squash(params: Params, t: jax.Array, x: jax.Array) -> jax.Array:
+    """FFJORD's ODE function ``f(t, x)``: concat-squash layers
+    ``(x W + b) * sigmoid(t G + g) + t H`` with softplus between them; ``x (B, d)``, scalar
+    ``t``."""
+    t = jnp.reshape(t, (1, 1)).astype(x.dtype)
+    for i, layer in enumerate(params):
+        gate = jax.nn.sigmoid(t @ layer["gate_w"] + layer["gate_b"])
+        x = (x @ layer["w"] + layer["b"]) * gate + t @ layer["shift_w"]
+        if i < len(params) - 1:
+            x = jax.nn.softplus(x)
+    return x

@@ -23,6 +23,8 @@ from torch import nn
 __all__ = [
     "CNN",
     "MLP",
+    "ConcatSquashLinear",
+    "ConcatSquashODE",
     "blur",
     "cnn",
     "cnn_params_from_jax",
@@ -197,3 +199,41 @@ class CNN(nn.Module):
         for layer in self.layers[:-1]:
             x = torch.tanh(layer(x))
         return self.layers[-1](x)
+
+
+class ConcatSquashLinear(nn.Module):
+    """FFJORD's concat-squash layer: ``W x`` gated and shifted by the time,
+    ``(W x + b) * sigmoid(G t + g) + H t``."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.layer = nn.Linear(n_in, n_out)
+        self.gate = nn.Linear(1, n_out)
+        self.shift = nn.Linear(1, n_out, bias=False)
+
+    def forward(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t = t.reshape(1, 1).to(x.dtype)
+        return self.layer(x) * torch.sigmoid(self.gate(t)) + self.shift(t)
+
+
+class ConcatSquashODE(nn.Module):
+    """FFJORD's ODE function ``f(t, x)``: concat-squash layers with softplus between them,
+    ``x (B, d)`` and a scalar time ``t`` -> ``(B, d)`` (the CNF vector field of its tabular
+    and toy experiments)."""
+
+    def __init__(self, d: int, hidden: Sequence[int] = (64, 64, 64), seed: int = 0) -> None:
+        super().__init__()
+        sizes = (d, *hidden, d)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.layers = nn.ModuleList(
+                ConcatSquashLinear(a, b) for a, b in itertools.pairwise(sizes)
+            )
+        self.activation = nn.Softplus()
+
+    def forward(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(t, x)
+            if i < len(self.layers) - 1:
+                x = self.activation(x)
+        return x

@@ -156,11 +156,11 @@ class _Tape(Linear):
         # argument or a captured parameter); else the results carry no graph, as torch.func's.
         create = torch.is_grad_enabled() and (
             xb.requires_grad
+            or self._traced.captures_grad()
             or any(
                 isinstance(a, torch.Tensor) and a.requires_grad
                 for a in pytree.tree_leaves((call.args, call.kwargs))
             )
-            or self._traced.captures_grad()
         )
         with torch.enable_grad():
             x = xb if xb.requires_grad else xb.detach().requires_grad_()
@@ -170,7 +170,7 @@ class _Tape(Linear):
             self.value, self.aux = y, aux
         else:
             self.value = y.detach()
-            self.aux = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, aux)
+            self.aux = None if aux is None else pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, aux)
         return x, y, create
 
     def _pull(self, cotangent: torch.Tensor) -> torch.Tensor:
@@ -199,9 +199,6 @@ class _Tape(Linear):
             t = seed(c)
             return finish(c, t, self._pull(t.expand(B, *t.shape) if shared else t))
 
-        # Batched backward passes by torch.func's vmap over autograd (is_grads_batched's own
-        # vmap lacks batching rules for some backward kernels, GroupNorm's among them).
-        batched = torch.func.vmap(one)
         traced = self._traced
         parts: list[torch.Tensor] = []
         with traced.running_stats(), _differentiable_kernels(traced):
@@ -211,8 +208,10 @@ class _Tape(Linear):
                 cs = inputs[lo : lo + chunk]
                 if len(cs) <= _ONE_BY_ONE:
                     parts.extend(one(c)[None] for c in cs)
-                else:
-                    parts.append(batched(cs))
+                else:  # batched backward passes: torch.func's vmap over autograd
+                    # (is_grads_batched's own vmap lacks batching rules for some backward
+                    # kernels, GroupNorm's among them)
+                    parts.append(torch.func.vmap(one)(cs))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 

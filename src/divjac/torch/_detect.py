@@ -33,7 +33,6 @@ and select the trace of the branch taken (a few per function are kept).
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import inspect
 import threading
@@ -44,7 +43,6 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
@@ -56,6 +54,7 @@ from .._core import deps as D, detection
 from .._core.detection import LRU, EntryLimit, Propagated
 from .._errors import DivjacError, RetraceWarning
 from ._interpret import Interpreter, decompositions, is_convolution
+from ._reach import Checks, Reached, library, module_signature, reach
 
 __all__ = [
     "CACHE",
@@ -136,7 +135,7 @@ class Traced(detection.Traced):
         if any(self.readable[name]._version != v for name, v in self.reads.items()):
             return False
         return all(
-            (m := ref()) is not None and _module_signature(m) == signature
+            (m := ref()) is not None and module_signature(m) == signature
             for ref, signature in self.unreached
         )
 
@@ -199,297 +198,6 @@ class Traced(detection.Traced):
 
 _SOFTMAXES = (torch.ops.aten._softmax.default, torch.ops.aten._safe_softmax.default)
 _SOLVES_EX = (torch.ops.aten._linalg_solve_ex.default, torch.ops.aten.linalg_solve_ex.default)
-
-
-# --- what the function reaches ----------------------------------------------------------------
-
-# Containers longer than this are not walked (their contents are not guarded).
-_MAX_ITEMS = 64
-# Steps from the function through closures, globals, attributes and containers (modules are
-# walked whole, with their submodules).
-_DEPTH = 5
-# Values recorded as they are (hashable, and compared by value).
-_ATOMS = frozenset(
-    {bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout}
-)
-# Packages whose objects and functions are not walked (their state is not the caller's).
-_LIBRARIES = frozenset({"torch", "numpy", "scipy", "builtins", "functools", "typing", "abc"})
-_MODULE_STATE = frozenset(vars(nn.Module()))  # nn.Module's own bookkeeping
-
-
-@dataclass(frozen=True)
-class Reached:
-    """What a call of a function reaches, and its signature.
-
-    Attributes:
-        modules: the modules found (each with its submodules).
-        tensors: every tensor found, by ``id``.
-        ids: the ``id`` of every tensor found, in the order found.
-        identified: the objects the signature identifies by ``id`` (modules, parameters,
-            buffers, integer and boolean tensors, objects not walked).
-        signature: hashable; equal for two calls when everything found is the same, up to the
-            values of floating-point tensors and the identity of those outside modules.
-    """
-
-    modules: tuple[nn.Module, ...]
-    tensors: dict[int, torch.Tensor]
-    ids: tuple[int, ...]
-    identified: tuple[Any, ...]
-    signature: tuple[Hashable, ...]
-
-
-def reach(fun: Callable[..., Any], static: Sequence[Any]) -> Reached:
-    """The state a call of ``fun`` with the non-tensor arguments ``static`` may depend on.
-
-    Followed from ``fun`` (a function, bound method, ``functools.partial``, module or callable
-    object) and the arguments: closure cells, defaults, the globals its code names, ``self``,
-    attributes of objects (the scalar ones when the code walked names them), the functions of
-    their classes, lists, tuples and dicts (up to :data:`_MAX_ITEMS` items), to a depth of
-    :data:`_DEPTH`; modules with all their submodules, parameters, buffers and attributes.
-    Library objects (torch, NumPy: optimizers, arrays) are not followed: they count by
-    identity.
-    """
-    walk = _Walk()
-    walk.visit(fun, _DEPTH)
-    for leaf in static:
-        walk.visit(leaf, 2)
-    walk.finish()
-    return Reached(
-        modules=tuple(walk.modules),
-        tensors=walk.tensors,
-        ids=tuple(walk.ids),
-        identified=tuple(walk.identified),
-        signature=tuple(walk.sig),
-    )
-
-
-def _module_signature(module: nn.Module) -> Hashable:
-    walk = _Walk()
-    walk.visit(module, _DEPTH)
-    walk.finish()
-    return tuple(walk.sig)
-
-
-@functools.lru_cache(maxsize=4096)
-def _code_names(code: types.CodeType) -> tuple[str, ...]:
-    """The global and attribute names a code object and the functions defined in it use."""
-    names = list(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names.extend(_code_names(const))
-    return tuple(dict.fromkeys(names))
-
-
-def _library(obj: Any) -> bool:
-    """Whether a class or function belongs to a library (see :data:`_LIBRARIES`)."""
-    return _library_module(getattr(obj, "__module__", None))
-
-
-@functools.lru_cache(maxsize=1024)
-def _library_module(name: str | None) -> bool:
-    return str(name or "").partition(".")[0] in _LIBRARIES
-
-
-@functools.lru_cache(maxsize=1024)
-def _own_bases(cls: Any) -> tuple[type, ...]:
-    """The classes of ``cls.__mro__`` outside libraries (those whose code is walked)."""
-    return tuple(base for base in cls.__mro__ if not _library(base))
-
-
-def _atoms(values: tuple[Any, ...]) -> bool:
-    return len(values) <= _MAX_ITEMS and all(map(_ATOMS.__contains__, map(type, values)))
-
-
-class _Walk:
-    """One walk of :func:`reach` (appends to ``sig`` in a deterministic order)."""
-
-    def __init__(self) -> None:
-        self.sig: list[Any] = []  # hashable values
-        self.modules: list[nn.Module] = []
-        self.tensors: dict[int, torch.Tensor] = {}
-        self.ids: list[int] = []
-        self.identified: list[Any] = []
-        self.seen: set[int] = set()
-        self.names: set[str] = {"__call__"}  # the code walked names these
-        self.done: set[tuple[int, str]] = set()  # (class, name) followed
-        self.objects: list[tuple[Any, int]] = []  # plain objects: finished at the end
-
-    def visit(self, obj: Any, depth: int) -> None:
-        sig = self.sig
-        kind = type(obj)
-        if kind in _ATOMS or isinstance(obj, enum.Enum | np.generic):
-            sig.append(obj)
-            return
-        if isinstance(obj, torch.Tensor):
-            self.tensor(obj, identity=not (obj.is_floating_point() or obj.is_complex()))
-            return
-        if kind is tuple and _atoms(obj):
-            sig.append(obj)  # kernel sizes, paddings: whatever the depth
-            return
-        if isinstance(obj, type | types.ModuleType | types.BuiltinFunctionType) or (
-            isinstance(obj, types.FunctionType) and _library(obj)
-        ):
-            sig.append(obj)  # by identity (long-lived); not walked
-            return
-        if id(obj) in self.seen:
-            return
-        if isinstance(obj, nn.Module):
-            self.module(obj, depth)
-            return
-        if depth <= 0:
-            return
-        self.seen.add(id(obj))
-        sig.append(kind)
-        if isinstance(obj, list | tuple | dict):
-            self.container(obj, depth)
-        elif isinstance(obj, types.FunctionType):
-            self.function(obj, depth)
-        elif isinstance(obj, types.MethodType):
-            self.visit(obj.__self__, depth)
-            self.visit(obj.__func__, depth)
-        elif isinstance(obj, functools.partial):
-            for value in (obj.func, *obj.args, *obj.keywords.items()):
-                self.visit(value, depth - 1)
-        elif hasattr(obj, "__dict__") and not _library(kind):
-            self.plain_object(obj, depth)
-        else:  # not walked (a NumPy array, an optimizer): by identity when it can be
-            try:
-                weakref.ref(obj)
-            except TypeError:
-                return
-            sig.append(id(obj))
-            self.identified.append(obj)
-
-    def tensor(self, t: torch.Tensor, *, identity: bool) -> None:
-        self.tensors[id(t)] = t
-        self.ids.append(id(t))
-        self.sig.extend((t.shape, t.dtype, t.device))
-        if identity:
-            self.sig.append(id(t))
-            self.identified.append(t)
-
-    def container(self, obj: list[Any] | tuple[Any, ...] | dict[Any, Any], depth: int) -> None:
-        if isinstance(obj, list):
-            # Often a log the function appends to: only the objects in it count, not its
-            # numbers and strings, nor its length.
-            if len(obj) <= _MAX_ITEMS:
-                for value in obj:
-                    if type(value) not in _ATOMS:
-                        self.visit(value, depth - 1)
-            return
-        self.sig.append(len(obj))
-        if len(obj) > _MAX_ITEMS:
-            return
-        if isinstance(obj, dict):
-            for key, value in obj.items():
-                self.visit(key, 0)
-                self.visit(value, depth - 1)
-        else:
-            for value in obj:
-                self.visit(value, depth - 1)
-
-    def function(self, fn: types.FunctionType, depth: int) -> None:
-        code = fn.__code__
-        self.sig.append(code)
-        names = _code_names(code)
-        self.names.update(names)
-        for cell in fn.__closure__ or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                self.sig.append(None)
-                continue
-            self.visit(value, depth - 1)
-        for value in fn.__defaults__ or ():
-            self.visit(value, depth - 1)
-        for item in (fn.__kwdefaults__ or {}).items():
-            self.visit(item, depth - 1)
-        scope = fn.__globals__
-        for name in names:
-            value = scope.get(name, scope)
-            if value is scope:
-                continue
-            self.sig.append(name)
-            self.visit(value, depth - 1)
-
-    def klass(self, cls: type, depth: int, named: set[str] | None = None) -> None:
-        """The functions (properties, static and class methods) and scalar attributes of
-        ``cls`` and its bases outside libraries; with ``named``, only those of these names."""
-        for base in _own_bases(cls):
-            if named is None and id(base) in self.seen:
-                continue
-            self.seen.add(id(base))
-            for name, value in vars(base).items():
-                if named is not None and (name not in named or (id(base), name) in self.done):
-                    continue
-                self.done.add((id(base), name))
-                if isinstance(value, staticmethod | classmethod):
-                    value = value.__func__
-                elif isinstance(value, property):
-                    value = value.fget
-                if isinstance(value, types.FunctionType):
-                    self.visit(value, depth - 1)
-                elif type(value) in _ATOMS and not name.startswith("__"):
-                    self.sig.append(name)
-                    self.sig.append(value)
-
-    def module(self, m: nn.Module, depth: int) -> None:
-        self.seen.add(id(m))
-        self.modules.append(m)
-        self.identified.append(m)
-        sig = self.sig
-        sig.extend((type(m), id(m), m.training))
-        if m._forward_pre_hooks or m._forward_hooks:
-            sig.append((tuple(m._forward_pre_hooks), tuple(m._forward_hooks)))
-        for name, value in vars(m).items():
-            if name in _MODULE_STATE:
-                continue
-            sig.append(name)
-            kind = type(value)
-            if kind in _ATOMS or (kind is tuple and _atoms(value)):
-                sig.append(value)  # most attributes (sizes, flags): no call of visit
-            else:
-                self.visit(value, depth - 1)
-        for tensors in (m._parameters, m._buffers):
-            for name, t in tensors.items():
-                if t is None:
-                    sig.extend((name, None))
-                else:  # as self.tensor(t, identity=True), inlined: most of a module's cost
-                    key = id(t)
-                    self.tensors[key] = t
-                    self.ids.append(key)
-                    self.identified.append(t)
-                    sig.extend((name, t.shape, t.dtype, t.device, key))
-        cls: Any = type(m)
-        if _own_bases(cls):
-            self.klass(cls, depth)
-        for name, child in m._modules.items():
-            sig.append(name)
-            self.visit(child, depth)
-
-    def plain_object(self, obj: Any, depth: int) -> None:
-        self.objects.append((obj, depth))
-        for name, value in vars(obj).items():
-            if type(value) not in _ATOMS:
-                self.sig.append(name)
-                self.visit(value, depth - 1)
-
-    def finish(self) -> None:
-        """Follow, on the classes of plain objects, the methods and properties that the walked
-        code names (until no new name appears), then record the scalar attributes it names: a
-        step counter or a learning rate the function never reads does not re-trace it."""
-        while True:
-            found = len(self.names), len(self.objects)
-            for obj, depth in list(self.objects):
-                self.klass(type(obj), depth, self.names)
-            if (len(self.names), len(self.objects)) == found:
-                break
-        for obj, _ in self.objects:
-            for name, value in vars(obj).items():
-                if type(value) in _ATOMS and name in self.names:
-                    self.sig.append(name)
-                    self.sig.append(value)
-        self.sig.append(torch.is_grad_enabled())
 
 
 # --- running modules ---------------------------------------------------------------------------
@@ -568,7 +276,7 @@ def _key(
     dynamic: Sequence[bool],
     treedef: Any,
     reached: Reached,
-) -> Hashable | None:
+) -> _Key | None:
     """The cache key (``None`` if a static argument is unhashable). A plain function counts by
     its code, other callables and static modules are held weakly: the cache keeps no model
     alive. The objects the signature holds by ``id`` are checked alive on a hit
@@ -579,7 +287,7 @@ def _key(
             # A plain function by its code (what it reaches is in the signature): a closure
             # made anew at every call, over the same objects, finds its trace.
             fun.__code__
-            if isinstance(fun, types.FunctionType) and not _library(fun)
+            if isinstance(fun, types.FunctionType) and not library(fun)
             else _weak(fun),
             static,
             treedef,
@@ -641,11 +349,17 @@ def trace(
     ``fun`` reaches), like ``jax.jit``'s. Results are cached in :data:`CACHE`.
     """
     dynamic = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+    options = (x_leaf, batch_axis, has_aux)
+    memo = _memo_of(fun)
+    call = _call_of(options, leaves, dynamic, treedef)
+    if memo is not None and (found := memo.reuse(call)) is not None:
+        return found
     static = [leaf for leaf, d in zip(leaves, dynamic, strict=True) if not d]
-    reached = reach(fun, static)
-    key = _key(fun, (x_leaf, batch_axis, has_aux), leaves, dynamic, treedef, reached)
+    reached = reach(fun, static, record=memo is not _NO_MEMO)
+    key = _key(fun, options, leaves, dynamic, treedef, reached)
     cached = CACHE.get(key) if key is not None else None
     if isinstance(cached, Traced) and cached.current():
+        _remember(fun, call, reached, key, cached)
         return cached
     x_pos = sum(dynamic[:x_leaf])
     tensors = [leaf for leaf, d in zip(leaves, dynamic, strict=True) if d]
@@ -709,7 +423,7 @@ def trace(
         readable=readable,
         versioned=versioned,
         identified=tuple(weakref.ref(obj) for obj in reached.identified),
-        unreached=tuple((weakref.ref(m), _module_signature(m)) for m in unreached.values()),
+        unreached=tuple((weakref.ref(m), module_signature(m)) for m in unreached.values()),
         batch_norms=tuple(
             weakref.ref(m) for m in {id(m): m for m in ran}.values() if isinstance(m, _BatchNorm)
         ),
@@ -718,11 +432,77 @@ def trace(
     if key is not None:
         if not on_values:
             CACHE.put(key, traced)
+            _remember(fun, call, reached, key, traced)
         else:
             branches = cached if isinstance(cached, _Branches) else _Branches(fun)
             branches.add(branch, traced)
             CACHE.put(key, branches)
     return traced
+
+
+@dataclass(frozen=True, eq=False)
+class _Memo:
+    """The last trace of a function found in :data:`CACHE`, and what tells, without the walk
+    of :func:`reach` nor the cache key, that a call would find it again: its arguments look
+    the same (shapes, dtypes and devices; the other arguments equal), the grad mode is the
+    same, and :class:`~divjac.torch._reach.Checks` hold."""
+
+    call: tuple[Any, ...]
+    grad: bool
+    checks: Checks
+    key: _Key
+    traced: weakref.ref[Traced]
+
+    def reuse(self, call: tuple[Any, ...]) -> Traced | None:
+        traced = self.traced()
+        if (
+            traced is None
+            or self.grad is not torch.is_grad_enabled()
+            or call != self.call
+            or not self.checks.hold()
+            or CACHE.get(self.key) is not traced  # still cached (and now the most recent)
+            or not traced.current()
+        ):
+            return None
+        return traced
+
+
+# The last trace of each function (weakly keyed: a memo dies with its function).
+_MEMOS: weakref.WeakKeyDictionary[Any, _Memo] = weakref.WeakKeyDictionary()
+_NO_MEMO = object()  # a function without memo: not weakly referenceable, or unhashable
+
+
+def _memo_of(fun: Any) -> Any:
+    """The memo of ``fun``: a :class:`_Memo`, ``None`` (none yet), or :data:`_NO_MEMO`."""
+    try:
+        return _MEMOS.get(fun)
+    except TypeError:
+        return _NO_MEMO
+
+
+def _call_of(
+    options: tuple[Any, ...], leaves: Sequence[Any], dynamic: Sequence[bool], treedef: Any
+) -> tuple[Any, ...]:
+    """What a memo compares of a call: the options, the tree, and per leaf its shape, dtype and
+    device (a tensor) or itself (weakly, when a function or module)."""
+    return (
+        options,
+        treedef,
+        tuple(
+            (leaf.shape, leaf.dtype, leaf.device) if dyn else _weak(leaf)
+            for leaf, dyn in zip(leaves, dynamic, strict=True)
+        ),
+    )
+
+
+def _remember(
+    fun: Any, call: tuple[Any, ...], reached: Reached, key: _Key | None, traced: Traced
+) -> None:
+    if reached.checks is None or key is None:
+        return
+    memo = _Memo(call, torch.is_grad_enabled(), reached.checks, key, weakref.ref(traced))
+    with contextlib.suppress(TypeError):
+        _MEMOS[fun] = memo
 
 
 # Per function: how many of its traces changed what it reaches (warned about at the third).

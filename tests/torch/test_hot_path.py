@@ -1,0 +1,289 @@
+"""The CNF hot path in PyTorch: rows pulled on the autograd tape, and the memo of the guards.
+
+Outside ``torch.func`` transforms, divjac pulls rows as FFJORD's code does (one forward pass,
+``autograd.grad`` per probe). These tests compare it with that code, values and gradients to the
+parameters, in the grad modes a training loop uses; and they change, between two calls of the
+same transform, every kind of state the memo of the guards tells unchanged without walking.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+import torch
+from divjac import BatchCouplingError
+from divjac.models import torch as models
+from divjac.torch import _detect, _reach, divergence, jacobian, value_and_divergence
+from tests.reference import torch_diagonal_blocks, traces
+from torch import nn
+
+D = torch.float64
+
+
+def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=D)
+
+
+def _ffjord(f, t, x, probes):
+    """FFJORD's Hutchinson code: ``e^T (df/dx) e`` from one VJP per probe."""
+    x = x if x.requires_grad else x.detach().requires_grad_()
+    y = f(t, x)
+    terms = [(torch.autograd.grad(y, x, e, create_graph=True)[0] * e).sum(1) for e in probes]
+    return y, torch.stack(terms).mean(0)
+
+
+def _param_grads(f, y, div):
+    f.zero_grad()
+    (y.square().mean() + div.square().mean()).backward()
+    return [p.grad.clone() for p in f.parameters()]
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_hutchinson_equals_ffjords_code_values_and_parameter_gradients(k):
+    f = models.ConcatSquashODE(3, hidden=(8, 8)).double()
+    t, x = torch.tensor(0.3, dtype=D), _randn(5, 3)
+    probes = _randn(k, 5, 3, seed=1)
+    y_ref, div_ref = _ffjord(f, t, x, probes)
+    grads_ref = _param_grads(f, y_ref, div_ref)
+    vd = value_and_divergence(f, 1, method="hutchinson", num_probes=k)
+    y, div = vd(probes, t, x)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(div, div_ref)
+    for got, ref in zip(_param_grads(f, y, div), grads_ref, strict=True):
+        torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("d", [2, 5])
+def test_exact_divergence_equals_the_loop_of_gradients_with_parameter_gradients(d):
+    f = models.ConcatSquashODE(d, hidden=(8,)).double()
+    t, x = torch.tensor(0.7, dtype=D), _randn(4, d).requires_grad_()
+    y_ref = f(t, x)
+    div_ref = sum(
+        torch.autograd.grad(y_ref[:, i].sum(), x, create_graph=True)[0][:, i] for i in range(d)
+    )
+    grads_ref = _param_grads(f, y_ref, div_ref)
+    y, div = value_and_divergence(f, 1, method="exact")(t, x)
+    torch.testing.assert_close(div, div_ref)
+    for got, ref in zip(_param_grads(f, y, div), grads_ref, strict=True):
+        torch.testing.assert_close(got, ref)
+
+
+def test_gradient_flows_to_the_input_through_the_divergence():
+    f = models.ConcatSquashODE(3, hidden=(6,)).double()
+    t = torch.tensor(0.2, dtype=D)
+    x0 = _randn(4, 3)
+    x = x0.clone().requires_grad_()
+    z = 2.0 * x  # a non-leaf input, as inside an ODE solver
+    (grad,) = torch.autograd.grad(divergence(f, 1, method="exact")(t, z).sum(), x)
+
+    def per_sample_div(xi):
+        J = torch.func.jacrev(lambda v: f(t, v[None])[0])(xi)
+        return torch.trace(J)
+
+    expected = 2.0 * torch.func.vmap(torch.func.grad(per_sample_div))(2.0 * x0)
+    torch.testing.assert_close(grad, expected)
+
+
+@pytest.mark.parametrize("method", ["exact", "hutchinson"])
+def test_no_graph_is_kept_when_nothing_requires_grad(method):
+    f = models.ConcatSquashODE(3, hidden=(6,)).double()
+    t, x = torch.tensor(0.2, dtype=D), _randn(4, 3)
+    vd = value_and_divergence(f, 1, method=method)
+    args = (_randn(16, 4, 3, seed=3), t, x) if method == "hutchinson" else (t, x)
+    y, div = vd(*args)  # parameters require grad: on the graph
+    assert y.requires_grad and div.requires_grad
+    with torch.no_grad():
+        y, div = vd(*args)
+    assert not (y.requires_grad or div.requires_grad)
+    f.requires_grad_(False)
+    y, div = vd(*args)  # frozen: nothing to differentiate
+    assert not (y.requires_grad or div.requires_grad)
+    np.testing.assert_allclose(div.numpy(), vd(*args)[1].numpy())
+
+
+def test_under_torch_func_transforms_the_functional_passes_are_used():
+    f = models.ConcatSquashODE(2, hidden=(6,)).double()
+    t, x = torch.tensor(0.4, dtype=D), _randn(3, 2)
+    div = divergence(lambda x: f(t, x), method="exact")
+    per_sample = torch.func.vmap(lambda xi: div(xi[None])[0])(x)
+    torch.testing.assert_close(per_sample, div(x))
+
+
+def test_batch_norm_statistics_move_once_per_call_in_exact_coupling_mode():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Tanh()).double()
+    x = _randn(6, 3)
+    div = divergence(net, coupling="exact")
+    div(x)
+    div(x)
+    assert int(net[1].num_batches_tracked) == 0  # kept still by every pass, as before
+
+
+# --- the memo of the guards: every change between two calls is seen ---------------------------
+
+
+class Gain(nn.Module):
+    def __init__(self, n: int = 6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + _randn(n, seed=5))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+def _elementwise_or_mixed(y, x, shift):
+    """``y``, plus ``x`` rolled by ``shift`` along the sample (``None``: not). The pattern of the
+    elementwise case has one diagonal color: reused for the mixed case, its single pass would
+    sum the rolled entries into the divergence."""
+    return y if shift is None else y + torch.roll(x, shift, dims=1)
+
+
+class Shift(nn.Module):
+    """Elementwise, or mixed within the sample when its plain attribute ``shift`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = Gain()
+        self.shift = None
+
+    def forward(self, x):
+        return _elementwise_or_mixed(torch.tanh(self.gain(x)), x, self.shift)
+
+
+def _sparse_ok(div, net, x):
+    expected = traces(torch_diagonal_blocks(net, (x,)), (x.shape[1],))
+    np.testing.assert_allclose(div(x).detach(), expected, rtol=1e-10, atol=1e-12)
+
+
+def _mixing_hook(module, args, out):
+    return out + out.mean(0, keepdim=True)
+
+
+MUTATIONS = {
+    "plain attribute": lambda net: setattr(net, "shift", 1),
+    "train flag of a submodule": lambda net: net.gain.train(False),
+    "replaced submodule": lambda net: setattr(net, "gain", nn.Linear(6, 6).double()),
+    "parameter data, same metadata": lambda net: setattr(
+        net.gain.weight, "data", 2.0 * net.gain.weight.data
+    ),
+    "forward hook": lambda net: net.register_forward_hook(_mixing_hook),
+    "class method": lambda net: setattr(
+        type(net), "forward", lambda self, x: torch.sin(x) + torch.roll(x, 2, dims=1)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_changes_of_a_module_between_calls_are_seen(name, traces_made):
+    cls = type("ShiftCopy", (Shift,), {})  # a class of its own: one test patches it
+    net = cls()
+    x = _randn(4, 6)
+    div = divergence(net, method="sparse")
+    _sparse_ok(div, net, x)
+    _sparse_ok(div, net, x)
+    made = traces_made[0]
+    MUTATIONS[name](net)
+    if name == "forward hook":
+        with pytest.raises(BatchCouplingError):
+            div(x)
+        return
+    _sparse_ok(div, net, x)
+    assert (traces_made[0] == made) == (name == "parameter data, same metadata")
+
+
+def test_checks_see_tensor_metadata_changed_in_place():
+    net = Shift()
+    checks = _reach.reach(net, [], record=True).checks
+    assert checks is not None and checks.hold()
+    net.gain.weight.data = net.gain.weight.data.float()  # the same Parameter, another dtype
+    assert not checks.hold()
+
+
+def test_changes_of_closures_defaults_and_partials_are_seen():
+    a, b = Shift(), Shift()
+    b.shift = 1
+    x = _randn(4, 6)
+    net = a
+
+    def f(x):
+        return net(x)
+
+    div = divergence(f, method="sparse")
+    _sparse_ok(div, f, x)
+    net = b  # the closure cell now holds another module
+    _sparse_ok(div, f, x)
+
+    def g(x, shift=None):
+        return _elementwise_or_mixed(torch.sin(x), x, shift)
+
+    div_g = divergence(g, method="sparse")
+    _sparse_ok(div_g, g, x)
+    g.__defaults__ = (1,)
+    _sparse_ok(div_g, g, x)
+
+    part = functools.partial(g, shift=None)
+    div_p = divergence(part, method="sparse")
+    _sparse_ok(div_p, part, x)
+    part.keywords["shift"] = 2
+    _sparse_ok(div_p, part, x)
+
+
+GLOBAL_SHIFT = None
+
+
+def _uses_a_global(x):
+    return _elementwise_or_mixed(torch.sin(x), x, GLOBAL_SHIFT)
+
+
+def test_a_rebound_global_is_seen():
+    global GLOBAL_SHIFT
+    x = _randn(3, 5)
+    div = divergence(_uses_a_global, method="sparse")
+    _sparse_ok(div, _uses_a_global, x)
+    GLOBAL_SHIFT = 1
+    try:
+        _sparse_ok(div, _uses_a_global, x)
+    finally:
+        GLOBAL_SHIFT = None
+
+
+def test_grad_mode_is_part_of_the_memo():
+    net = Shift()
+    x = _randn(4, 6)
+    div = divergence(net, method="sparse")
+    with torch.no_grad():
+        first = div(x)
+    second = div(x)
+    assert not first.requires_grad and second.requires_grad
+    torch.testing.assert_close(first, second.detach())
+
+
+def test_the_memo_keeps_no_model_alive():
+    net = Shift()
+    x = _randn(4, 6)
+    div = divergence(net, method="sparse")
+    div(x)
+    div(x)
+    assert _detect._MEMOS.get(net) is not None
+    ref = weakref.ref(net)
+    del net, div
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_memo_hit_is_the_cached_trace(traces_made):
+    net = models.ConcatSquashODE(2, hidden=(4,)).double()
+    t, x = torch.tensor(0.1, dtype=D), _randn(3, 2)
+    jac = jacobian(net, 1)
+    first = jac(t, x)
+    made = traces_made[0]
+    for _ in range(3):
+        torch.testing.assert_close(jac(t, x), first)
+    assert traces_made[0] == made
+    memo = _detect._MEMOS[net]
+    assert memo.traced() is _detect.CACHE.get(memo.key)
