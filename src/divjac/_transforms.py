@@ -446,8 +446,8 @@ def _stochastic_divergence(
     # Rows or columns, as the exact method would choose: every estimator estimates the trace
     # of J^T (pushed rows) as well as that of J.
     linear = backend.linearize(call, call.prefer_reverse(found))
-    matvec = _batched_matvec(call, linear, ds.chunk_size)
     if ds.method == "probing":
+        matvec = _batched_matvec(call, linear, ds.chunk_size)
         pattern = found.pattern if found.coupling is None else None
         colors, exact, reps = stochastic.probing_plan(
             pattern,
@@ -470,22 +470,23 @@ def _stochastic_divergence(
             terms = _probe_terms(call, linear, columns, ds.chunk_size)
             estimate, stderr = est.hutchinson_from_terms(terms, stderr=ds.return_stderr)
         else:
-            V = call.backend.moveaxis(columns.reshape(k, B, n), 0, -1)
+            V = backend.moveaxis(columns.reshape(k, B, n), 0, -1)
+            matvec = _batched_matvec(call, linear, ds.chunk_size)
             estimate, stderr = est.estimate_trace(ds.method, matvec, V)
     return linear.value, estimate, stderr, linear.aux
 
 
 def _probe_terms(call: Call, linear: Linear, columns: Array, chunk_size: int | None) -> Array:
-    """Hutchinson's terms ``v^T J_b v`` ``(B, k)`` of the probes ``columns`` ``(k, B, *in)``,
+    """Hutchinson's terms ``v^T J_b v`` ``(k, B)`` of the probes ``columns`` ``(k, B, *in)``,
     each from one batched pass, in the layout of the passes (as hand-written code does)."""
-    backend, B, k = call.backend, call.batch_size, int(columns.shape[0])
+    k = int(columns.shape[0])
+    sample_axes = tuple(range(1, 1 + len(call.in_sample)))
 
     def dot(c: Array, t: Array, pushed: Array) -> Array:
-        return (pushed * t).reshape(B, -1).sum(1)
+        return (pushed * t).sum(sample_axes)
 
-    inputs, seed = backend.stacked_seeds(columns)
-    terms = linear.passes(inputs, seed, dot, call.chunk(k, chunk_size), shared=False)
-    return backend.moveaxis(terms, 0, 1)
+    inputs, seed = call.backend.stacked_seeds(columns)
+    return linear.passes(inputs, seed, dot, call.chunk(k, chunk_size), shared=False)
 
 
 def _batched_matvec(call: Call, linear: Linear, chunk_size: int | None) -> Callable[[Array], Array]:

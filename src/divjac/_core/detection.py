@@ -7,6 +7,7 @@ them and lives here (NumPy/SciPy only).
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections import OrderedDict
@@ -53,6 +54,7 @@ def detection_memory_budget() -> int:
     return min(4096 << 20, physical_memory() // 4)
 
 
+@functools.cache
 def physical_memory() -> int:
     """Bytes of memory of this machine (16 GiB if the system does not say)."""
     try:

@@ -246,19 +246,20 @@ def hutchinson(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
 
 
 def hutchinson_from_terms(terms: Array, *, stderr: bool = True) -> tuple[Array, Array | None]:
-    """Hutchinson's estimate from its terms ``v^T J v`` (``(B, k)``, ``k`` independent probes
-    per sample), as :func:`hutchinson` computes it; the standard error with ``stderr`` (which
-    needs ``k >= 2``: the single-term bound needs the images ``J v``), else ``None``.
+    """Hutchinson's estimate from its terms ``v^T J v``, ``(k, B)`` (``k`` independent probes
+    per sample, probe-major as passes give them), as :func:`hutchinson` computes it; the
+    standard error with ``stderr`` (which needs ``k >= 2``: the single-term bound needs the
+    images ``J v``), else ``None``.
 
     Raises:
         ValueError: ``stderr`` for a single term.
     """
     if not stderr:
-        return terms.mean(-1), None
-    xp = _namespace(terms)
-    if terms.shape[-1] < 2:
+        return (terms[0] if terms.shape[0] == 1 else terms.mean(0)), None
+    if terms.shape[0] < 2:
         raise ValueError("the standard error of a single term needs its image: use hutchinson")
-    return _mean_and_stderr(terms, xp, lambda: terms)
+    xp = _namespace(terms)
+    return _mean_and_stderr(xp.permute_dims(terms, (1, 0)), xp, lambda: terms)
 
 
 def hutch_plus_plus(matvec: Matvec, probes: Array) -> tuple[Array, Array]:

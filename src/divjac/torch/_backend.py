@@ -15,6 +15,7 @@ when the passes started, so every pass differentiates the same forward pass.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -23,6 +24,7 @@ import numpy as np
 from torch.utils import _pytree as pytree
 
 import torch
+from torch import nn
 
 from .._backend import Backend, Finish, Linear, Seed
 from .._core import detection
@@ -170,7 +172,11 @@ class _Tape(Linear):
             self.value, self.aux = y, aux
         else:
             self.value = y.detach()
-            self.aux = None if aux is None else pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, aux)
+            self.aux = (
+                None
+                if aux is None
+                else pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, aux)
+            )
         return x, y, create
 
     def _pull(self, cotangent: torch.Tensor) -> torch.Tensor:
@@ -179,10 +185,12 @@ class _Tape(Linear):
         x, y, create = self._tape
         if not y.requires_grad:  # the output depends on neither x nor parameters
             return x.new_zeros(x.shape)
+        if cotangent.dtype != y.dtype:
+            cotangent = cotangent.to(y.dtype)
         (pulled,) = torch.autograd.grad(
             y,
             x,
-            cotangent.to(y.dtype),
+            cotangent,
             retain_graph=True,
             create_graph=create,
             allow_unused=True,
@@ -204,10 +212,12 @@ class _Tape(Linear):
         with traced.running_stats(), _differentiable_kernels(traced):
             if self._tape is None:
                 self._tape = self._record()
-            for lo in range(0, int(inputs.shape[0]), chunk):
-                cs = inputs[lo : lo + chunk]
-                if len(cs) <= _ONE_BY_ONE:
-                    parts.extend(one(c)[None] for c in cs)
+            n_passes = int(inputs.shape[0])
+            for lo in range(0, n_passes, chunk):
+                cs = inputs if chunk >= n_passes else inputs[lo : lo + chunk]
+                count = int(cs.shape[0])
+                if count <= _ONE_BY_ONE:
+                    parts.extend(one(cs[i])[None] for i in range(count))
                 else:  # batched backward passes: torch.func's vmap over autograd
                     # (is_grads_batched's own vmap lacks batching rules for some backward
                     # kernels, GroupNorm's among them)
@@ -271,6 +281,16 @@ def _identity(row: torch.Tensor) -> torch.Tensor:
     return row
 
 
+# Argument types that are leaves of torch's pytrees (no flattening needed).
+_LEAVES = frozenset({torch.Tensor, nn.Parameter, int, float, bool, str, type(None)})
+
+
+@functools.lru_cache(maxsize=16)
+def _flat_tree(n: int) -> Any:
+    """The tree of ``(args, kwargs)`` for ``n`` leaf arguments and no keywords (one object)."""
+    return pytree.tree_structure((tuple(range(n)), {}))
+
+
 class TorchBackend(Backend):
     """The transforms on torch tensors and modules (``torch.func.jvp``, ``vjp``, ``vmap``)."""
 
@@ -296,6 +316,8 @@ class TorchBackend(Backend):
         return x.element_size()
 
     def asarray(self, x: Any, like: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, torch.Tensor) and x.dtype == like.dtype and x.device == like.device:
+            return x
         return torch.as_tensor(x, dtype=like.dtype, device=like.device)
 
     def moveaxis(self, x: torch.Tensor, source: int, destination: int) -> torch.Tensor:
@@ -307,8 +329,11 @@ class TorchBackend(Backend):
     def trace(
         self, fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], **options: Any
     ) -> Traced:
+        argnum = options.pop("argnum")
+        if not kwargs and all(type(a) in _LEAVES for a in args):  # f(t, x): no tree to flatten
+            return trace(fun, list(args), _flat_tree(len(args)), x_leaf=argnum, **options)
         leaves, treedef = pytree.tree_flatten((args, kwargs))
-        x_leaf = len(pytree.tree_leaves(args[: options.pop("argnum")]))
+        x_leaf = len(pytree.tree_leaves(args[:argnum]))
         return trace(fun, leaves, treedef, x_leaf=x_leaf, **options)
 
     def prefer_reverse(self, traced: detection.Traced) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 import operator
 import types
 import weakref
@@ -88,11 +89,7 @@ def _holds(slot: tuple[Any, ...], value: Any) -> bool:
         return value is slot[1] and (slot[2] is None or _version(value) == slot[2])
     if kind == _TUPLE:
         parts = slot[1]
-        return (
-            type(value) is tuple
-            and len(value) == len(parts)
-            and all(map(_holds, parts, value))
-        )
+        return type(value) is tuple and len(value) == len(parts) and all(map(_holds, parts, value))
     return False  # _EMPTY: checked where a slot may be empty
 
 
@@ -113,26 +110,36 @@ class Checks:
         self._items = items
         metas = [item for item in items if item[0] == _META]
         self._meta = (tuple(item[1] for item in metas), [item[2:] for item in metas])
-        self._modules = [item[1:] for item in items if item[0] == _MODULE]
+        modules = [item for item in items if item[0] == _MODULE]
+        self._modules = (
+            tuple(item[1] for item in modules),
+            [item[2] for item in modules],
+            [item[3] for item in modules],
+            [v for item in modules for v in item[4:]],
+        )
         self._others = [item for item in items if item[0] not in (_META, _MODULE)]
 
     def hold(self) -> bool:
+        # Tensors, then modules, each in a few passes of C-level iteration (map, ==).
         refs, metas = self._meta
         tensors = [ref() for ref in refs]
         if any(t is None for t in tensors) or list(map(_meta_of, tensors)) != metas:
             return False
-        for ref, cls, *versions in self._modules:
-            m = ref()
-            if m is None or type(m) is not cls:
-                return False
-            d = m.__dict__
-            if _version(d) != versions[0] or [
-                _version(d[name]) for name in _MODULE_DICTS
-            ] != versions[1:]:
-                return False
+        refs, classes, versions, inner = self._modules
+        modules = [ref() for ref in refs]
+        if None in modules or list(map(type, modules)) != classes:
+            return False
+        dicts = list(map(_dict_of, modules))
+        if list(map(_dict_version, dicts)) != versions:
+            return False
+        nested = itertools.chain.from_iterable(map(_module_dicts, dicts))
+        if list(map(_dict_version, nested)) != inner:
+            return False
         return all(map(_object_holds, self._others))
 
 
+_dict_of = operator.attrgetter("__dict__")
+_module_dicts = operator.itemgetter(*_MODULE_DICTS)
 _meta_of = operator.attrgetter("shape", "dtype", "device")
 
 
