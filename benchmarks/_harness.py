@@ -124,3 +124,24 @@ def interleaved_best_times(
         for name, fn in fns.items():
             best[name] = min(best[name], best_time(fn, repeat=1, warmup=0, min_time=min_time))
     return best
+
+
+ESTIMATOR_BUDGET = 24
+
+
+def cost_rows(framework: str, times: dict[str, dict[str, float]]) -> list[Result]:
+    """Hutch++ and XTrace against Hutchinson at the same number of matvecs (their linear
+    algebra per sample should cost a small fraction of the passes)."""
+    return [
+        Result(
+            "E1",
+            f"{case}, {ESTIMATOR_BUDGET} matvecs per sample ({framework})",
+            method,
+            "hutchinson (same matvecs)",
+            t[method],
+            t["hutchinson"],
+            target=1.5,
+        )
+        for case, t in times.items()
+        for method in ("hutch++", "xtrace")
+    ]

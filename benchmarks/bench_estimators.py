@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax
-from _harness import Result, best_time
+from _harness import ESTIMATOR_BUDGET, Result, best_time, cost_rows, interleaved_best_times
 from divjac.jax import divergence
 from divjac.models import jax as models
 
@@ -113,7 +113,28 @@ def run(quick: bool) -> list[Result]:
             "one batched jax.jvp", t_est, t_jvp, target=1.2,
         )
     )  # fmt: skip
+    results += cost_rows("JAX", _jax_costs(quick))
     return results
+
+
+def _jax_costs(quick: bool) -> dict[str, dict[str, float]]:
+    cases = {
+        "CNN 3x3 16ch [8,32,32,3], n=3072": (
+            models.cnn,
+            models.init_cnn(jax.random.key(11), channels=16, layers=3),
+        ),
+        "U-Net 8ch [8,32,32,3], n=3072": (models.unet, models.init_unet(jax.random.key(12))),
+    }
+    x = jax.random.normal(jax.random.key(13), (8, 32, 32, 3))
+    key = jax.random.key(14)
+    times = {}
+    for case, (f, params) in cases.items():
+        fns = {}
+        for method in ("hutchinson", "hutch++", "xtrace"):
+            div = jax.jit(divergence(f, 1, method=method, num_probes=ESTIMATOR_BUDGET))
+            fns[method] = lambda div=div, params=params: div(key, params, x)
+        times[case] = interleaved_best_times(fns, repeat=3 if quick else 7, min_time=0.0)
+    return times
 
 
 if __name__ == "__main__":

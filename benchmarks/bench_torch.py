@@ -17,7 +17,7 @@ from __future__ import annotations
 from torch.func import jacfwd, jacrev, vmap
 
 import torch
-from _harness import Result, best_time, interleaved_best_times
+from _harness import ESTIMATOR_BUDGET, Result, best_time, cost_rows, interleaved_best_times
 from divjac.models import torch as models
 from divjac.torch import divergence, jacobian, sparsity
 
@@ -29,7 +29,27 @@ def run(quick: bool) -> list[Result]:
             results += _mlp_case(d, repeat=3 if quick else 7)
         results += _cnn_case(quick)
         results += _blur_case(repeat=2 if quick else 5)
+        results += cost_rows("torch", _estimator_costs(quick))
     return results
+
+
+def _estimator_costs(quick: bool) -> dict[str, dict[str, float]]:
+    """Hutch++ and XTrace against Hutchinson at the same matvecs (see bench_estimators)."""
+    cases = {
+        "CNN 3x3 16ch [8,3,32,32], n=3072": (models.cnn, models.init_cnn(11, channels=16)),
+        "U-Net 8ch [8,3,32,32], n=3072": (models.unet, models.init_unet(12)),
+    }
+    x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(13))
+    times = {}
+    for case, (f, params) in cases.items():
+        fns = {}
+        for method in ("hutchinson", "hutch++", "xtrace"):
+            div = divergence(f, 1, method=method, num_probes=ESTIMATOR_BUDGET)
+            fns[method] = lambda div=div, params=params: div(
+                torch.Generator().manual_seed(0), params, x
+            )
+        times[case] = interleaved_best_times(fns, repeat=3 if quick else 7, min_time=0.0)
+    return times
 
 
 def _mlp_case(d: int, repeat: int) -> list[Result]:

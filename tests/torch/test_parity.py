@@ -135,3 +135,41 @@ def test_stochastic_estimates_agree_for_the_same_probes():
         )
         np.testing.assert_allclose(got[0], expected[0], rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(got[1], expected[1], rtol=1e-7, atol=1e-12)
+
+
+def test_unet_and_concat_squash_match_their_jax_twins():
+    jp = jmodels.init_unet(jax.random.key(3), channels=4, dtype=jnp.float64)
+    tp = {name: tmodels.cnn_params_from_jax([jp[name]])[0] for name in jp if name != "global"}
+    tp["global"] = torch.tensor(np.asarray(jp["global"]))
+    x = np.array(jax.random.normal(jax.random.key(4), (2, 8, 8, 3), jnp.float64))
+    y_jax = np.asarray(jmodels.unet(jp, jnp.asarray(x)))
+    y_torch = tmodels.unet(tp, torch.as_tensor(x.transpose(0, 3, 1, 2))).numpy()
+    np.testing.assert_allclose(y_torch.transpose(0, 2, 3, 1), y_jax, rtol=1e-12, atol=1e-14)
+
+    net = tmodels.ConcatSquashODE(3, hidden=(5, 5)).double()
+    layers = [
+        {
+            "w": layer.layer.weight.detach().numpy().T,
+            "b": layer.layer.bias.detach().numpy(),
+            "gate_w": layer.gate.weight.detach().numpy().T,
+            "gate_b": layer.gate.bias.detach().numpy(),
+            "shift_w": layer.shift.weight.detach().numpy().T,
+        }
+        for layer in net.layers
+    ]
+    xs = np.array(jax.random.normal(jax.random.key(5), (4, 3), jnp.float64))
+    t = 0.4
+    np.testing.assert_allclose(
+        net(torch.tensor(t, dtype=torch.float64), torch.as_tensor(xs)).detach().numpy(),
+        np.asarray(jmodels.concat_squash(layers, jnp.float64(t), jnp.asarray(xs))),
+        rtol=1e-12,
+    )
+    np.testing.assert_allclose(
+        dt.divergence(net, 1)(torch.tensor(t, dtype=torch.float64), torch.as_tensor(xs))
+        .detach()
+        .numpy(),
+        np.asarray(
+            dj.divergence(jmodels.concat_squash, 2)(layers, jnp.float64(t), jnp.asarray(xs))
+        ),
+        rtol=1e-10,
+    )

@@ -33,8 +33,10 @@ __all__ = [
     "init_cnn",
     "init_mlp",
     "init_mlp_xt",
+    "init_unet",
     "mlp",
     "mlp_xt",
+    "unet",
 ]
 
 Params = list[tuple[torch.Tensor, torch.Tensor]]
@@ -104,6 +106,53 @@ def cnn(params: Params, x: torch.Tensor) -> torch.Tensor:
         if i < len(params) - 1:
             x = torch.tanh(x)
     return x
+
+
+def init_unet(
+    seed: int | torch.Generator,
+    *,
+    channels: int = 8,
+    in_channels: int = 3,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Any]:
+    """Weights of :func:`unet` (3x3 ``OIHW`` kernels and biases, the global dense layer)."""
+    gen = _generator(seed)
+    c = channels
+    shapes = {
+        "enc1": (in_channels, c),
+        "enc2": (c, 2 * c),
+        "mid": (2 * c, 2 * c),
+        "dec2": (4 * c, c),
+        "dec1": (2 * c, in_channels),
+    }
+    params: dict[str, Any] = {}
+    for name, (c_in, c_out) in shapes.items():
+        w = torch.randn(c_out, c_in, 3, 3, generator=gen, dtype=dtype) / math.sqrt(9 * c_in)
+        params[name] = (w, 0.1 * torch.randn(c_out, generator=gen, dtype=dtype))
+    params["global"] = (
+        0.1 * torch.randn(2 * c, 2 * c, generator=gen, dtype=dtype) / math.sqrt(2 * c)
+    )
+    return params
+
+
+def unet(params: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+    """The U-Net of :func:`divjac.models.jax.unet` on ``[k, C, H, W]`` (H, W divisible by 4):
+    two average-pool downsamplings, a global-context branch, nearest upsampling with skips."""
+
+    def conv(name: str, h: torch.Tensor) -> torch.Tensor:
+        w, b = params[name]
+        return F.conv2d(h, w, b, padding=1)
+
+    def up(h: torch.Tensor) -> torch.Tensor:
+        return h.repeat_interleave(2, dim=2).repeat_interleave(2, dim=3)
+
+    e1 = torch.tanh(conv("enc1", x))
+    e2 = torch.tanh(conv("enc2", F.avg_pool2d(e1, 2)))
+    m = torch.tanh(conv("mid", F.avg_pool2d(e2, 2)))
+    context = torch.tanh(m.mean(dim=(2, 3)) @ params["global"])
+    m = m + context[:, :, None, None]
+    d2 = torch.tanh(conv("dec2", torch.cat([up(m), e2], dim=1)))
+    return conv("dec1", torch.cat([up(d2), e1], dim=1))
 
 
 def gaussian_kernel(
