@@ -150,10 +150,6 @@ class Backend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def stacked_seeds(self, seeds: Array) -> tuple[Array, Seed]:
-        """The passes' inputs and seed for the given seeds, stacked on the first axis."""
-
-    @abc.abstractmethod
     def arange(self, n: int, like: Array) -> Array:
         """``0 .. n-1`` (on the device of ``like``)."""
 

@@ -229,6 +229,11 @@ def _pushed(c: Array, t: Array, pushed: Array) -> Array:
     return pushed
 
 
+def _itself(seed: Array) -> Array:
+    """The seed of a pass whose input is its seed (stacked probes)."""
+    return seed
+
+
 def _compressed(call: Call, the_plan: plan.Plan, chunk_size: int | None) -> tuple[Array, Any]:
     """The passes of a plan, each ``J_b S_c`` (or ``S_c^T J_b``) flattened to ``(B, m)``.
 
@@ -485,8 +490,7 @@ def _probe_terms(call: Call, linear: Linear, columns: Array, chunk_size: int | N
     def dot(c: Array, t: Array, pushed: Array) -> Array:
         return (pushed * t).sum(sample_axes)
 
-    inputs, seed = call.backend.stacked_seeds(columns)
-    return linear.passes(inputs, seed, dot, call.chunk(k, chunk_size), shared=False)
+    return linear.passes(columns, _itself, dot, call.chunk(k, chunk_size), shared=False)
 
 
 def _batched_matvec(call: Call, linear: Linear, chunk_size: int | None) -> Callable[[Array], Array]:
@@ -497,8 +501,7 @@ def _batched_matvec(call: Call, linear: Linear, chunk_size: int | None) -> Calla
     def matvec(V: Array) -> Array:
         k = V.shape[-1]
         columns = backend.moveaxis(V, -1, 0).reshape(k, B, *shape)
-        inputs, seed = backend.stacked_seeds(columns)
-        out = linear.passes(inputs, seed, _pushed, call.chunk(k, chunk_size), shared=False)
+        out = linear.passes(columns, _itself, _pushed, call.chunk(k, chunk_size), shared=False)
         return backend.moveaxis(out.reshape(k, B, n), 0, -1)
 
     return matvec

@@ -14,6 +14,7 @@ import numpy as np
 
 from .._errors import MissingKeyError, NumProbesError
 from . import coloring
+from .detection import LRU
 from .pattern import SparsityPattern
 
 __all__ = [
@@ -83,6 +84,31 @@ def probing_plan(
         the true pattern (probing is then exact), and the number of repetitions (random sign
         vectors) that fit the budget.
     """
+    key = (id(pattern), tuple(in_sample), num_probes, probing_distance, need_stderr)
+    cached = _PLANS.get(key)
+    if cached is not None and cached[0] is pattern:
+        return cached[1]
+    plan = _probing_plan(pattern, in_sample, num_probes, probing_distance, need_stderr)
+    _PLANS.put(key, (pattern, plan))
+    return plan
+
+
+# Recent probing plans (colorings cost more than the passes), by pattern identity and options.
+_PLANS: LRU[tuple[SparsityPattern | None, tuple[np.ndarray, bool, int]]] = LRU(16)
+
+
+def clear_plans() -> None:
+    """Drop the cached probing plans."""
+    _PLANS.clear()
+
+
+def _probing_plan(
+    pattern: SparsityPattern | None,
+    in_sample: Sequence[int],
+    num_probes: int | None,
+    probing_distance: coloring.Distance | None,
+    need_stderr: bool,
+) -> tuple[np.ndarray, bool, int]:
     budget = num_probes or DEFAULT_NUM_PROBES["probing"]
     if probing_distance is None and pattern is not None and pattern.n_diagonal_colors <= budget:
         return pattern.diagonal_colors, True, 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 from .. import _transforms as T
+from .._core import stochastic
 from . import _detect
 from ._backend import BACKEND
 
@@ -99,3 +100,4 @@ def clear_caches() -> None:
     Use it to free memory, or to time a first call.
     """
     _detect.CACHE.clear()
+    stochastic.clear_plans()

@@ -143,11 +143,6 @@ class JaxBackend(Backend):
         labels = jnp.asarray(colors)
         return jnp.arange(n_passes), lambda c: (labels == c).astype(dtype)
 
-    def stacked_seeds(self, seeds: jax.Array) -> tuple[jax.Array, Seed]:
-        """Maps over indices, gathering each seed inside its pass (mapping over the seeds
-        themselves makes XLA's CPU backend stall on large vmapped batches of them)."""
-        return jnp.arange(seeds.shape[0]), lambda i: seeds[i]
-
     def arange(self, n: int, like: Array) -> jax.Array:
         return jnp.arange(n)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 from .. import _transforms as T
+from .._core import stochastic
 from . import _detect
 from ._backend import BACKEND
 
@@ -105,3 +106,5 @@ def clear_caches() -> None:
     Use it to free memory, or to time a first call.
     """
     _detect.CACHE.clear()
+    _detect.clear_memos()
+    stochastic.clear_plans()

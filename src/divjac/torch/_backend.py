@@ -379,9 +379,6 @@ class TorchBackend(Backend):
         _SEEDS.put(key, (colors, inputs, indicator))
         return inputs, indicator
 
-    def stacked_seeds(self, seeds: torch.Tensor) -> tuple[torch.Tensor, Seed]:
-        return seeds, _identity
-
     def arange(self, n: int, like: torch.Tensor) -> torch.Tensor:
         return torch.arange(n, device=like.device)
 

@@ -472,6 +472,11 @@ _MEMOS: weakref.WeakKeyDictionary[Any, _Memo] = weakref.WeakKeyDictionary()
 _NO_MEMO = object()  # a function without memo: not weakly referenceable, or unhashable
 
 
+def clear_memos() -> None:
+    """Forget the memos (the next call of each function walks what it reaches)."""
+    _MEMOS.clear()
+
+
 def _memo_of(fun: Any) -> Any:
     """The memo of ``fun``: a :class:`_Memo`, ``None`` (none yet), or :data:`_NO_MEMO`."""
     try:
