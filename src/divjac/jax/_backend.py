@@ -64,6 +64,8 @@ class _Linearized(Linear):
             t = seed(c)
             return finish(c, t, push(t))
 
+        if inputs.shape[0] == 1:  # one pass (a CNF's single probe): no batch axis to add
+            return pass_fn(inputs[0])[None]
         if chunk >= inputs.shape[0]:
             return jax.vmap(pass_fn)(inputs)
         return lax.map(pass_fn, inputs, batch_size=chunk)
