@@ -11,6 +11,8 @@ from jax.scipy.signal import convolve2d
 
 import jax
 
+from . import unet_layers
+
 __all__ = [
     "blur",
     "cnn",
@@ -103,13 +105,7 @@ def init_unet(
 ) -> dict[str, Any]:
     """Weights of :func:`unet` (3x3 HWIO kernels and biases)."""
     c = channels
-    shapes = {
-        "enc1": (in_channels, c),
-        "enc2": (c, 2 * c),
-        "mid": (2 * c, 2 * c),
-        "dec2": (4 * c, c),
-        "dec1": (2 * c, in_channels),
-    }
+    shapes = unet_layers(channels, in_channels)
     keys = jax.random.split(key, len(shapes) + 1)
     params: dict[str, Any] = {}
     for k, (name, (c_in, c_out)) in zip(keys, shapes.items(), strict=False):

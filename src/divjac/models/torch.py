@@ -20,6 +20,8 @@ import torch.nn.functional as F
 import torch
 from torch import nn
 
+from . import unet_layers
+
 __all__ = [
     "CNN",
     "MLP",
@@ -118,13 +120,7 @@ def init_unet(
     """Weights of :func:`unet` (3x3 ``OIHW`` kernels and biases, the global dense layer)."""
     gen = _generator(seed)
     c = channels
-    shapes = {
-        "enc1": (in_channels, c),
-        "enc2": (c, 2 * c),
-        "mid": (2 * c, 2 * c),
-        "dec2": (4 * c, c),
-        "dec1": (2 * c, in_channels),
-    }
+    shapes = unet_layers(channels, in_channels)
     params: dict[str, Any] = {}
     for name, (c_in, c_out) in shapes.items():
         w = torch.randn(c_out, c_in, 3, 3, generator=gen, dtype=dtype) / math.sqrt(9 * c_in)
