@@ -336,3 +336,29 @@ def test_cnf_training_through_odeint_adjoint_matches_ffjords_code(method):
         torch.testing.assert_close(loss, ref_loss)
         for got, ref in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-9)
+
+
+class _AllEqual:
+    """A callable equal to every other one of its class (hashing alike): a memo must still
+    tell two of them apart."""
+
+    def __init__(self, shift):
+        self.shift = shift
+
+    def __eq__(self, other):
+        return isinstance(other, _AllEqual)
+
+    def __hash__(self):
+        return 0
+
+    def __call__(self, x):
+        return _elementwise_or_mixed(torch.sin(x), x, self.shift)
+
+
+def test_an_equal_but_other_function_does_not_take_the_memo():
+    x = _randn(3, 5)
+    a, b = _AllEqual(None), _AllEqual(1)
+    div = divergence(a, method="sparse")
+    _sparse_ok(div, a, x)
+    _sparse_ok(div, a, x)
+    _sparse_ok(divergence(b, method="sparse"), b, x)

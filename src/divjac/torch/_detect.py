@@ -352,7 +352,7 @@ def trace(
     options = (x_leaf, batch_axis, has_aux)
     memo = _memo_of(fun)
     call = _call_of(options, leaves, dynamic, treedef)
-    if memo is not None and (found := memo.reuse(call)) is not None:
+    if isinstance(memo, _Memo) and (found := memo.reuse(fun, call)) is not None:
         return found
     static = [leaf for leaf, d in zip(leaves, dynamic, strict=True) if not d]
     reached = reach(fun, static, record=memo is not _NO_MEMO)
@@ -447,16 +447,18 @@ class _Memo:
     the same (shapes, dtypes and devices; the other arguments equal), the grad mode is the
     same, and :class:`~divjac.torch._reach.Checks` hold."""
 
+    fun: weakref.ref[Any]
     call: tuple[Any, ...]
     grad: bool
     checks: Checks
     key: _Key
     traced: weakref.ref[Traced]
 
-    def reuse(self, call: tuple[Any, ...]) -> Traced | None:
+    def reuse(self, fun: Any, call: tuple[Any, ...]) -> Traced | None:
         traced = self.traced()
         if (
             traced is None
+            or self.fun() is not fun  # an equal function is not the same one
             or self.grad is not torch.is_grad_enabled()
             or call != self.call
             or not self.checks.hold()
@@ -505,8 +507,15 @@ def _remember(
 ) -> None:
     if reached.checks is None or key is None:
         return
-    memo = _Memo(call, torch.is_grad_enabled(), reached.checks, key, weakref.ref(traced))
     with contextlib.suppress(TypeError):
+        memo = _Memo(
+            weakref.ref(fun),
+            call,
+            torch.is_grad_enabled(),
+            reached.checks,
+            key,
+            weakref.ref(traced),
+        )
         _MEMOS[fun] = memo
 
 
