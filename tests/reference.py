@@ -22,15 +22,17 @@ def jax_diagonal_blocks(
     import jax
 
     x = jnp.moveaxis(args[argnum], batch_axis, 0)
+    blocks = []
+    for b in range(x.shape[0]):
 
-    def sample_out(xb: Any, b: Any) -> Any:
-        full = jnp.moveaxis(x.at[b].set(xb), 0, batch_axis)
-        call = list(args)
-        call[argnum] = full
-        return jnp.moveaxis(f(*call), batch_axis, 0)[b]
+        def sample_out(xb: Any, b: int = b) -> Any:
+            full = jnp.moveaxis(x.at[b].set(xb), 0, batch_axis)
+            call = list(args)
+            call[argnum] = full
+            return jnp.moveaxis(f(*call), batch_axis, 0)[b]
 
-    block = jax.jit(jax.jacfwd(sample_out))  # one compilation for every sample b
-    return np.stack([np.asarray(block(x[b], b)) for b in range(x.shape[0])])
+        blocks.append(np.asarray(jax.jacfwd(sample_out)(x[b])))
+    return np.stack(blocks)
 
 
 def traces(blocks: np.ndarray, sample_shape: tuple[int, ...]) -> np.ndarray:
