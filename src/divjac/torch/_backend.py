@@ -179,10 +179,10 @@ class _Tape(Linear):
             )
         return x, y, create
 
-    def _pull(self, cotangent: torch.Tensor) -> torch.Tensor:
-        if self._tape is None:
-            raise AssertionError("divjac: the tape is recorded before its passes")
-        x, y, create = self._tape
+    def _pull(
+        self, tape: tuple[torch.Tensor, torch.Tensor, bool], cotangent: torch.Tensor
+    ) -> torch.Tensor:
+        x, y, create = tape
         if not y.requires_grad:  # the output depends on neither x nor parameters
             return x.new_zeros(x.shape)
         if cotangent.dtype != y.dtype:
@@ -205,13 +205,14 @@ class _Tape(Linear):
 
         def one(c: torch.Tensor) -> torch.Tensor:
             t = seed(c)
-            return finish(c, t, self._pull(t.expand(B, *t.shape) if shared else t))
+            return finish(c, t, self._pull(tape, t.expand(B, *t.shape) if shared else t))
 
         traced = self._traced
         parts: list[torch.Tensor] = []
         with traced.running_stats(), _differentiable_kernels(traced):
             if self._tape is None:
                 self._tape = self._record()
+            tape = self._tape
             n_passes = int(inputs.shape[0])
             for lo in range(0, n_passes, chunk):
                 cs = inputs if chunk >= n_passes else inputs[lo : lo + chunk]

@@ -104,10 +104,9 @@ class Checks:
     functions, tensors and objects: a check keeps alive only dicts and lists it met outside
     modules (and classes)."""
 
-    __slots__ = ("_items", "_meta", "_modules", "_others")
+    __slots__ = ("_meta", "_modules", "_others")
 
     def __init__(self, items: list[tuple[Any, ...]]) -> None:
-        self._items = items
         metas = [item for item in items if item[0] == _META]
         self._meta = (tuple(item[1] for item in metas), [item[2:] for item in metas])
         modules = [item for item in items if item[0] == _MODULE]
