@@ -12,6 +12,16 @@ class DivjacError(Exception):
     """Base class of every error raised by divjac."""
 
 
+class InternalError(DivjacError, RuntimeError):
+    """An internal invariant of divjac failed: a bug in divjac, never in the caller's code."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"divjac internal error: {what}. This is a bug in divjac, not in your code; please "
+            "report it at https://github.com/divjac/divjac/issues with the call that raised it."
+        )
+
+
 class BatchCouplingError(DivjacError, ValueError):
     """The function mixes samples, so per-sample results from the batch trick would be wrong."""
 
