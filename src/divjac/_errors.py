@@ -35,7 +35,7 @@ class BatchSizeMismatchError(DivjacError, ValueError):
 
 
 class InputDtypeError(DivjacError, TypeError):
-    """The differentiated input (or the output) does not have a real floating dtype."""
+    """The differentiated input, the output or the probes do not have a real floating dtype."""
 
 
 class ArgnumsError(DivjacError, ValueError):
@@ -48,6 +48,20 @@ class BatchAxisError(DivjacError, ValueError):
 
 class OutputError(DivjacError, TypeError):
     """The function's output is not what the transform needs (an array, a scalar per sample, ...)."""
+
+
+class OptionError(DivjacError, ValueError):
+    """An option of a transform (``mode``, ``method``, ``coupling``, ``chunk_size``, ...) has a
+    value divjac does not accept."""
+
+
+class PatternError(DivjacError, ValueError):
+    """A sparsity pattern, a coloring or a probing distance does not fit: wrong shape, negative
+    or missing colors, an unknown vertex order."""
+
+
+class PatternTypeError(DivjacError, TypeError):
+    """A sparsity pattern is not a scipy sparse matrix, or colors do not hold integers."""
 
 
 class NumProbesError(DivjacError, ValueError):

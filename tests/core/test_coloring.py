@@ -11,8 +11,9 @@ import scipy.sparse as sp
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from divjac import NonSquareJacobianError
+from divjac import NonSquareJacobianError, NumProbesError
 from divjac._core import coloring as col
+from divjac._errors import DivjacError, PatternError, PatternTypeError
 
 FORMATS = ("csr_array", "csr_matrix", "csc", "coo", "lil")
 
@@ -211,12 +212,14 @@ def test_as_pattern_does_not_modify_input_and_rejects_dense() -> None:
     col.as_pattern(p)
     assert p.nnz == 2
     np.testing.assert_array_equal(p.indices, [1, 0])
-    with pytest.raises(TypeError, match="scipy sparse"):
+    with pytest.raises(PatternTypeError, match="scipy sparse") as info:
         col.as_pattern(np.ones((2, 2)))
-    with pytest.raises(ValueError, match="2-D"):
+    assert isinstance(info.value, DivjacError) and isinstance(info.value, TypeError)
+    with pytest.raises(PatternError, match="2-D") as error:
         col.as_pattern(sp.coo_array(np.ones(3)))
-    with pytest.raises(ValueError, match="1-D"):
-        col.seed_matrix(np.zeros((2, 2), dtype=np.int64))
+    assert isinstance(error.value, DivjacError) and isinstance(error.value, ValueError)
+    with pytest.raises(PatternError, match="1-D"):
+        col.is_valid_column_coloring(sp.csr_array(np.ones((2, 2))), np.zeros((2, 2), np.int64))
 
 
 def test_all_formats_give_the_same_colors() -> None:
@@ -328,9 +331,9 @@ def test_greedy_coloring_symmetrises_the_adjacency() -> None:
 def test_greedy_coloring_rejects_bad_orders() -> None:
     p = sp.csr_array(np.ones((3, 3)))
     for order in ([0, 1], [0, 1, 1], [0, 1, 3], [0.0, 1.0, 2.0]):
-        with pytest.raises(ValueError, match="permutation of range"):
+        with pytest.raises(PatternError, match="permutation of range"):
             col.greedy_coloring(p, order)
-    with pytest.raises(ValueError, match="square"):
+    with pytest.raises(PatternError, match="square"):
         col.greedy_coloring(sp.csr_array(np.ones((2, 3))), [0, 1])
 
 
@@ -363,11 +366,11 @@ def test_smallest_last_is_a_degeneracy_order(adj: np.ndarray) -> None:
 
 
 def test_vertex_order_rejects_unknown_names() -> None:
-    with pytest.raises(ValueError, match="unknown vertex order 'random'"):
+    with pytest.raises(PatternError, match="unknown vertex order 'random'"):
         col.vertex_order(sp.csr_array(np.ones((2, 2))), "random")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="orders must be a non-empty"):
+    with pytest.raises(PatternError, match="orders must be a non-empty"):
         col.column_coloring(sp.csr_array(np.ones((2, 2))), orders=())
-    with pytest.raises(ValueError, match="orders must be a non-empty"):
+    with pytest.raises(PatternError, match="orders must be a non-empty"):
         col.diagonal_coloring(sp.csr_array(np.ones((2, 2))), orders=("natural", "bogus"))  # type: ignore[arg-type]
 
 
@@ -525,9 +528,9 @@ def test_validity_checks_reject_invalid_colorings() -> None:
     assert col.is_valid_diagonal_coloring(p, [0, 1, 0])
     assert not col.is_valid_diagonal_coloring(p, [0, 0, 1])
     assert not col.is_valid_diagonal_coloring(p, [0, 1, 1])  # (1, 2) conflicts
-    with pytest.raises(ValueError, match="length 3"):
+    with pytest.raises(PatternError, match="length 3"):
         col.is_valid_column_coloring(p, [0, 1])
-    with pytest.raises(ValueError, match="integers"):
+    with pytest.raises(PatternTypeError, match="integers"):
         col.is_valid_row_coloring(p, [0.0, 1.0, 0.0])
 
 
@@ -621,11 +624,15 @@ def test_distance_beyond_the_grid_keeps_the_full_pattern() -> None:
         )
     assert col.lattice_pattern((3, 4), 3).nnz == 144
     with pytest.raises(
-        ValueError, match=r"n = prod\(shape\) = 15 for shape \(3, 5\), got \(12, 12\)"
+        PatternError, match=r"n = prod\(shape\) = 15 for shape \(3, 5\), got \(12, 12\)"
     ):
         col.restrict_to_distance(sp.csr_array(mask), (3, 5), 1)
-    with pytest.raises(ValueError, match="non-negative integer"):
+    with pytest.raises(PatternError, match="non-negative integer"):
         col.lattice_pattern((3, 4), -1)
+    with pytest.raises(PatternError, match="non-negative sizes"):
+        col.lattice_pattern((3, -4), 1)
+    with pytest.raises(PatternError, match=r"distance has 1 entries but the shape \(3, 4\)"):
+        col.lattice_pattern((3, 4), (1,))
 
 
 @pytest.mark.parametrize("shape", [(6,), (5, 4), (4, 3, 2), (8, 8), (7, 5, 3)])
@@ -707,9 +714,9 @@ def test_probing_respects_max_colors_on_random_patterns(
 
 
 def test_probing_rejects_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="max_colors must be a positive integer"):
+    with pytest.raises(NumProbesError, match="max_colors must be a positive integer"):
         col.probing_coloring(None, (4, 4), max_colors=0)
-    with pytest.raises(ValueError, match="prod"):
+    with pytest.raises(PatternError, match="prod"):
         col.probing_coloring(sp.csr_array(np.ones((3, 3))), (4, 4), max_colors=3)
     colors, d = col.probing_coloring(None, (0, 3), max_colors=3)
     assert colors.shape == (0,)

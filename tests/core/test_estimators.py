@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 
 from divjac._core import estimators as est
-from divjac._errors import DivjacError, NumProbesError
+from divjac._errors import (
+    DivjacError,
+    InputDtypeError,
+    InternalError,
+    NumProbesError,
+    OptionError,
+    PatternError,
+    PatternTypeError,
+)
 
 B = 3  # samples per batch
 REPS = 2000  # independent repetitions in the statistical tests
@@ -169,9 +177,9 @@ def test_num_random_vectors_rejects_sketch_larger_than_n(method: str, num_probes
 
 
 def test_num_random_vectors_rejects_bad_method_and_n() -> None:
-    with pytest.raises(ValueError, match=r"method='hutch' is not a stochastic .* 'hutch\+\+'"):
+    with pytest.raises(OptionError, match=r"method='hutch' is not a stochastic .* 'hutch\+\+'"):
         est.num_random_vectors("hutch", 3, 10)
-    with pytest.raises(ValueError, match="n=0 must be a positive integer"):
+    with pytest.raises(InternalError, match="n=0 must be a positive integer"):
         est.num_random_vectors("hutchinson", 3, 0)
 
 
@@ -205,15 +213,17 @@ def test_sphere_probes_are_isotropic() -> None:
 def test_normalize_probes_rejects_bad_input() -> None:
     raw = np.ones((2, 3, 4))
     with pytest.raises(
-        ValueError,
+        OptionError,
         match=r"distribution='normal' is not a probe distribution: "
         r"use one of 'rademacher', 'gaussian', 'sphere'",
-    ):
+    ) as info:
         est.normalize_probes(raw, "normal")
-    with pytest.raises(ValueError, match=r"raw must have shape \(B, n, k\)"):
+    assert isinstance(info.value, DivjacError) and isinstance(info.value, ValueError)
+    with pytest.raises(NumProbesError, match=r"raw must have shape \(B, n, k\)"):
         est.normalize_probes(np.ones((3, 4)), "sphere")
-    with pytest.raises(TypeError, match="real floating dtype"):
+    with pytest.raises(InputDtypeError, match="real floating dtype") as error:
         est.normalize_probes(np.ones((2, 3, 4), dtype=np.int64), "rademacher")
+    assert isinstance(error.value, DivjacError) and isinstance(error.value, TypeError)
 
 
 # --------------------------------------------------------------------------------------------
@@ -572,15 +582,15 @@ def test_probe_matrix_layout() -> None:
 
 def test_probe_matrix_rejects_bad_colors() -> None:
     signs = np.ones((B, 4, 2))
-    with pytest.raises(ValueError, match=r"colors must have shape \(n,\) = \(4,\)"):
+    with pytest.raises(PatternError, match=r"colors must have shape \(n,\) = \(4,\)"):
         est.probe_matrix(np.zeros(5, dtype=int), signs)
-    with pytest.raises(ValueError, match="nonnegative"):
+    with pytest.raises(PatternError, match="nonnegative"):
         est.probe_matrix(np.array([0, -1, 0, 1]), signs)
-    with pytest.raises(TypeError, match="integers"):
+    with pytest.raises(PatternTypeError, match="integers"):
         est.probe_matrix(np.zeros(4), signs)
-    with pytest.raises(ValueError, match="color 3 but num_colors=2"):
+    with pytest.raises(PatternError, match="color 3 but num_colors=2"):
         est.probe_matrix(np.array([0, 1, 2, 3]), signs, num_colors=2)
-    with pytest.raises(ValueError, match="num_colors=0 must be a positive integer"):
+    with pytest.raises(PatternError, match="num_colors=0 must be a positive integer"):
         est.probe_matrix(np.array([0, 1, 0, 1]), signs, num_colors=0)
 
 
@@ -621,7 +631,7 @@ def test_estimate_trace_dispatch_spends_the_budget(method: str) -> None:
     assert sum(matvec.calls) == budget
     assert len(matvec.calls) <= 2
     assert estimate.shape == stderr.shape == (B,)
-    with pytest.raises(ValueError, match="method='exact' is not a stochastic"):
+    with pytest.raises(OptionError, match="method='exact' is not a stochastic"):
         est.estimate_trace("exact", matvec, probes)
 
 
@@ -643,12 +653,14 @@ def test_rejects_bad_probe_counts() -> None:
 
 def test_rejects_bad_probes_and_matvec() -> None:
     j = np.zeros((B, 4, 4))
-    with pytest.raises(ValueError, match=r"probes must have shape \(B, n, k\)"):
+    with pytest.raises(NumProbesError, match=r"probes must have shape \(B, n, k\)"):
         est.hutchinson(lambda v: v, np.ones((4, 2)))
-    with pytest.raises(TypeError, match="probes must have a real floating dtype"):
+    with pytest.raises(InputDtypeError, match="probes must have a real floating dtype"):
         est.hutchinson(lambda v: v, np.ones((B, 4, 2), dtype=np.int32))
-    with pytest.raises(ValueError, match=r"matvec returned shape \(3, 4\) for columns of shape"):
+    with pytest.raises(InternalError, match=r"matvec returned shape \(3, 4\) for columns of shape"):
         est.hutchinson(lambda v: (j @ v)[..., 0], np.ones((B, 4, 2)))
+    with pytest.raises(InternalError, match="single term needs its image"):
+        est.hutchinson_from_terms(np.ones((1, B)))
 
 
 @pytest.mark.parametrize("method", [*est.METHODS, "probing"])

@@ -15,6 +15,7 @@ from .._errors import (
     BatchSizeMismatchError,
     InputDtypeError,
     NonSquareJacobianError,
+    OptionError,
     OutputError,
 )
 from .pattern import Coupling
@@ -120,14 +121,17 @@ def check_square(in_sample: Sequence[int], out_sample: Sequence[int], *, fname: 
 
 
 def check_choice(name: str, value: object, options: Sequence[str], *, fname: str) -> None:
-    """Raise ``ValueError`` unless ``value`` is one of ``options`` (a mode, a method, ...)."""
+    """Raise :class:`OptionError` unless ``value`` is one of ``options`` (a mode, a method, ...)."""
     if value not in options:
-        raise ValueError(f"{fname}: {name} must be one of {tuple(options)}; got {value!r}.")
+        raise OptionError(f"{fname}: {name} must be one of {tuple(options)}; got {value!r}.")
 
 
 def check_coupling_option(coupling: str, *, fname: str) -> None:
+    """Raise :class:`OptionError` unless ``coupling`` is ``"raise"`` or ``"exact"``."""
     if coupling not in _COUPLING_OPTIONS:
-        raise ValueError(f"{fname}: coupling must be one of {_COUPLING_OPTIONS}; got {coupling!r}.")
+        raise OptionError(
+            f"{fname}: coupling must be one of {_COUPLING_OPTIONS}; got {coupling!r}."
+        )
 
 
 def coupling_error(

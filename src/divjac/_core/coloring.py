@@ -31,7 +31,13 @@ import numpy as np
 import scipy.sparse as sp
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
-from .._errors import NonSquareJacobianError
+from .._errors import (
+    InternalError,
+    NonSquareJacobianError,
+    NumProbesError,
+    PatternError,
+    PatternTypeError,
+)
 
 __all__ = [
     "MAX_CONFLICT_PAIRS",
@@ -102,8 +108,8 @@ def as_pattern(pattern: SparseLike) -> sp.csr_array:
         A ``scipy.sparse.csr_array`` of dtype ``bool`` with the same shape.
 
     Raises:
-        TypeError: if ``pattern`` is not a scipy sparse matrix or array.
-        ValueError: if ``pattern`` is not 2-D.
+        PatternTypeError: if ``pattern`` is not a scipy sparse matrix or array.
+        PatternError: if ``pattern`` is not 2-D.
 
     Example:
         >>> import scipy.sparse as sp
@@ -113,12 +119,12 @@ def as_pattern(pattern: SparseLike) -> sp.csr_array:
                [False,  True]])
     """
     if not sp.issparse(pattern):
-        raise TypeError(
+        raise PatternTypeError(
             f"pattern must be a scipy sparse matrix or array, got {type(pattern).__name__}; "
             "wrap a dense array with scipy.sparse.csr_array(...)."
         )
     if len(pattern.shape) != 2:
-        raise ValueError(f"pattern must be 2-D (n_out, n_in), got shape {pattern.shape}.")
+        raise PatternError(f"pattern must be 2-D (n_out, n_in), got shape {pattern.shape}.")
     out = sp.csr_array(pattern)
     out = out.astype(bool) if out.dtype != np.bool_ else out.copy()
     out.sum_duplicates()
@@ -131,20 +137,20 @@ def _as_colors(colors: ArrayLike, n: int | None, what: str) -> IntArray:
     arr = np.asarray(colors)
     if arr.ndim != 1 or (n is not None and arr.shape[0] != n):
         length = "" if n is None else f" of length {n}"
-        raise ValueError(f"{what} must be a 1-D array{length}, got shape {arr.shape}.")
+        raise PatternError(f"{what} must be a 1-D array{length}, got shape {arr.shape}.")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{what} must hold integers, got dtype {arr.dtype}.")
+        raise PatternTypeError(f"{what} must hold integers, got dtype {arr.dtype}.")
     return arr.astype(np.int64, copy=False)
 
 
 def _n_colors(colors: IntArray, n_colors: int | None) -> int:
     needed = int(colors.max()) + 1 if colors.size else 0
     if colors.size and int(colors.min()) < 0:
-        raise ValueError(f"colors must be non-negative, got a minimum of {int(colors.min())}.")
+        raise PatternError(f"colors must be non-negative, got a minimum of {int(colors.min())}.")
     if n_colors is None:
         return needed
     if n_colors < needed:
-        raise ValueError(
+        raise PatternError(
             f"n_colors={n_colors} is smaller than the number of colors used ({needed}); "
             "pass n_colors=None to use max(colors) + 1."
         )
@@ -154,7 +160,7 @@ def _n_colors(colors: IntArray, n_colors: int | None) -> int:
 def _check_orders(orders: Sequence[str]) -> tuple[OrderName, ...]:
     names = (orders,) if isinstance(orders, str) else tuple(orders)
     if not names or any(o not in _ORDER_NAMES for o in names):
-        raise ValueError(
+        raise PatternError(
             f"orders must be a non-empty sequence of names from {ORDERS}, got {orders!r}."
         )
     return cast("tuple[OrderName, ...]", names)
@@ -168,7 +174,7 @@ def _row_ids(indptr: NDArray[np.integer], n_rows: int) -> IntArray:
 def _symmetric_graph(adjacency: SparseLike) -> sp.csr_array:
     a = as_pattern(adjacency)
     if a.shape[0] != a.shape[1]:
-        raise ValueError(f"adjacency must be square, got shape {a.shape}.")
+        raise PatternError(f"adjacency must be square, got shape {a.shape}.")
     return as_pattern(a + a.T)
 
 
@@ -245,7 +251,7 @@ def _order(graph: sp.csr_array, name: str, degrees: IntArray | None = None) -> I
         return np.argsort(-degrees, kind="stable").astype(np.int64)
     if name == "smallest_last":
         return _smallest_last(graph.indptr, graph.indices, degrees)
-    raise ValueError(f"unknown vertex order {name!r}; choose one of {ORDERS}.")
+    raise InternalError(f"vertex order {name!r} reached _order unchecked")
 
 
 def vertex_order(adjacency: SparseLike, name: OrderName) -> IntArray:
@@ -269,7 +275,7 @@ def vertex_order(adjacency: SparseLike, name: OrderName) -> IntArray:
         A permutation of ``range(n)`` as an int64 array.
 
     Raises:
-        ValueError: if ``adjacency`` is not square or ``name`` is unknown.
+        PatternError: if ``adjacency`` is not square or ``name`` is unknown.
 
     Example:
         >>> import scipy.sparse as sp
@@ -278,7 +284,7 @@ def vertex_order(adjacency: SparseLike, name: OrderName) -> IntArray:
         array([3, 0, 1, 2])
     """
     if name not in _ORDER_NAMES:
-        raise ValueError(f"unknown vertex order {name!r}; choose one of {ORDERS}.")
+        raise PatternError(f"unknown vertex order {name!r}; choose one of {ORDERS}.")
     return _order(_symmetric_graph(adjacency), name)
 
 
@@ -297,7 +303,8 @@ def greedy_coloring(adjacency: SparseLike, order: ArrayLike) -> IntArray:
         int64 array of length ``n``: the color of every vertex.
 
     Raises:
-        ValueError: if ``adjacency`` is not square or ``order`` is not a permutation of ``range(n)``.
+        PatternError: if ``adjacency`` is not square or ``order`` is not a permutation of
+            ``range(n)``.
 
     Example:
         >>> import scipy.sparse as sp
@@ -313,7 +320,7 @@ def greedy_coloring(adjacency: SparseLike, order: ArrayLike) -> IntArray:
         or (n and not np.issubdtype(perm.dtype, np.integer))
         or not np.array_equal(np.sort(perm), np.arange(n))
     ):
-        raise ValueError(
+        raise PatternError(
             f"order must be a permutation of range({n}) (one entry per vertex), got an array of "
             f"shape {perm.shape} and dtype {perm.dtype}."
         )
@@ -356,17 +363,19 @@ def _best_greedy(
     runnable = [
         o for o in orders if o != "smallest_last" or n_edges <= SMALLEST_LAST_MAX_EDGES
     ] or ["natural"]
-    best: IntArray | None = None
-    best_k = 0
-    for name in runnable:
-        colors = _greedy(graph.indptr, graph.indices, _order(graph, name, degrees))
-        k = int(colors.max()) + 1 if colors.size else 0
-        if best is None or k < best_k:
-            best, best_k = colors, k
-        if best_k <= lower_bound:
+    best = _greedy(graph.indptr, graph.indices, _order(graph, runnable[0], degrees))
+    for name in runnable[1:]:
+        if _count(best) <= lower_bound:
             break
-    assert best is not None
+        colors = _greedy(graph.indptr, graph.indices, _order(graph, name, degrees))
+        if _count(colors) < _count(best):
+            best = colors
     return best
+
+
+def _count(colors: IntArray) -> int:
+    """Number of colors of a contiguous coloring."""
+    return int(colors.max()) + 1 if colors.size else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -450,39 +459,39 @@ def _column_coloring_canonical(p: sp.csr_array, orders: tuple[OrderName, ...]) -
     nnz_row = np.diff(distinct.indptr).astype(np.int64)
     lower_bound = int(nnz_row.max())  # every row's columns form a clique
     graph_allowed = int((nnz_row * nnz_row).sum()) <= MAX_CONFLICT_PAIRS
-    graph: sp.csr_array | None = None
-    degrees: IntArray | None = None
+    conflicts: tuple[sp.csr_array, IntArray] | None = None  # the graph P^T P and its degrees
     best: IntArray | None = None
-    best_k = 0
     for name in orders if graph_allowed else ("natural",):
         colors = None
-        if name == "natural" and graph is None:
+        if name == "natural" and conflicts is None:
             colors = _distance2_greedy(distinct, np.arange(n_in, dtype=np.int64))
         if colors is None:
             if not graph_allowed:
                 continue
-            if graph is None:
-                # float32 data: sums of positive counts never cancel to a dropped zero
-                weighted = sp.csr_array(
-                    (np.ones(distinct.nnz, np.float32), distinct.indices, distinct.indptr),
-                    shape=distinct.shape,
-                )
-                graph = sp.csr_array(weighted.T.tocsr() @ weighted)
-                degrees = _degrees(graph)
-            assert degrees is not None
+            if conflicts is None:
+                conflicts = _conflict_graph(distinct)
+            graph, degrees = conflicts
             if name == "smallest_last" and int(degrees.sum()) // 2 > SMALLEST_LAST_MAX_EDGES:
                 continue
             colors = _greedy(graph.indptr, graph.indices, _order(graph, name, degrees))
-        k = int(colors.max()) + 1
-        if best is None or k < best_k:
-            best, best_k = colors, k
-        if best_k <= lower_bound:
+        if best is None or _count(colors) < _count(best):
+            best = colors
+        if _count(best) <= lower_bound:
             break
     if best is None:  # every order was skipped (too large): natural, or trivial without a graph
-        if graph is None:
+        if conflicts is None:
             return np.arange(n_in, dtype=np.int64)
+        graph = conflicts[0]
         best = _greedy(graph.indptr, graph.indices, np.arange(n_in, dtype=np.int64))
     return best
+
+
+def _conflict_graph(p: sp.csr_array) -> tuple[sp.csr_array, IntArray]:
+    """The column conflict graph, the pattern of ``P^T P``, and its degrees."""
+    # float32 data: sums of positive counts never cancel to a dropped zero
+    weighted = sp.csr_array((np.ones(p.nnz, np.float32), p.indices, p.indptr), shape=p.shape)
+    graph = sp.csr_array(weighted.T.tocsr() @ weighted)
+    return graph, _degrees(graph)
 
 
 def column_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDERS) -> IntArray:
@@ -621,7 +630,8 @@ def is_valid_column_coloring(pattern: SparseLike, colors: ArrayLike) -> bool:
         ``True`` if the coloring is valid (negative colors are invalid).
 
     Raises:
-        ValueError: if ``colors`` is not a 1-D integer array of length ``n_in``.
+        PatternError: if ``colors`` is not a 1-D array of length ``n_in``.
+        PatternTypeError: if ``colors`` does not hold integers.
 
     Example:
         >>> import scipy.sparse as sp
@@ -647,7 +657,8 @@ def is_valid_row_coloring(pattern: SparseLike, row_colors: ArrayLike) -> bool:
         ``True`` if the coloring is valid (negative colors are invalid).
 
     Raises:
-        ValueError: if ``row_colors`` is not a 1-D integer array of length ``n_out``.
+        PatternError: if ``row_colors`` is not a 1-D array of length ``n_out``.
+        PatternTypeError: if ``row_colors`` does not hold integers.
 
     Example:
         >>> import scipy.sparse as sp
@@ -674,7 +685,8 @@ def is_valid_diagonal_coloring(pattern: SparseLike, colors: ArrayLike) -> bool:
 
     Raises:
         NonSquareJacobianError: (a ``ValueError``) if the pattern is not square.
-        ValueError: if ``colors`` is not a 1-D integer array of length ``n``.
+        PatternError: if ``colors`` is not a 1-D array of length ``n``.
+        PatternTypeError: if ``colors`` does not hold integers.
 
     Example:
         >>> import scipy.sparse as sp
@@ -822,7 +834,7 @@ def diagonal_decompression_index(colors: ArrayLike, *, n_colors: int | None = No
 def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
     shape_ = tuple(int(s) for s in shape)
     if any(s < 0 for s in shape_):
-        raise ValueError(f"shape must hold non-negative sizes, got {tuple(shape)}.")
+        raise PatternError(f"shape must hold non-negative sizes, got {tuple(shape)}.")
     return shape_
 
 
@@ -833,7 +845,7 @@ Distance = int | Sequence[int | None]
 
 def _check_distance(distance: int) -> int:
     if int(distance) != distance or distance < 0:
-        raise ValueError(f"distance must be a non-negative integer, got {distance!r}.")
+        raise PatternError(f"distance must be a non-negative integer, got {distance!r}.")
     return int(distance)
 
 
@@ -844,7 +856,7 @@ def _axis_distances(shape: tuple[int, ...], distance: Distance) -> tuple[int, ..
         return tuple(d for _ in shape)
     per_axis = tuple(distance)
     if len(per_axis) != len(shape):
-        raise ValueError(
+        raise PatternError(
             f"distance has {len(per_axis)} entries but the shape {shape} has {len(shape)} axes."
         )
     return tuple(
@@ -885,7 +897,7 @@ def _pattern_for_shape(pattern: SparseLike, shape: tuple[int, ...]) -> sp.csr_ar
     p = as_pattern(pattern)
     n = math.prod(shape)
     if p.shape != (n, n):
-        raise ValueError(
+        raise PatternError(
             f"pattern must have shape (n, n) with n = prod(shape) = {n} for shape {shape}, "
             f"got {p.shape}."
         )
@@ -911,7 +923,7 @@ def restrict_to_distance(
         The restricted pattern, a canonical boolean ``csr_array``.
 
     Raises:
-        ValueError: on a pattern that does not match ``shape`` or a negative distance.
+        PatternError: on a pattern that does not match ``shape`` or a negative distance.
 
     Example:
         >>> import numpy as np, scipy.sparse as sp
@@ -1044,7 +1056,8 @@ def probing_coloring(
         ``(colors, distance)``: int64 colors of length ``n`` and the distance ``d`` used.
 
     Raises:
-        ValueError: if ``max_colors < 1`` or the pattern does not match ``shape``.
+        NumProbesError: if ``max_colors < 1``.
+        PatternError: if the pattern does not match ``shape``.
 
     Example:
         >>> colors, d = probing_coloring(None, (8, 8), max_colors=10)
@@ -1053,7 +1066,7 @@ def probing_coloring(
     """
     shape_ = _check_shape(shape)
     if int(max_colors) != max_colors or max_colors < 1:
-        raise ValueError(f"max_colors must be a positive integer, got {max_colors!r}.")
+        raise NumProbesError(f"max_colors must be a positive integer, got {max_colors!r}.")
     orders_ = _check_orders(orders)
     n = math.prod(shape_)
     if n == 0:

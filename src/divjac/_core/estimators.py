@@ -70,7 +70,14 @@ from typing import Any, TypeAlias
 import array_api_compat
 import numpy as np
 
-from .._errors import NumProbesError
+from .._errors import (
+    InputDtypeError,
+    InternalError,
+    NumProbesError,
+    OptionError,
+    PatternError,
+    PatternTypeError,
+)
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -127,7 +134,7 @@ def num_random_vectors(
         NumProbesError: ``num_probes`` does not fit the method, or the low-rank part of Hutch++
             (``num_probes / 3``) or XTrace (``num_probes / 2``) would exceed ``n``, in which case
             ``method="exact"`` (``n`` passes) is cheaper.
-        ValueError: ``method`` is not a stochastic method, or ``n`` is not a positive integer.
+        OptionError: ``method`` is not a stochastic method.
 
     Example:
         >>> num_random_vectors("hutchinson", 10, n=100)
@@ -138,12 +145,12 @@ def num_random_vectors(
         15
     """
     if method not in METHODS:
-        raise ValueError(
+        raise OptionError(
             f"method={method!r} is not a stochastic trace estimator: use one of "
             f"{', '.join(repr(m) for m in METHODS)}."
         )
     if not _is_int(n) or n < 1:
-        raise ValueError(f"n={n!r} must be a positive integer (the input size per sample).")
+        raise InternalError(f"num_random_vectors: n={n!r} must be a positive integer")
     divisor = {"hutchinson": 1, "hutch++": 3, "xtrace": 2}[method]
     needs = {
         "hutchinson": "a positive integer (1, 2, 3, ...)",
@@ -180,7 +187,9 @@ def normalize_probes(raw: Array, distribution: str) -> Array:
         The probes, shape ``(B, n, k)``, same namespace and dtype as ``raw``.
 
     Raises:
-        ValueError: ``distribution`` is not one of :data:`DISTRIBUTIONS`, or ``raw`` is not 3-d.
+        OptionError: ``distribution`` is not one of :data:`DISTRIBUTIONS`.
+        NumProbesError: ``raw`` is not 3-d.
+        InputDtypeError: ``raw`` does not have a real floating dtype.
 
     Example:
         >>> import numpy as np
@@ -190,7 +199,7 @@ def normalize_probes(raw: Array, distribution: str) -> Array:
         True
     """
     if distribution not in DISTRIBUTIONS:
-        raise ValueError(
+        raise OptionError(
             f"distribution={distribution!r} is not a probe distribution: use one of "
             f"{', '.join(repr(d) for d in DISTRIBUTIONS)}."
         )
@@ -225,8 +234,9 @@ def hutchinson(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
         estimate ``sqrt(2) ||J v||``.
 
     Raises:
-        ValueError: ``probes`` is not 3-d, or ``matvec`` returns a different shape.
-        TypeError: ``probes`` does not have a real floating dtype.
+        NumProbesError: ``probes`` is not 3-d.
+        InputDtypeError: ``probes`` does not have a real floating dtype.
+        InternalError: ``matvec`` returns a different shape.
 
     Example:
         >>> import numpy as np
@@ -252,12 +262,15 @@ def hutchinson_from_terms(terms: Array, *, stderr: bool = True) -> tuple[Array, 
     images ``J v``), else ``None``.
 
     Raises:
-        ValueError: ``stderr`` for a single term.
+        InternalError: ``stderr`` for a single term.
     """
     if not stderr:
         return (terms[0] if terms.shape[0] == 1 else terms.mean(0)), None
     if terms.shape[0] < 2:
-        raise ValueError("the standard error of a single term needs its image: use hutchinson")
+        raise InternalError(
+            "hutchinson_from_terms: the standard error of a single term needs its image "
+            "(hutchinson computes it)"
+        )
     xp = _namespace(terms)
     return _mean_and_stderr(xp.permute_dims(terms, (1, 0)), xp, lambda: terms)
 
@@ -289,8 +302,9 @@ def hutch_plus_plus(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
 
     Raises:
         NumProbesError: The number of probe columns is odd, zero, or above ``2n``.
-        ValueError: ``probes`` is not 3-d, or ``matvec`` returns a different shape.
-        TypeError: ``probes`` does not have a real floating dtype.
+        NumProbesError: ``probes`` is not 3-d.
+        InputDtypeError: ``probes`` does not have a real floating dtype.
+        InternalError: ``matvec`` returns a different shape.
 
     Example:
         >>> import numpy as np
@@ -389,8 +403,9 @@ def xtrace(matvec: Matvec, probes: Array, *, improved: bool = False) -> tuple[Ar
 
     Raises:
         NumProbesError: ``probes`` has no column or more than ``n`` columns.
-        ValueError: ``probes`` is not 3-d, or ``matvec`` returns a different shape.
-        TypeError: ``probes`` does not have a real floating dtype.
+        NumProbesError: ``probes`` is not 3-d.
+        InputDtypeError: ``probes`` does not have a real floating dtype.
+        InternalError: ``matvec`` returns a different shape.
 
     Example:
         >>> import numpy as np
@@ -462,8 +477,10 @@ def probe_matrix(colors: Array, signs: Array, *, num_colors: int | None = None) 
         The probes, shape ``(B, n, r * c)``, in the namespace and dtype of ``signs``.
 
     Raises:
-        ValueError: Shapes or color values do not fit.
-        TypeError: ``signs`` does not have a real floating dtype, or ``colors`` is not integer.
+        NumProbesError: ``signs`` is not 3-d.
+        InputDtypeError: ``signs`` does not have a real floating dtype.
+        PatternError: ``colors`` does not have shape ``(n,)``, or its values do not fit.
+        PatternTypeError: ``colors`` is not integer.
 
     Example:
         >>> import numpy as np
@@ -524,8 +541,11 @@ def probing(
         the standard error above (0 if ``exact``).
 
     Raises:
-        ValueError: Shapes or color values do not fit, or ``matvec`` returns a different shape.
-        TypeError: ``signs`` does not have a real floating dtype, or ``colors`` is not integer.
+        NumProbesError: ``signs`` is not 3-d.
+        InputDtypeError: ``signs`` does not have a real floating dtype.
+        PatternError: ``colors`` does not have shape ``(n,)``, or its values do not fit.
+        PatternTypeError: ``colors`` is not integer.
+        InternalError: ``matvec`` returns a different shape.
 
     Example:
         >>> import numpy as np
@@ -573,7 +593,7 @@ def estimate_trace(
         ``(estimate, stderr)``, each of shape ``(B,)``.
 
     Raises:
-        ValueError: ``method`` is not one of :data:`METHODS`.
+        OptionError: ``method`` is not one of :data:`METHODS`.
 
     Example:
         >>> import numpy as np
@@ -588,7 +608,7 @@ def estimate_trace(
         return hutch_plus_plus(matvec, probes)
     if method == "xtrace":
         return xtrace(matvec, probes, improved=improved)
-    raise ValueError(
+    raise OptionError(
         f"method={method!r} is not a stochastic trace estimator: use one of "
         f"{', '.join(repr(m) for m in METHODS)}."
     )
@@ -646,22 +666,22 @@ def _namespace(x: Array) -> Any:
 
 def _check_probes(probes: Array, name: str, xp: Any) -> None:
     if probes.ndim != 3:
-        raise ValueError(
+        raise NumProbesError(
             f"{name} must have shape (B, n, k) (batch, input elements, columns); "
             f"got shape {tuple(probes.shape)}."
         )
     if not xp.isdtype(probes.dtype, "real floating"):
-        raise TypeError(f"{name} must have a real floating dtype; got {probes.dtype}.")
+        raise InputDtypeError(f"{name} must have a real floating dtype; got {probes.dtype}.")
 
 
 def _apply(matvec: Matvec, columns: Array) -> Array:
     """Call ``matvec`` on all ``columns`` at once and check the shape of its answer."""
     products = matvec(columns)
     if tuple(products.shape) != tuple(columns.shape):
-        raise ValueError(
+        raise InternalError(
             f"matvec returned shape {tuple(products.shape)} for columns of shape "
             f"{tuple(columns.shape)}: it must return J_b @ V[b] for every sample b, "
-            f"with the shape (B, n, k) of its input."
+            "with the shape (B, n, k) of its input"
         )
     return products
 
@@ -791,32 +811,32 @@ def _probes_and_mask(colors: Array, signs: Array, num_colors: int | None) -> tup
 def _color_mask(colors: Array, n: int, num_colors: int | None, like: Array, xp: Any) -> Array:
     """``(n, c)`` indicator of the color classes, in the namespace, dtype and device of ``like``."""
     if num_colors is not None and (not _is_int(num_colors) or num_colors < 1):
-        raise ValueError(f"num_colors={num_colors!r} must be a positive integer.")
+        raise PatternError(f"num_colors={num_colors!r} must be a positive integer.")
     device = array_api_compat.device(like)
     if isinstance(colors, (np.ndarray, list, tuple)):
         host = np.asarray(colors)
         if host.ndim != 1 or host.shape[0] != n:
-            raise ValueError(
+            raise PatternError(
                 f"colors must have shape (n,) = ({n},), one color per input element; "
                 f"got shape {host.shape}."
             )
         if host.size and not np.issubdtype(host.dtype, np.integer):
-            raise TypeError(f"colors must hold integers 0 .. c-1; got dtype {host.dtype}.")
+            raise PatternTypeError(f"colors must hold integers 0 .. c-1; got dtype {host.dtype}.")
         largest = int(host.max()) if host.size else -1
         if host.size and int(host.min()) < 0:
-            raise ValueError(f"colors must be nonnegative; got {int(host.min())}.")
+            raise PatternError(f"colors must be nonnegative; got {int(host.min())}.")
         num = largest + 1 if num_colors is None else int(num_colors)
         if largest >= num:
-            raise ValueError(f"colors holds color {largest} but num_colors={num}.")
+            raise PatternError(f"colors holds color {largest} but num_colors={num}.")
         mask = xp.asarray(host[:, None] == np.arange(num), device=device)
         return xp.astype(mask, like.dtype)
     if colors.ndim != 1 or colors.shape[0] != n:
-        raise ValueError(
+        raise PatternError(
             f"colors must have shape (n,) = ({n},), one color per input element; "
             f"got shape {tuple(colors.shape)}."
         )
     if not xp.isdtype(colors.dtype, "integral"):
-        raise TypeError(f"colors must hold integers 0 .. c-1; got dtype {colors.dtype}.")
+        raise PatternTypeError(f"colors must hold integers 0 .. c-1; got dtype {colors.dtype}.")
     num = int(xp.max(colors)) + 1 if num_colors is None else int(num_colors)
     labels = xp.arange(num, dtype=colors.dtype, device=device)
     return xp.astype(colors[:, None] == labels, like.dtype)

@@ -21,6 +21,7 @@ from functools import cached_property
 import numpy as np
 import scipy.sparse as sp
 
+from .._errors import NonSquareJacobianError
 from . import coloring
 from .deps import Deps, from_labels
 
@@ -169,9 +170,10 @@ class SparsityPattern:
     def diagonal_colors(self) -> np.ndarray:
         """Diagonal coloring (trace): same-colored j != j' have J[j, j'] = J[j', j] = 0."""
         if not self.is_square:
-            raise ValueError(
-                f"the diagonal coloring needs a square per-sample Jacobian; this one maps "
-                f"{self.in_shape} to {self.out_shape}"
+            raise NonSquareJacobianError(
+                "the diagonal coloring needs a square per-sample Jacobian; this one maps "
+                f"{self.in_shape} to {self.out_shape}: use colors (columns) or row_colors (rows) "
+                "for a rectangular Jacobian"
             )
         return coloring.diagonal_coloring(self.csr)
 

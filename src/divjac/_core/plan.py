@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._errors import DetectionMemoryError
+from .._errors import DetectionMemoryError, InternalError, OptionError
 from .detection import physical_memory
 from .pattern import SparsityPattern
 
@@ -80,7 +80,9 @@ def jacobian_plan(
     dense = Plan(dense_reverse, None, n_out if dense_reverse else n_in)
     if pattern is None:
         if mode == "sparse":
-            raise AssertionError("mode='sparse' needs a detected pattern")
+            raise InternalError(
+                "jacobian_plan: mode='sparse' was planned without a detected pattern"
+            )
         return dense
     by_columns = Plan(False, pattern.colors, pattern.n_colors)
     by_rows = Plan(True, pattern.row_colors, pattern.n_row_colors)
@@ -101,7 +103,9 @@ def divergence_plan(
     """Plan an exact divergence (``method`` in ``("auto", "exact", "sparse")``)."""
     if method == "exact" or pattern is None:
         if method == "sparse":
-            raise AssertionError("method='sparse' needs a detected pattern")
+            raise InternalError(
+                "divergence_plan: method='sparse' was planned without a detected pattern"
+            )
         return Plan(prefer_reverse, None, n)
     n_colors = pattern.n_diagonal_colors
     if method == "sparse" or n_colors <= _SPARSE_GAIN * n:
@@ -139,12 +143,16 @@ def choose_chunk_size(n_passes: int, bytes_per_pass: int, chunk_size: int | None
     """Passes computed at once: ``chunk_size`` if given, else as many as fit the budget.
 
     Raises:
+        OptionError: ``chunk_size`` is not a positive int or ``None``.
         DetectionMemoryError: the passes at once would need more than :func:`memory_limit`
             (their estimated size is an upper bound of what one pass holds).
     """
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int or None; got {chunk_size!r}.")
+            raise OptionError(
+                f"chunk_size must be a positive int or None; got {chunk_size!r}. Pass e.g. "
+                "chunk_size=8 to compute 8 passes at once, or None to fit the memory budget."
+            )
         chunk = min(chunk_size, max(n_passes, 1))
     else:
         fit = memory_budget() // max(bytes_per_pass, 1)

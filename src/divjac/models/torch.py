@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import torch
 from torch import nn
 
+from .._errors import InternalError
 from . import unet_layers
 
 __all__ = [
@@ -234,7 +235,8 @@ class CNN(nn.Module):
         for w, b in params:
             c_out, c_in, kh, kw = w.shape
             conv = nn.Conv2d(c_in, c_out, (kh, kw), padding="same", dtype=w.dtype)
-            assert conv.bias is not None
+            if conv.bias is None:
+                raise InternalError("nn.Conv2d was built without the bias it was asked for")
             with torch.no_grad():
                 conv.weight.copy_(w)
                 conv.bias.copy_(b)
