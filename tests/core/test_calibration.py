@@ -141,7 +141,7 @@ def _repeat(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Estimates, stderrs (``(reps, B)``) and exact traces (``(B,)``) of seeded repetitions.
 
-    ``method`` is a stochastic method, or ``"xtrace-improved"``; probing plans its coloring from
+    ``method`` is a stochastic method; probing plans its coloring from
     the Jacobians' sparsity pattern as the transforms do.
     """
     j, shape = _model(model)
@@ -162,13 +162,9 @@ def _repeat(
         signs = _draw(rng, "rademacher", (reps * B, n, num))
         estimate, stderr = est.probing(matvec, colors, signs, exact=exact)
     else:
-        name = method.removesuffix("-improved")
-        k = est.num_random_vectors(name, budget, n)
+        k = est.num_random_vectors(method, budget, n)
         probes = _draw(rng, distribution, (reps * B, n, k))
-        if method == "xtrace-improved":
-            estimate, stderr = est.xtrace(matvec, probes, improved=True)
-        else:
-            estimate, stderr = est.estimate_trace(method, matvec, probes)
+        estimate, stderr = est.estimate_trace(method, matvec, probes)
     return estimate.reshape(reps, B), stderr.reshape(reps, B), np.trace(j, axis1=1, axis2=2)
 
 
@@ -202,8 +198,7 @@ def test_two_stderr_interval_is_a_confidence_interval(model: str, method: str, b
 @pytest.mark.parametrize("distribution", ["gaussian", "sphere"])
 @pytest.mark.parametrize(
     ("model", "method", "budget"),
-    [case for case in CASES if case[1] != "probing"]
-    + [(model, "xtrace-improved", budget) for model in BUILDERS for budget in (4, 6, 8, 16, 24)],
+    [case for case in CASES if case[1] != "probing"],
 )
 def test_two_stderr_interval_with_other_probe_distributions(
     model: str, method: str, budget: int, distribution: str
@@ -245,11 +240,10 @@ def test_xtrace_budget_of_n_is_exact(model: str) -> None:
 @pytest.mark.parametrize("model", list(BUILDERS))
 @pytest.mark.parametrize(
     ("method", "budget"),
-    [("hutchinson", 4), ("hutch++", 6), ("xtrace", 8), ("xtrace-improved", 8), ("probing", 8)],
+    [("hutchinson", 4), ("hutch++", 6), ("xtrace", 8), ("probing", 8)],
 )
 def test_mean_of_repetitions_converges_to_the_trace(model: str, method: str, budget: int) -> None:
-    distribution = "sphere" if method == "xtrace-improved" else "rademacher"
-    estimate, _, exact = _repeat(model, method, budget, distribution)
+    estimate, _, exact = _repeat(model, method, budget)
     error = np.abs(estimate.mean(axis=0) - exact)
     spread = estimate.std(axis=0, ddof=1)
     assert np.all(error < 4 * spread / np.sqrt(R)), (error, spread)

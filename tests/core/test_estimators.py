@@ -88,8 +88,6 @@ CASES: dict[str, tuple[int, str, Estimator]] = {
     "xtrace-gaussian": (4, "gaussian", est.xtrace),
     "xtrace-rademacher": (4, "rademacher", est.xtrace),
     "xtrace-sphere": (4, "sphere", est.xtrace),
-    "xtrace-sphere-improved": (4, "sphere", lambda mv, p: est.xtrace(mv, p, improved=True)),
-    "xtrace-gaussian-improved": (4, "gaussian", lambda mv, p: est.xtrace(mv, p, improved=True)),
 }
 
 
@@ -265,17 +263,6 @@ def test_exact_expectation_over_all_signs(name: str, estimator: Estimator, k: in
     np.testing.assert_allclose(estimates.mean(axis=0), _traces(j), rtol=1e-12)
 
 
-def test_improved_xtrace_is_biased_for_rademacher() -> None:
-    """The improved normalization assumes uniformly distributed directions (documented)."""
-    rng = np.random.default_rng(20)
-    n = 5  # 2 vectors, 4 matvecs < n: not the exact identity columns
-    j = _dense(rng, n, batch=2)
-    signs = np.array(list(itertools.product([-1.0, 1.0], repeat=n * 2))).reshape(-1, n, 2)
-    every = np.repeat(signs, 2, axis=0)
-    estimates, _ = _repeat(j, lambda mv, p: est.xtrace(mv, p, improved=True), every, len(signs))
-    assert np.all(np.abs(estimates.mean(axis=0) - _traces(j)) > 1e-3)
-
-
 def test_probing_unbiased_with_invalid_coloring() -> None:
     rng = np.random.default_rng(2)
     j = _dense(rng, 20)  # dense: no coloring but the trivial one is valid
@@ -308,10 +295,10 @@ def test_hutchinson_stderr_is_calibrated(distribution: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["dense", "low-rank-plus-noise"])
-@pytest.mark.parametrize("method", ["hutch++", "xtrace", "xtrace-improved"])
+@pytest.mark.parametrize("method", ["hutch++", "xtrace"])
 def test_low_rank_stderr_is_calibrated(method: str, kind: str) -> None:
     # Measured (n=40, m=12, 2000 repetitions of 3 samples): var(z) 1.2-1.4 and
-    # RMS(error) / RMS(stderr) 1.0-1.05, for all three, on both kinds of matrix. var(z) is
+    # RMS(error) / RMS(stderr) 1.0-1.05, for both, on both kinds of matrix. var(z) is
     # about that of a Student t with m-1 degrees of freedom ((m-1)/(m-3) = 1.22); XTrace's
     # m terms are not independent, but its error estimate is as well calibrated.
     rng = np.random.default_rng(4)
@@ -323,11 +310,8 @@ def test_low_rank_stderr_is_calibrated(method: str, kind: str) -> None:
     estimator: Estimator
     if method == "hutch++":
         estimator, probes = est.hutch_plus_plus, _draw(rng, "rademacher", (REPS * B, n, 2 * m))
-    elif method == "xtrace":
-        estimator, probes = est.xtrace, _draw(rng, "gaussian", (REPS * B, n, m))
     else:
-        probes = _draw(rng, "sphere", (REPS * B, n, m))
-        estimator = lambda mv, p: est.xtrace(mv, p, improved=True)  # noqa: E731
+        estimator, probes = est.xtrace, _draw(rng, "gaussian", (REPS * B, n, m))
     var_z, rms_ratio = _z_scores(j, estimator, probes)
     assert 0.8 < var_z < 1.7
     assert 0.85 < rms_ratio < 1.2
@@ -401,7 +385,7 @@ def test_hutchinson_matches_explicit_formula() -> None:
 
 
 def _explicit_xtrace_term(
-    j: np.ndarray, omega: np.ndarray, i: int, left_out: tuple[int, ...], improved: bool
+    j: np.ndarray, omega: np.ndarray, i: int, left_out: tuple[int, ...]
 ) -> float:
     """Estimate of w_i from an explicit QR of J Omega without the columns ``left_out``."""
     n = len(j)
@@ -409,8 +393,6 @@ def _explicit_xtrace_term(
     p = np.eye(n) - q @ q.T
     w = omega[:, i]
     residual = w @ p @ j @ p @ w
-    if improved:
-        residual *= (n - q.shape[1]) / np.sum((p @ w) ** 2)
     return float(np.trace(q.T @ j @ q) + residual)
 
 
@@ -422,23 +404,21 @@ def test_xtrace_matches_explicit_leave_one_out() -> None:
     j = _dense(rng, n)
     omega = est.normalize_probes(rng.standard_normal((B, n, m)), "sphere")
     floored = []
-    for improved in (False, True):
-        terms = np.empty((B, m))
-        variance = np.empty(B)
-        for b in range(B):
-            terms[b] = [_explicit_xtrace_term(j[b], omega[b], i, (i,), improved) for i in range(m)]
-            pairs = [(i, k) for i in range(m) for k in range(m) if i != k]
-            delta = {
-                (i, k): terms[b, i] - _explicit_xtrace_term(j[b], omega[b], i, (i, k), improved)
-                for i, k in pairs
-            }
-            covariance = np.mean([delta[i, k] * delta[k, i] for i, k in pairs])
-            naive = terms[b].var(ddof=1) / m
-            variance[b] = max(naive + covariance, naive / 2)
-            floored.append(naive + covariance < naive / 2)
-        estimate, stderr = est.xtrace(lambda v: j @ v, omega, improved=improved)
-        np.testing.assert_allclose(estimate, terms.mean(axis=-1), rtol=1e-10)
-        np.testing.assert_allclose(stderr, est._t_factor(m - 1) * np.sqrt(variance), rtol=1e-10)
+    terms = np.empty((B, m))
+    variance = np.empty(B)
+    for b in range(B):
+        terms[b] = [_explicit_xtrace_term(j[b], omega[b], i, (i,)) for i in range(m)]
+        pairs = [(i, k) for i in range(m) for k in range(m) if i != k]
+        delta = {
+            (i, k): terms[b, i] - _explicit_xtrace_term(j[b], omega[b], i, (i, k)) for i, k in pairs
+        }
+        covariance = np.mean([delta[i, k] * delta[k, i] for i, k in pairs])
+        naive = terms[b].var(ddof=1) / m
+        variance[b] = max(naive + covariance, naive / 2)
+        floored.append(naive + covariance < naive / 2)
+    estimate, stderr = est.xtrace(lambda v: j @ v, omega)
+    np.testing.assert_allclose(estimate, terms.mean(axis=-1), rtol=1e-10)
+    np.testing.assert_allclose(stderr, est._t_factor(m - 1) * np.sqrt(variance), rtol=1e-10)
     assert any(floored) and not all(floored)  # both branches of the floor are exercised
 
 
@@ -476,28 +456,26 @@ def test_exact_on_low_rank() -> None:
     np.testing.assert_allclose(estimate, exact, rtol=1e-9)
     # XTrace: each leave-one-out basis has m - 1 columns, so m = rank + 1 is exact (R is then
     # numerically singular: the estimator copes).
-    for improved in (False, True):
-        probes = est.normalize_probes(rng.standard_normal((B, n, rank + 1)), "sphere")
-        estimate, stderr = est.xtrace(matvec, probes, improved=improved)
-        np.testing.assert_allclose(estimate, exact, rtol=1e-9)
-        assert np.all(stderr < 1e-9 * np.abs(exact))
+    probes = est.normalize_probes(rng.standard_normal((B, n, rank + 1)), "sphere")
+    estimate, stderr = est.xtrace(matvec, probes)
+    np.testing.assert_allclose(estimate, exact, rtol=1e-9)
+    assert np.all(stderr < 1e-9 * np.abs(exact))
 
 
 @pytest.mark.parametrize(("n", "m"), [(9, 5), (10, 5), (6, 6)])
-@pytest.mark.parametrize("improved", [False, True])
-def test_xtrace_is_exact_when_the_budget_pays(n: int, m: int, improved: bool) -> None:
+def test_xtrace_is_exact_when_the_budget_pays(n: int, m: int) -> None:
     """2m >= n matvecs buy the n identity columns: the exact trace, standard error 0."""
     rng = np.random.default_rng(18)
     matvec = CountingMatvec(_dense(rng, n))
     probes = rng.standard_normal((B, n, m))
-    estimate, stderr = est.xtrace(matvec, probes, improved=improved)
+    estimate, stderr = est.xtrace(matvec, probes)
     np.testing.assert_allclose(estimate, _traces(matvec.j), rtol=1e-12)
     np.testing.assert_array_equal(stderr, 0.0)
     assert matvec.calls == [n]  # n <= 2m matvecs, in one call
     # One test vector fewer than n / 2: a random estimate with an error bar.
     matvec.calls.clear()
     fewer = (n - 1) // 2
-    estimate, stderr = est.xtrace(matvec, probes[..., :fewer], improved=improved)
+    estimate, stderr = est.xtrace(matvec, probes[..., :fewer])
     assert matvec.calls == [fewer, fewer]
     assert np.all(np.abs(estimate - _traces(matvec.j)) > 1e-6) and np.all(stderr > 0)
 
@@ -510,7 +488,6 @@ def test_zero_matrix_gives_zero_without_nan() -> None:
         est.hutchinson(matvec, _rademacher(rng, (B, 7, 3))),
         est.hutch_plus_plus(matvec, _rademacher(rng, (B, 7, 4))),
         est.xtrace(matvec, rng.standard_normal((B, 7, 3))),
-        est.xtrace(matvec, rng.standard_normal((B, 7, 3)), improved=True),
     ):
         np.testing.assert_array_equal(estimate, 0.0)
         np.testing.assert_array_equal(stderr, 0.0)
@@ -700,7 +677,7 @@ def _run(name: str, matvec: Callable[[Any], Any], probes: Any, colors: Any) -> t
     if name == "probing":
         return est.probing(matvec, colors, probes, num_colors=4)
     if name.startswith("xtrace"):
-        return est.xtrace(matvec, probes, improved=True)
+        return est.xtrace(matvec, probes)
     return est.estimate_trace(name, matvec, probes)
 
 

@@ -1,4 +1,4 @@
-"""Graph colorings that compress sparse per-sample Jacobians, and the index arithmetic to undo them.
+"""Graph colorings that compress sparse per-sample Jacobians.
 
 A per-sample Jacobian sparsity pattern is a boolean scipy sparse matrix ``P`` of shape
 ``(n_out, n_in)``. Three colorings compress it (Curtis, Powell & Reid 1974; Coleman & Moré 1983;
@@ -6,7 +6,8 @@ survey: Gebremedhin, Manne & Pothen 2005, "What color is your Jacobian?"):
 
 * **column coloring** (forward mode): columns ``j != j'`` may share a color only if no row has
   nonzeros in both. The conflict graph is the pattern of ``P^T P``. With the seed matrix ``S``
-  (one-hot colors), ``C = J @ S`` holds every nonzero of ``J`` once.
+  (one-hot colors, ``S[j, colors[j]] = 1``), ``C = J @ S`` holds every nonzero of ``J`` once:
+  ``J[i, j] = C[i, colors[j]]``.
 * **row coloring** (reverse mode): the same on ``P^T``; ``R = S^T @ J``.
 * **diagonal coloring** (for the trace, square ``P``): ``j != j'`` may share a color only if
   ``P[j, j'] == P[j', j] == 0``. The conflict graph is the pattern of ``P + P^T``, far smaller
@@ -29,7 +30,7 @@ from typing import Literal, TypeAlias, cast
 
 import numpy as np
 import scipy.sparse as sp
-from numpy.typing import ArrayLike, DTypeLike, NDArray
+from numpy.typing import ArrayLike, NDArray
 
 from .._errors import (
     InternalError,
@@ -46,9 +47,7 @@ __all__ = [
     "SMALLEST_LAST_MAX_EDGES",
     "as_pattern",
     "column_coloring",
-    "column_decompression_index",
     "diagonal_coloring",
-    "diagonal_decompression_index",
     "greedy_coloring",
     "is_valid_column_coloring",
     "is_valid_diagonal_coloring",
@@ -58,8 +57,6 @@ __all__ = [
     "probing_coloring",
     "restrict_to_distance",
     "row_coloring",
-    "row_decompression_index",
-    "seed_matrix",
     "vertex_order",
 ]
 
@@ -98,8 +95,7 @@ def as_pattern(pattern: SparseLike) -> sp.csr_array:
     """Return ``pattern`` as a canonical boolean CSR array (a new object; the input is untouched).
 
     Canonical means: stored ``False`` / zero entries dropped, duplicates merged, column indices
-    sorted within each row. Every index this module computes refers to the nonzeros of this
-    canonical form, in CSR order.
+    sorted within each row.
 
     Args:
         pattern: a 2-D scipy sparse matrix or array of any format and dtype.
@@ -141,20 +137,6 @@ def _as_colors(colors: ArrayLike, n: int | None, what: str) -> IntArray:
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise PatternTypeError(f"{what} must hold integers, got dtype {arr.dtype}.")
     return arr.astype(np.int64, copy=False)
-
-
-def _n_colors(colors: IntArray, n_colors: int | None) -> int:
-    needed = int(colors.max()) + 1 if colors.size else 0
-    if colors.size and int(colors.min()) < 0:
-        raise PatternError(f"colors must be non-negative, got a minimum of {int(colors.min())}.")
-    if n_colors is None:
-        return needed
-    if n_colors < needed:
-        raise PatternError(
-            f"n_colors={n_colors} is smaller than the number of colors used ({needed}); "
-            "pass n_colors=None to use max(colors) + 1."
-        )
-    return int(n_colors)
 
 
 def _check_orders(orders: Sequence[str]) -> tuple[OrderName, ...]:
@@ -497,9 +479,9 @@ def _conflict_graph(p: sp.csr_array) -> tuple[sp.csr_array, IntArray]:
 def column_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDERS) -> IntArray:
     """Color the columns of ``pattern`` so that same-colored columns share no nonzero row.
 
-    With the seed matrix ``S = seed_matrix(colors)``, the compressed ``C = J @ S`` (one JVP per
-    color) holds every nonzero of ``J``; :func:`column_decompression_index` reads them back
-    (Curtis, Powell & Reid 1974).
+    With the one-hot seed matrix ``S[j, colors[j]] = 1``, the compressed ``C = J @ S`` (one JVP
+    per color) holds every nonzero of ``J``: ``J[i, j] = C[i, colors[j]]`` (Curtis, Powell &
+    Reid 1974).
 
     How, and the guards against blow-up:
 
@@ -537,9 +519,9 @@ def column_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDERS
 def row_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDERS) -> IntArray:
     """Color the rows of ``pattern`` so that same-colored rows share no nonzero column.
 
-    The column coloring of ``pattern.T``: with ``S = seed_matrix(row_colors)``, the compressed
-    ``R = S.T @ J`` (one VJP per color) holds every nonzero of ``J``; see
-    :func:`row_decompression_index`. Same short cuts and limits as :func:`column_coloring`.
+    The column coloring of ``pattern.T``: with the one-hot ``S[i, row_colors[i]] = 1``, the
+    compressed ``R = S.T @ J`` (one VJP per color) holds every nonzero of ``J``:
+    ``J[i, j] = R[row_colors[i], j]``. Same short cuts and limits as :func:`column_coloring`.
 
     Args:
         pattern: ``(n_out, n_in)`` scipy sparse matrix, any format.
@@ -560,9 +542,9 @@ def row_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDERS) -
 def diagonal_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDERS) -> IntArray:
     """Color the indices of a square pattern so that the compressed Jacobian reveals its diagonal.
 
-    Indices ``j != j'`` share a color only if ``P[j, j'] == P[j', j] == 0``. Then with
-    ``S = seed_matrix(colors)`` and ``C = J @ S``, ``C[j, colors[j]] == J[j, j]`` (see
-    :func:`diagonal_decompression_index`): the exact trace costs one JVP per color. The conflict
+    Indices ``j != j'`` share a color only if ``P[j, j'] == P[j', j] == 0``. Then with the
+    one-hot ``S[j, colors[j]] = 1`` and ``C = J @ S``, ``C[j, colors[j]] == J[j, j]``: the exact
+    trace costs one JVP per color. The conflict
     graph is the pattern of ``P + P^T`` (at most twice the size of ``P``), so no size guard is
     needed; a pattern whose graph is complete gives ``arange(n)`` at once. The orders stop early
     once a greedily found clique's size is reached.
@@ -705,125 +687,6 @@ def is_valid_diagonal_coloring(pattern: SparseLike, colors: ArrayLike) -> bool:
     rows = _row_ids(p.indptr, p.shape[0])
     off = rows != p.indices
     return not bool(np.any(c[rows[off]] == c[p.indices[off]]))
-
-
-# --------------------------------------------------------------------------------------------
-# Compression and decompression indices
-# --------------------------------------------------------------------------------------------
-
-
-def seed_matrix(
-    colors: ArrayLike, n_colors: int | None = None, *, dtype: DTypeLike = np.float64
-) -> NDArray[np.generic]:
-    """One-hot seed matrix ``S`` of shape ``(n, n_colors)`` with ``S[j, colors[j]] = 1``.
-
-    Args:
-        colors: non-negative integer array of length ``n``.
-        n_colors: number of columns; defaults to ``max(colors) + 1`` (0 for no colors). A larger
-            value pads with zero columns.
-        dtype: dtype of ``S`` (``bool``, a float type, ...).
-
-    Returns:
-        The ``(n, n_colors)`` seed matrix.
-
-    Raises:
-        ValueError: if ``colors`` is negative or ``n_colors`` is too small.
-
-    Example:
-        >>> seed_matrix([0, 1, 0], dtype=int)
-        array([[1, 0],
-               [0, 1],
-               [1, 0]])
-    """
-    c = _as_colors(colors, None, "colors")
-    k = _n_colors(c, n_colors)
-    s = np.zeros((c.shape[0], k), dtype=dtype)
-    s[np.arange(c.shape[0]), c] = 1
-    return s
-
-
-def column_decompression_index(
-    pattern_csr: SparseLike, colors: ArrayLike, *, n_colors: int | None = None
-) -> IntArray:
-    """Flat indices that read the nonzeros of ``J`` out of ``C = J @ seed_matrix(colors)``.
-
-    For the ``t``-th nonzero ``(i, j)`` of the canonical CSR pattern (see :func:`as_pattern`;
-    row-major, sorted columns) the index is ``i * n_colors + colors[j]``, so that
-    ``C.ravel()[index]`` equals the CSR data of ``J`` when ``colors`` is a valid column coloring.
-
-    Args:
-        pattern_csr: ``(n_out, n_in)`` scipy sparse matrix.
-        colors: column colors, length ``n_in``.
-        n_colors: number of columns of ``C``; defaults to ``max(colors) + 1``.
-
-    Returns:
-        int64 array of length ``nnz``.
-
-    Example:
-        >>> import numpy as np, scipy.sparse as sp
-        >>> j = sp.csr_array(np.array([[1.0, 2.0, 0.0], [0.0, 3.0, 4.0]]))
-        >>> colors = column_coloring(j)
-        >>> c = j @ seed_matrix(colors)
-        >>> c.ravel()[column_decompression_index(j, colors)]
-        array([1., 2., 3., 4.])
-    """
-    p = as_pattern(pattern_csr)
-    c = _as_colors(colors, p.shape[1], "colors")
-    k = _n_colors(c, n_colors)
-    return _row_ids(p.indptr, p.shape[0]) * k + c[p.indices]
-
-
-def row_decompression_index(pattern_csr: SparseLike, row_colors: ArrayLike) -> IntArray:
-    """Flat indices that read the nonzeros of ``J`` out of ``R = seed_matrix(row_colors).T @ J``.
-
-    For the ``t``-th nonzero ``(i, j)`` of the canonical CSR pattern the index is
-    ``row_colors[i] * n_in + j`` into ``R`` of shape ``(n_row_colors, n_in)``, flattened
-    row-major. It does not depend on the number of row colors.
-
-    Args:
-        pattern_csr: ``(n_out, n_in)`` scipy sparse matrix.
-        row_colors: row colors, length ``n_out``.
-
-    Returns:
-        int64 array of length ``nnz``.
-
-    Example:
-        >>> import numpy as np, scipy.sparse as sp
-        >>> j = sp.csr_array(np.array([[1.0, 0.0], [2.0, 3.0], [0.0, 4.0]]))
-        >>> colors = row_coloring(j)
-        >>> r = seed_matrix(colors).T @ j
-        >>> r.ravel()[row_decompression_index(j, colors)]
-        array([1., 2., 3., 4.])
-    """
-    p = as_pattern(pattern_csr)
-    c = _as_colors(row_colors, p.shape[0], "row_colors")
-    if c.size and int(c.min()) < 0:
-        raise ValueError(f"row_colors must be non-negative, got a minimum of {int(c.min())}.")
-    return c[_row_ids(p.indptr, p.shape[0])] * p.shape[1] + p.indices.astype(np.int64)
-
-
-def diagonal_decompression_index(colors: ArrayLike, *, n_colors: int | None = None) -> IntArray:
-    """Flat indices ``j * n_colors + colors[j]`` that read ``diag(J)`` out of ``C = J @ S``.
-
-    With a valid diagonal coloring, ``C.ravel()[index] == diag(J)``.
-
-    Args:
-        colors: diagonal colors, length ``n``.
-        n_colors: number of columns of ``C``; defaults to ``max(colors) + 1``.
-
-    Returns:
-        int64 array of length ``n``.
-
-    Example:
-        >>> import numpy as np
-        >>> j = np.array([[1.0, 5.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 3.0]])
-        >>> colors = np.array([0, 1, 0])
-        >>> (j @ seed_matrix(colors)).ravel()[diagonal_decompression_index(colors)]
-        array([1., 2., 3.])
-    """
-    c = _as_colors(colors, None, "colors")
-    k = _n_colors(c, n_colors)
-    return np.arange(c.shape[0], dtype=np.int64) * k + c
 
 
 # --------------------------------------------------------------------------------------------

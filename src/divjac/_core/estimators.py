@@ -341,7 +341,7 @@ def hutch_plus_plus(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
     return exact_part + estimate, stderr
 
 
-def xtrace(matvec: Matvec, probes: Array, *, improved: bool = False) -> tuple[Array, Array]:
+def xtrace(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
     """XTrace, the exchangeable trace estimator, per sample (Epperly, Tropp & Webber 2024).
 
     With test vectors ``Omega = [w_1, ..., w_m]``, let ``Q_(i)`` be an orthonormal basis of
@@ -359,12 +359,9 @@ def xtrace(matvec: Matvec, probes: Array, *, improved: bool = False) -> tuple[Ar
     passed to ``matvec`` instead (``n <= 2m`` matvecs, in one call) and the exact trace is
     returned with a standard error of 0; the values of ``probes`` are then not used.
 
-    The *improved* variant of the paper (``improved=True``) rescales each Hutchinson term by
-    ``(n - m + 1) / ||P_(i) w_i||^2``, as if ``P_(i) w_i`` were uniform on the sphere of radius
-    ``sqrt(n - m + 1)`` in ``range(P_(i))``: it lowers the variance and keeps the estimate
-    unbiased for probes whose direction is uniformly distributed (``"sphere"``, the paper's
-    choice, or ``"gaussian"``), but it is biased for ``"rademacher"`` probes. Without it the
-    estimate is unbiased for any probes with ``E[w w^T] = I``.
+    The estimate is unbiased for any probes with ``E[w w^T] = I``. (The paper's *improved*
+    variant rescales each Hutchinson term by ``(n - m + 1) / ||P_(i) w_i||^2``; it is biased for
+    Rademacher probes, divjac's default, and is not implemented.)
 
     Standard error. The paper's error estimate ``s^2 / m`` (``s^2`` the sample variance of the
     ``t_i``) treats the ``t_i`` as independent, but they share the test vectors: by
@@ -379,23 +376,21 @@ def xtrace(matvec: Matvec, probes: Array, *, improved: bool = False) -> tuple[Ar
     ``E[(t_i - tau)(t_j^(-i) - tau)] = 0`` and ``c = E[(t_i - tau) D_ji]``; given
     ``Omega_{-j}``, both ``t_j`` and ``t_j^(-i)`` have mean ``tau`` (``E[D_ji] = 0``) and
     ``t_i^(-j)`` is fixed, so ``c = E[D_ij D_ji]``. The argument holds for any probes with
-    ``E[w w^T] = I``, and for the improved variant with sphere or Gaussian probes, whose
-    ``t_i`` also have mean ``tau`` given ``Omega_{-i}``. With ``c_hat`` the mean of
+    ``E[w w^T] = I``. With ``c_hat`` the mean of
     ``D_ij D_ji`` over the ``m (m - 1)`` ordered pairs, ``s^2 / m + c_hat`` is an unbiased
     estimate of the variance; being an average of products it is noisy (when ``c`` is about 0
     its standard deviation is 10-60 % of ``s^2 / m``) and can be negative, so the variance
     estimate is ``V = max(s^2 / m + c_hat, s^2 / (2 m))``, and ``stderr = kappa(m - 1)
     sqrt(V)`` (module docstring). The leave-two-out bases come from the same QR (their
     complement in ``range(Q)`` is spanned by ``s_i`` and ``s_j``): ``O(m^3)`` more work per
-    sample, no matvec. With ``m == 1`` the estimate is the single Hutchinson term ``w^T J w``
-    (scaled when improved), and the standard error its conservative single-term estimate
+    sample, no matvec. With ``m == 1`` the estimate is the single Hutchinson term ``w^T J w``,
+    and the standard error its conservative single-term estimate
     (module docstring).
 
     Args:
         matvec: Batched matvec, ``(B, n, k) -> (B, n, k)``, ``W[b] = J_b @ V[b]``.
         probes: The test vectors ``Omega``, shape ``(B, n, m)`` with ``1 <= m <= n``; see
             :func:`num_random_vectors`.
-        improved: Apply the paper's normalization of the Hutchinson terms (see above).
 
     Returns:
         ``(estimate, stderr)``, each of shape ``(B,)``: the mean of the ``t_i`` and the
@@ -412,9 +407,8 @@ def xtrace(matvec: Matvec, probes: Array, *, improved: bool = False) -> tuple[Ar
         >>> rng = np.random.default_rng(0)
         >>> U, V = rng.standard_normal((2, 2, 50, 3))
         >>> J = U @ np.swapaxes(V, 1, 2)  # rank 3
-        >>> raw = rng.standard_normal((2, 50, 6))  # 12 matvecs
-        >>> probes = normalize_probes(raw, "sphere")
-        >>> estimate, stderr = xtrace(lambda W: J @ W, probes, improved=True)
+        >>> probes = rng.choice([-1.0, 1.0], size=(2, 50, 6))  # 12 matvecs
+        >>> estimate, stderr = xtrace(lambda W: J @ W, probes)
         >>> np.allclose(estimate, np.trace(J, axis1=1, axis2=2))
         True
         >>> probes = rng.standard_normal((2, 50, 25))  # 2m = 50 >= n: the exact trace
@@ -446,16 +440,12 @@ def xtrace(matvec: Matvec, probes: Array, *, improved: bool = False) -> tuple[Ar
     c = w - s * sw[..., None, :]
     # w_i^T P_(i) J P_(i) w_i with J w_i = Q r_i and P_(i) w_i = w_i - Q c_i.
     residual = sw * _column_dots(s, r) - _column_dots(t, c) + _column_dots(c, h @ c)
-    projected_sq = _column_dots(probes, probes) - _column_dots(w, w) + sw * sw
-    scale = (n - m + 1) / projected_sq if improved else xp.ones_like(projected_sq)
     trace_h = xp.sum(_column_dots(q, z), axis=-1)
-    terms = trace_h[..., None] - _column_dots(s, h @ s) + scale * residual
+    terms = trace_h[..., None] - _column_dots(s, h @ s) + residual
     if m == 1:
-        return _mean_and_stderr(terms, xp, lambda: y * scale[..., None, :])
+        return _mean_and_stderr(terms, xp, lambda: y)
     mean, variance = _mean_and_variance(terms, xp)
-    covariance = _xtrace_covariance(
-        s, w, r, h, t, c, residual, projected_sq, n=n, improved=improved, xp=xp
-    )
+    covariance = _xtrace_covariance(s, w, r, h, t, c, xp)
     corrected = variance + covariance
     return mean, _t_factor(m - 1) * xp.sqrt(xp.maximum(corrected, variance / 2))
 
@@ -578,16 +568,13 @@ def probing(
     return estimate, _t_factor(dof) * xp.sqrt(total / reps)
 
 
-def estimate_trace(
-    method: str, matvec: Matvec, probes: Array, *, improved: bool = False
-) -> tuple[Array, Array]:
+def estimate_trace(method: str, matvec: Matvec, probes: Array) -> tuple[Array, Array]:
     """Dispatch to the stochastic estimator named by ``method``.
 
     Args:
         method: ``"hutchinson"``, ``"hutch++"`` or ``"xtrace"``.
         matvec: Batched matvec, ``(B, n, k) -> (B, n, k)``, ``W[b] = J_b @ V[b]``.
         probes: ``(B, n, k)`` with ``k = num_random_vectors(method, num_probes, n)``.
-        improved: Passed to :func:`xtrace` (ignored by the other methods).
 
     Returns:
         ``(estimate, stderr)``, each of shape ``(B,)``.
@@ -607,7 +594,7 @@ def estimate_trace(
     if method == "hutch++":
         return hutch_plus_plus(matvec, probes)
     if method == "xtrace":
-        return xtrace(matvec, probes, improved=improved)
+        return xtrace(matvec, probes)
     raise OptionError(
         f"method={method!r} is not a stochastic trace estimator: use one of "
         f"{', '.join(repr(m) for m in METHODS)}."
@@ -728,25 +715,13 @@ def _exact_trace(matvec: Matvec, like: Array, xp: Any) -> tuple[Array, Array]:
 
 
 def _xtrace_covariance(
-    s: Array,
-    w: Array,
-    r: Array,
-    h: Array,
-    t: Array,
-    c: Array,
-    residual: Array,
-    projected_sq: Array,
-    *,
-    n: int,
-    improved: bool,
-    xp: Any,
+    s: Array, w: Array, r: Array, h: Array, t: Array, c: Array, xp: Any
 ) -> Array:
     """XTrace's ``c_hat``: the mean of ``D_ij D_ji`` over the pairs ``i != j``, shape ``(B,)``.
 
     The arguments are those of :func:`xtrace`: ``s`` (the normalized ``R^{-T}``), ``w``
     (``Q^T Omega``), ``r``, ``h`` (``Q^T J Q``), ``t`` (``(J Q)^T Omega``), ``c`` (the
-    coordinates of ``Q_(i) Q_(i)^T w_i``), the unscaled Hutchinson terms ``residual`` and
-    ``projected_sq = ||P_(i) w_i||^2``. Leaving out ``w_j`` as well adds to the complement of the
+    coordinates of ``Q_(i) Q_(i)^T w_i``). Leaving out ``w_j`` as well adds to the complement of the
     basis of ``w_i`` (in the coordinates of ``Q``) the unit vector ``e = (s_j - g s_i) / rho``,
     ``g = s_i . s_j``, ``rho = sqrt(1 - g^2)``; with ``beta = e . Q^T w_i``, the low-rank part
     loses ``e^T H e`` and the Hutchinson term of ``w_i`` (coordinates ``c_i - beta e``) grows by
@@ -769,14 +744,7 @@ def _xtrace_covariance(
     shs = st(s) @ h @ s
     d = xp.sum(shs * eye, axis=-1)
     e_h = (d[..., None, :] - g * (shs + st(shs)) + g * g * d[..., :, None]) / rho_sq
-    growth = beta * linear + beta * beta * e_h
-    if improved:
-        before = ((n - m + 1) / projected_sq * residual)[..., :, None]
-        after = (n - m + 2) / (projected_sq[..., :, None] + beta * beta)
-        delta = e_h + before - after * (residual[..., :, None] + growth)
-    else:
-        delta = e_h - growth
-    delta = delta * (1 - eye)
+    delta = (e_h - beta * linear - beta * beta * e_h) * (1 - eye)
     return xp.sum(delta * st(delta), axis=(-2, -1)) / (m * (m - 1))
 
 

@@ -87,17 +87,11 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         else:
             outs = None
         if outs is None:
-            outs = _bind(eqn, [_real(v) for v in ins])
+            out = _bind(eqn, *(_real(v) for v in ins))
+            outs = list(out) if eqn.primitive.multiple_results else [out]
         for var, val in zip(eqn.outvars, outs, strict=True):
             env[var] = val
     return [read(v) for v in jaxpr.outvars]
-
-
-def _bind(eqn: Any, ins: Sequence[Any]) -> list[Any]:
-    """Evaluate one equation on ordinary values."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    out = eqn.primitive.bind(*ins, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def _eqn(eqn: Any, ins: list[Any]) -> list[Any] | None:
@@ -107,17 +101,17 @@ def _eqn(eqn: Any, ins: list[Any]) -> list[Any] | None:
     out_shape = tuple(eqn.outvars[0].aval.shape) if eqn.outvars else ()
     if name in _UNARY:
         (x,) = ins
-        return [_Bcast(_prim(eqn, x.base), out_shape, x.new_axes)]
+        return [_Bcast(_bind(eqn, x.base), out_shape, x.new_axes)]
     if name in _BINARY and len(ins) == 2:
         a, b = ins
         if isinstance(a, _Bcast) and isinstance(b, _Bcast):
             if a.shape == b.shape and a.new_axes == b.new_axes:
-                return [_Bcast(_prim(eqn, a.base, b.base), out_shape, a.new_axes)]
+                return [_Bcast(_bind(eqn, a.base, b.base), out_shape, a.new_axes)]
             return None
         x, other, first = (a, b, True) if isinstance(a, _Bcast) else (b, a, False)
         if jnp.ndim(other) == 0:
             args = (x.base, other) if first else (other, x.base)
-            return [_Bcast(_prim(eqn, *args), out_shape, x.new_axes)]
+            return [_Bcast(_bind(eqn, *args), out_shape, x.new_axes)]
         return None
     if name == "transpose":
         (x,) = ins
@@ -157,6 +151,12 @@ def _eqn(eqn: Any, ins: list[Any]) -> list[Any] | None:
     return None
 
 
+def _bind(eqn: Any, *args: Any) -> Any:
+    """Evaluate the primitive of one equation on ordinary values, with its parameters."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    return eqn.primitive.bind(*args, **params)
+
+
 def _broadcast_in_dim(eqn: Any, x: Any) -> list[Any] | None:
     """A pure broadcast (new axes only) becomes symbolic; size-1 expansion is left to XLA."""
     shape = tuple(eqn.params["shape"])
@@ -168,11 +168,6 @@ def _broadcast_in_dim(eqn: Any, x: Any) -> list[Any] | None:
     if tuple(jnp.shape(x)) != tuple(shape[d] for d in dims) or list(dims) != sorted(dims):
         return None
     return [_Bcast(x, shape, tuple(a for a in range(len(shape)) if a not in dims))]
-
-
-def _prim(eqn: Any, *args: Any) -> Any:
-    params = eqn.primitive.get_bind_params(eqn.params)
-    return eqn.primitive.bind(*args, **params)
 
 
 def _dot_general(p: dict[str, Any], ins: list[Any], out_shape: tuple[int, ...]) -> list[Any] | None:
@@ -214,6 +209,6 @@ def _conv(eqn: Any, ins: list[Any], out_shape: tuple[int, ...]) -> list[Any] | N
     if lhs.new_axes != (batch_axis,) or eqn.params["batch_group_count"] != 1:
         return None
     base = jnp.expand_dims(lhs.base, batch_axis)
-    out = _prim(eqn, base, rhs)
+    out = _bind(eqn, base, rhs)
     out_batch = dn.out_spec[0]
     return [_Bcast(jnp.squeeze(out, out_batch), out_shape, (out_batch,))]
