@@ -13,6 +13,7 @@ from hypothesis.extra import numpy as hnp
 
 from divjac import NonSquareJacobianError, NumProbesError
 from divjac._core import coloring as col
+from divjac._core.coloring import _graph, _jacobian
 from divjac._errors import DivjacError, PatternError, PatternTypeError
 
 FORMATS = ("csr_array", "csr_matrix", "csc", "coo", "lil")
@@ -440,12 +441,12 @@ def test_conflict_limit_skips_the_graph_then_falls_back_to_trivial(
     p = conv_pattern(6, 6, 2, 1)
     assert n_colors(col.column_coloring(p)) == 18
     # too big for P^T P: the graph-free natural greedy still finds the optimum
-    monkeypatch.setattr(col, "MAX_CONFLICT_PAIRS", 10)
+    monkeypatch.setattr(_jacobian, "MAX_CONFLICT_PAIRS", 10)
     colors = col.column_coloring(p, orders=("largest_first", "smallest_last"))
     assert n_colors(colors) == 18
     np.testing.assert_array_equal(colors, col.greedy_coloring(p.T @ p, np.arange(72)))
     # too big for that too: the trivial coloring, still valid
-    monkeypatch.setattr(col, "MAX_DISTANCE2_WORK", 10)
+    monkeypatch.setattr(_jacobian, "MAX_DISTANCE2_WORK", 10)
     colors = col.column_coloring(p)
     np.testing.assert_array_equal(colors, np.arange(72))
     np.testing.assert_array_equal(col.row_coloring(p), np.arange(72))
@@ -458,13 +459,13 @@ def test_distance2_greedy_beyond_64_colors(monkeypatch: pytest.MonkeyPatch) -> N
     mask = np.eye(5, 70, dtype=bool)
     mask[0, 2:] = True  # row 0: columns 0 and 2..69
     p = sp.csr_array(mask)
-    monkeypatch.setattr(col, "MAX_CONFLICT_PAIRS", 0)  # force the graph-free path
+    monkeypatch.setattr(_jacobian, "MAX_CONFLICT_PAIRS", 0)  # force the graph-free path
     colors = col.column_coloring(p)
     assert n_colors(colors) == 69
     assert col.is_valid_column_coloring(p, colors)
     check_column_roundtrip(mask, colors)
     # the second word would push nnz * words over the work bound: trivial coloring instead
-    monkeypatch.setattr(col, "MAX_DISTANCE2_WORK", p.nnz)
+    monkeypatch.setattr(_jacobian, "MAX_DISTANCE2_WORK", p.nnz)
     np.testing.assert_array_equal(col.column_coloring(p), np.arange(70))
 
 
@@ -476,7 +477,7 @@ def test_distance2_greedy_equals_greedy_on_the_conflict_graph(
     n_in = mask.shape[1]
     order = np.array(data.draw(st.permutations(range(n_in))), dtype=np.int64)
     p = sp.csr_array(mask)
-    direct = col._distance2_greedy(col.as_pattern(p), order)
+    direct = _jacobian._distance2_greedy(col.as_pattern(p), order)
     assert direct is not None
     conflicts = sp.csr_array(mask.T.astype(np.int64) @ mask.astype(np.int64))
     np.testing.assert_array_equal(direct, col.greedy_coloring(conflicts, order))
@@ -485,7 +486,7 @@ def test_distance2_greedy_equals_greedy_on_the_conflict_graph(
 def test_smallest_last_is_skipped_on_large_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     p = sp.csr_array(crown_graph(4))
     assert n_colors(col.diagonal_coloring(p)) == 2
-    monkeypatch.setattr(col, "SMALLEST_LAST_MAX_EDGES", 3)
+    monkeypatch.setattr(_graph, "SMALLEST_LAST_MAX_EDGES", 3)
     assert n_colors(col.diagonal_coloring(p)) == 4  # natural and largest_first only
     only_sl = col.diagonal_coloring(p, orders=("smallest_last",))  # falls back to natural
     np.testing.assert_array_equal(only_sl, col.greedy_coloring(p, np.arange(8)))
@@ -494,7 +495,7 @@ def test_smallest_last_is_skipped_on_large_graphs(monkeypatch: pytest.MonkeyPatc
 def test_duplicate_rows_are_merged_without_changing_the_result() -> None:
     mask = np.random.default_rng(4).random((10, 14)) < 0.3
     repeated = np.repeat(mask, 3, axis=0)[np.random.default_rng(5).permutation(30)]
-    merged = col._distinct_nonempty_rows(col.as_pattern(sp.csr_array(repeated)))
+    merged = _jacobian._distinct_nonempty_rows(col.as_pattern(sp.csr_array(repeated)))
     expected_rows = {tuple(r) for r in mask if r.any()}
     assert merged.shape[0] == len(expected_rows)
     assert {tuple(r) for r in merged.toarray()} == expected_rows
@@ -512,8 +513,8 @@ def test_row_merging_survives_hash_collisions(monkeypatch: pytest.MonkeyPatch) -
         bit_generator = CollidingBitGenerator()
 
     mask = np.array([[1, 1, 0, 0], [0, 0, 1, 1], [1, 1, 0, 0], [0, 1, 1, 0]], dtype=bool)
-    monkeypatch.setattr(col.np.random, "default_rng", lambda seed: CollidingRng())
-    merged = col._distinct_nonempty_rows(col.as_pattern(sp.csr_array(mask)))
+    monkeypatch.setattr(np.random, "default_rng", lambda seed: CollidingRng())
+    merged = _jacobian._distinct_nonempty_rows(col.as_pattern(sp.csr_array(mask)))
     np.testing.assert_array_equal(merged.toarray(), mask)  # collision detected: nothing merged
     colors = col.column_coloring(sp.csr_array(mask))
     assert col.is_valid_column_coloring(sp.csr_array(mask), colors)

@@ -1,0 +1,384 @@
+"""Column, row and diagonal colorings of a per-sample Jacobian pattern, and their validity.
+
+Column coloring (forward mode; Curtis, Powell & Reid 1974), row coloring (reverse mode) and
+diagonal coloring (the trace; its conflict graph is the pattern of ``P + P^T``). The column
+and row colorings guard against the blow-up of their conflict graph ``P^T P``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import scipy.sparse as sp
+from numpy.typing import ArrayLike
+
+from ..._errors import NonSquareJacobianError
+from . import _graph
+from ._graph import (
+    ORDERS,
+    IntArray,
+    OrderName,
+    SparseLike,
+    _as_colors,
+    _best_greedy,
+    _check_orders,
+    _clique_lower_bound,
+    _count,
+    _degrees,
+    _greedy,
+    _order,
+    _row_ids,
+    as_pattern,
+)
+
+__all__ = [
+    "MAX_CONFLICT_PAIRS",
+    "MAX_DISTANCE2_WORK",
+    "column_coloring",
+    "diagonal_coloring",
+    "is_valid_column_coloring",
+    "is_valid_diagonal_coloring",
+    "is_valid_row_coloring",
+    "row_coloring",
+]
+
+#: Upper bound on the work (and memory) spent building a column / row conflict graph: the sum
+#: over distinct rows of ``nnz_row ** 2``, the number of pairs the product ``P^T P`` enumerates.
+#: Above it the graph is not built and only the ``"natural"`` order is tried, by a distance-2
+#: greedy that never forms ``P^T P`` (see :data:`MAX_DISTANCE2_WORK`).
+MAX_CONFLICT_PAIRS: int = 200_000_000
+
+#: Bound on the work of the graph-free distance-2 greedy used for the ``"natural"`` order of
+#: column / row colorings: ``nnz * ceil(n_colors / 64)`` over the distinct rows (about a second
+#: per 10 million). Past it the trivial coloring ``arange(n)`` is returned (always valid).
+MAX_DISTANCE2_WORK: int = 50_000_000
+
+
+# --------------------------------------------------------------------------------------------
+# Column, row and diagonal colorings
+# --------------------------------------------------------------------------------------------
+
+
+def _distinct_nonempty_rows(p: sp.csr_array) -> sp.csr_array:
+    """The nonempty rows of a canonical CSR pattern, each distinct support kept once.
+
+    Rows are grouped by a random 64-bit hash of their column sets, then every row is compared
+    entry by entry with its group's representative; on any mismatch (a hash collision) the
+    nonempty rows are returned unmerged. ``P^T P`` has the same pattern either way.
+    """
+    n_rows, n_cols = p.shape
+    nnz_row = np.diff(p.indptr)
+    rows = np.flatnonzero(nnz_row)
+    if rows.size <= 1:
+        return p[rows]
+    weights = np.random.default_rng(0x5EED).bit_generator.random_raw(n_cols + 1)
+    # uint64 sums wrap around silently, which is fine for a hash
+    keys = np.add.reduceat(weights[p.indices], p.indptr[rows])
+    keys += nnz_row[rows].astype(np.uint64) * weights[n_cols]
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    if first.size == rows.size:
+        return p[rows]
+    rep_of_row = np.arange(n_rows, dtype=np.int64)
+    rep_of_row[rows] = rows[first[inverse]]
+    entry_rows = _row_ids(p.indptr, n_rows)
+    start = p.indptr.astype(np.int64)
+    pos = np.arange(p.nnz, dtype=np.int64) - start[entry_rows] + start[rep_of_row[entry_rows]]
+    same_nnz = np.array_equal(nnz_row, nnz_row[rep_of_row])
+    if not (same_nnz and np.array_equal(p.indices, p.indices[pos])):
+        return p[rows]
+    return p[np.sort(rows[first])]
+
+
+def _distance2_greedy(p: sp.csr_array, order: IntArray) -> IntArray | None:
+    """First-fit column coloring read straight off the pattern, without forming ``P^T P``.
+
+    Every row keeps the set of colors its already-colored columns use, as the bits of a Python
+    int; a column takes the lowest color absent from the union over its rows. This is exactly
+    greedy coloring of the conflict graph in ``order``, in O(nnz * words) work and
+    O(n_rows * words) memory (``words = ceil(n_colors / 64)``). Returns ``None`` as soon as
+    ``nnz * words`` exceeds :data:`MAX_DISTANCE2_WORK`.
+    """
+    n_rows, n_cols = p.shape
+    if p.nnz > MAX_DISTANCE2_WORK:
+        return None
+    csc = p.tocsc()
+    colptr = csc.indptr.tolist()
+    row_index = csc.indices.tolist()
+    used = [0] * n_rows
+    colors = [0] * n_cols
+    color_limit = 64  # re-check the work bound each time the colors outgrow another word
+    for j in order.tolist():
+        rows = row_index[colptr[j] : colptr[j + 1]]
+        taken = 0
+        for r in rows:
+            taken |= used[r]
+        bit = (taken + 1) & ~taken  # lowest color not taken
+        color = bit.bit_length() - 1
+        if color >= color_limit:
+            color_limit += 64
+            if p.nnz * (color_limit // 64) > MAX_DISTANCE2_WORK:
+                return None
+        colors[j] = color
+        for r in rows:
+            used[r] |= bit
+    return np.array(colors, dtype=np.int64)
+
+
+def _column_coloring_canonical(p: sp.csr_array, orders: tuple[OrderName, ...]) -> IntArray:
+    n_in = p.shape[1]
+    if p.nnz == 0:
+        return np.zeros(n_in, dtype=np.int64)
+    if int(np.diff(p.indptr).max()) == n_in:
+        # a full row makes every pair of columns conflict: n colors are needed
+        return np.arange(n_in, dtype=np.int64)
+    distinct = _distinct_nonempty_rows(p)
+    nnz_row = np.diff(distinct.indptr).astype(np.int64)
+    lower_bound = int(nnz_row.max())  # every row's columns form a clique
+    graph_allowed = int((nnz_row * nnz_row).sum()) <= MAX_CONFLICT_PAIRS
+    conflicts: tuple[sp.csr_array, IntArray] | None = None  # the graph P^T P and its degrees
+    best: IntArray | None = None
+    for name in orders if graph_allowed else ("natural",):
+        colors = None
+        if name == "natural" and conflicts is None:
+            colors = _distance2_greedy(distinct, np.arange(n_in, dtype=np.int64))
+        if colors is None:
+            if not graph_allowed:
+                continue
+            if conflicts is None:
+                conflicts = _conflict_graph(distinct)
+            graph, degrees = conflicts
+            if name == "smallest_last" and int(degrees.sum()) // 2 > _graph.SMALLEST_LAST_MAX_EDGES:
+                continue
+            colors = _greedy(graph.indptr, graph.indices, _order(graph, name, degrees))
+        if best is None or _count(colors) < _count(best):
+            best = colors
+        if _count(best) <= lower_bound:
+            break
+    if best is None:  # every order was skipped (too large): natural, or trivial without a graph
+        if conflicts is None:
+            return np.arange(n_in, dtype=np.int64)
+        graph = conflicts[0]
+        best = _greedy(graph.indptr, graph.indices, np.arange(n_in, dtype=np.int64))
+    return best
+
+
+def _conflict_graph(p: sp.csr_array) -> tuple[sp.csr_array, IntArray]:
+    """The column conflict graph, the pattern of ``P^T P``, and its degrees."""
+    # float32 data: sums of positive counts never cancel to a dropped zero
+    weighted = sp.csr_array((np.ones(p.nnz, np.float32), p.indices, p.indptr), shape=p.shape)
+    graph = sp.csr_array(weighted.T.tocsr() @ weighted)
+    return graph, _degrees(graph)
+
+
+def column_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDERS) -> IntArray:
+    """Color the columns of ``pattern`` so that same-colored columns share no nonzero row.
+
+    With the one-hot seed matrix ``S[j, colors[j]] = 1``, the compressed ``C = J @ S`` (one JVP
+    per color) holds every nonzero of ``J``: ``J[i, j] = C[i, colors[j]]`` (Curtis, Powell &
+    Reid 1974).
+
+    How, and the guards against blow-up:
+
+    * Duplicate rows are merged first (they add no conflicts). Every row's columns form a
+      clique, so at least ``max(nnz per row)`` colors are needed; once an order reaches that
+      bound the remaining orders are not tried (they could not win).
+    * The ``"natural"`` order runs a distance-2 greedy straight on the pattern (per-row sets of
+      used colors), never forming ``P^T P``; optimal on convolution stencils.
+    * The other orders need the conflict graph, the pattern of ``P^T P``. It is built only if
+      the number of pairs it enumerates (sum of squared row counts) is at most
+      :data:`MAX_CONFLICT_PAIRS`; otherwise those orders are skipped and ``"natural"`` is used.
+    * Short cuts: an empty pattern gives color 0 everywhere; a full row gives
+      ``arange(n_in)`` (optimal). If nothing is affordable (see :data:`MAX_DISTANCE2_WORK`),
+      the trivial ``arange(n_in)`` is returned: always valid.
+
+    Args:
+        pattern: ``(n_out, n_in)`` scipy sparse matrix, any format; its stored nonzeros count.
+        orders: vertex orders to try (see :func:`vertex_order`); the fewest colors wins, ties go
+            to the earlier order. ``"smallest_last"`` is skipped on graphs with more than
+            :data:`SMALLEST_LAST_MAX_EDGES` edges; if every order is skipped, ``"natural"`` is
+            used.
+
+    Returns:
+        int64 array of length ``n_in`` with contiguous colors ``0 .. k - 1``.
+
+    Example:
+        >>> import scipy.sparse as sp
+        >>> p = sp.csr_array([[1, 1, 0], [0, 1, 1]])
+        >>> column_coloring(p)
+        array([0, 1, 0])
+    """
+    return _column_coloring_canonical(as_pattern(pattern), _check_orders(orders))
+
+
+def row_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDERS) -> IntArray:
+    """Color the rows of ``pattern`` so that same-colored rows share no nonzero column.
+
+    The column coloring of ``pattern.T``: with the one-hot ``S[i, row_colors[i]] = 1``, the
+    compressed ``R = S.T @ J`` (one VJP per color) holds every nonzero of ``J``:
+    ``J[i, j] = R[row_colors[i], j]``. Same short cuts and limits as :func:`column_coloring`.
+
+    Args:
+        pattern: ``(n_out, n_in)`` scipy sparse matrix, any format.
+        orders: vertex orders to try, as in :func:`column_coloring`.
+
+    Returns:
+        int64 array of length ``n_out`` with contiguous colors ``0 .. k - 1``.
+
+    Example:
+        >>> import scipy.sparse as sp
+        >>> p = sp.csr_array([[1, 0], [1, 1], [0, 1]])
+        >>> row_coloring(p)
+        array([0, 1, 0])
+    """
+    return _column_coloring_canonical(as_pattern(as_pattern(pattern).T), _check_orders(orders))
+
+
+def diagonal_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDERS) -> IntArray:
+    """Color the indices of a square pattern so that the compressed Jacobian reveals its diagonal.
+
+    Indices ``j != j'`` share a color only if ``P[j, j'] == P[j', j] == 0``. Then with the
+    one-hot ``S[j, colors[j]] = 1`` and ``C = J @ S``, ``C[j, colors[j]] == J[j, j]``: the exact
+    trace costs one JVP per color. The conflict
+    graph is the pattern of ``P + P^T`` (at most twice the size of ``P``), so no size guard is
+    needed; a pattern whose graph is complete gives ``arange(n)`` at once. The orders stop early
+    once a greedily found clique's size is reached.
+
+    Args:
+        pattern: ``(n, n)`` scipy sparse matrix, any format.
+        orders: vertex orders to try, as in :func:`column_coloring`.
+
+    Returns:
+        int64 array of length ``n`` with contiguous colors ``0 .. k - 1``.
+
+    Raises:
+        NonSquareJacobianError: (a ``ValueError``) if the pattern is not square.
+
+    Example:
+        >>> import scipy.sparse as sp
+        >>> tridiagonal = sp.diags_array([1, 1, 1], offsets=[-1, 0, 1], shape=(4, 4), dtype=bool)
+        >>> diagonal_coloring(tridiagonal)
+        array([0, 1, 0, 1])
+    """
+    orders_ = _check_orders(orders)
+    p = as_pattern(pattern)
+    n_out, n_in = p.shape
+    if n_out != n_in:
+        raise NonSquareJacobianError(
+            f"a diagonal coloring needs a square pattern, got n_out={n_out} rows and "
+            f"n_in={n_in} columns (shape {p.shape}); use column_coloring or row_coloring for "
+            "the whole Jacobian."
+        )
+    graph = as_pattern(p + p.T)
+    n_edges_directed = graph.nnz - int(graph.diagonal().sum())
+    if n_edges_directed == 0:
+        return np.zeros(n_in, dtype=np.int64)
+    if n_edges_directed == n_in * (n_in - 1):
+        return np.arange(n_in, dtype=np.int64)
+    degrees = _degrees(graph)
+    starts = [0, int(degrees.argmin()), int(degrees.argmax()), n_in - 1]
+    return _best_greedy(
+        graph, orders_, lower_bound=_clique_lower_bound(graph, starts), degrees=degrees
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Validity checks
+# --------------------------------------------------------------------------------------------
+
+
+def _no_repeated_color_per_row(p: sp.csr_array, colors: IntArray) -> bool:
+    if p.nnz == 0:
+        return True
+    k = int(colors.max()) + 1
+    keys = _row_ids(p.indptr, p.shape[0]) * k + colors[p.indices]
+    keys.sort()
+    return not bool(np.any(keys[1:] == keys[:-1]))
+
+
+def is_valid_column_coloring(pattern: SparseLike, colors: ArrayLike) -> bool:
+    """Whether no row of ``pattern`` has two nonzeros in columns of the same color.
+
+    Args:
+        pattern: ``(n_out, n_in)`` scipy sparse matrix.
+        colors: integer array of length ``n_in``.
+
+    Returns:
+        ``True`` if the coloring is valid (negative colors are invalid).
+
+    Raises:
+        PatternError: if ``colors`` is not a 1-D array of length ``n_in``.
+        PatternTypeError: if ``colors`` does not hold integers.
+
+    Example:
+        >>> import scipy.sparse as sp
+        >>> p = sp.csr_array([[1, 1, 0], [0, 1, 1]])
+        >>> is_valid_column_coloring(p, [0, 1, 0]), is_valid_column_coloring(p, [0, 0, 1])
+        (True, False)
+    """
+    p = as_pattern(pattern)
+    c = _as_colors(colors, p.shape[1], "colors")
+    if c.size and int(c.min()) < 0:
+        return False
+    return _no_repeated_color_per_row(p, c)
+
+
+def is_valid_row_coloring(pattern: SparseLike, row_colors: ArrayLike) -> bool:
+    """Whether no column of ``pattern`` has two nonzeros in rows of the same color.
+
+    Args:
+        pattern: ``(n_out, n_in)`` scipy sparse matrix.
+        row_colors: integer array of length ``n_out``.
+
+    Returns:
+        ``True`` if the coloring is valid (negative colors are invalid).
+
+    Raises:
+        PatternError: if ``row_colors`` is not a 1-D array of length ``n_out``.
+        PatternTypeError: if ``row_colors`` does not hold integers.
+
+    Example:
+        >>> import scipy.sparse as sp
+        >>> p = sp.csr_array([[1, 0], [1, 1], [0, 1]])
+        >>> is_valid_row_coloring(p, [0, 1, 0]), is_valid_row_coloring(p, [0, 0, 1])
+        (True, False)
+    """
+    pt = as_pattern(as_pattern(pattern).T)
+    c = _as_colors(row_colors, pt.shape[1], "row_colors")
+    if c.size and int(c.min()) < 0:
+        return False
+    return _no_repeated_color_per_row(pt, c)
+
+
+def is_valid_diagonal_coloring(pattern: SparseLike, colors: ArrayLike) -> bool:
+    """Whether every off-diagonal nonzero ``(i, j)`` of a square pattern has different colors.
+
+    Args:
+        pattern: ``(n, n)`` scipy sparse matrix.
+        colors: integer array of length ``n``.
+
+    Returns:
+        ``True`` if the coloring is valid (negative colors are invalid).
+
+    Raises:
+        NonSquareJacobianError: (a ``ValueError``) if the pattern is not square.
+        PatternError: if ``colors`` is not a 1-D array of length ``n``.
+        PatternTypeError: if ``colors`` does not hold integers.
+
+    Example:
+        >>> import scipy.sparse as sp
+        >>> p = sp.csr_array([[1, 1, 0], [0, 1, 0], [0, 0, 1]])
+        >>> is_valid_diagonal_coloring(p, [0, 1, 0]), is_valid_diagonal_coloring(p, [0, 0, 1])
+        (True, False)
+    """
+    p = as_pattern(pattern)
+    if p.shape[0] != p.shape[1]:
+        raise NonSquareJacobianError(
+            f"a diagonal coloring needs a square pattern, got shape {p.shape}."
+        )
+    c = _as_colors(colors, p.shape[1], "colors")
+    if c.size and int(c.min()) < 0:
+        return False
+    rows = _row_ids(p.indptr, p.shape[0])
+    off = rows != p.indices
+    return not bool(np.any(c[rows[off]] == c[p.indices[off]]))
