@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from divjac._core import estimators as est
+from divjac._core.estimators._common import t_factor
 from divjac._errors import (
     DivjacError,
     InputDtypeError,
@@ -364,11 +365,11 @@ def test_t_factor_is_the_student_quantile(dof: float) -> None:
     """kappa(nu) = max(1, t_nu(0.97) / 2), exact at nu = 1, within 0.6 %, for arrays too."""
     stats = pytest.importorskip("scipy.stats")
     expected = max(1.0, stats.t.ppf(0.97, dof) / 2)
-    got = est._t_factor(dof)
+    got = t_factor(dof)
     assert isinstance(got, float)
     np.testing.assert_allclose(got, expected, rtol=6e-3 if dof < 2 else 2e-3)
-    np.testing.assert_allclose(est._t_factor(np.full(3, float(dof))), expected, rtol=6e-3)
-    assert est._t_factor(1) == pytest.approx(np.tan(0.47 * np.pi) / 2, rel=1e-12)
+    np.testing.assert_allclose(t_factor(np.full(3, float(dof))), expected, rtol=6e-3)
+    assert t_factor(1) == pytest.approx(np.tan(0.47 * np.pi) / 2, rel=1e-12)
     # +- 2 stderr is then at least the 94 % Student-t interval.
     assert 2 * stats.t.cdf(2 * got, dof) - 1 > 0.94 - 2e-3
 
@@ -380,7 +381,7 @@ def test_hutchinson_matches_explicit_formula() -> None:
     terms = np.einsum("bik,bij,bjk->bk", probes, j, probes)
     estimate, stderr = est.hutchinson(lambda v: j @ v, probes)
     np.testing.assert_allclose(estimate, terms.mean(axis=-1), rtol=1e-12)
-    expected = est._t_factor(4) * terms.std(axis=-1, ddof=1) / np.sqrt(5)
+    expected = t_factor(4) * terms.std(axis=-1, ddof=1) / np.sqrt(5)
     np.testing.assert_allclose(stderr, expected, rtol=1e-12)
 
 
@@ -418,7 +419,7 @@ def test_xtrace_matches_explicit_leave_one_out() -> None:
         floored.append(naive + covariance < naive / 2)
     estimate, stderr = est.xtrace(lambda v: j @ v, omega)
     np.testing.assert_allclose(estimate, terms.mean(axis=-1), rtol=1e-10)
-    np.testing.assert_allclose(stderr, est._t_factor(m - 1) * np.sqrt(variance), rtol=1e-10)
+    np.testing.assert_allclose(stderr, t_factor(m - 1) * np.sqrt(variance), rtol=1e-10)
     assert any(floored) and not all(floored)  # both branches of the floor are exercised
 
 
@@ -434,7 +435,7 @@ def test_hutch_plus_plus_matches_explicit_formula() -> None:
         g = probes[b, :, m:]
         terms = np.diag(g.T @ p @ j[b] @ p @ g)
         expected[b] = np.trace(q.T @ j[b] @ q) + terms.mean()
-        expected_stderr[b] = est._t_factor(m - 1) * terms.std(ddof=1) / np.sqrt(m)
+        expected_stderr[b] = t_factor(m - 1) * terms.std(ddof=1) / np.sqrt(m)
     estimate, stderr = est.hutch_plus_plus(lambda v: j @ v, probes)
     np.testing.assert_allclose(estimate, expected, rtol=1e-12)
     np.testing.assert_allclose(stderr, expected_stderr, rtol=1e-10)

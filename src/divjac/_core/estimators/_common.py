@@ -1,0 +1,174 @@
+"""What the estimators share: the array namespace, checks, and the standard error's recipe.
+
+The standard error of every estimator is ``kappa(nu) * sqrt(V)`` with ``V`` an unbiased variance
+estimate with ``nu`` degrees of freedom and ``kappa(nu) = max(1, t_nu(0.97) / 2)`` (the package
+docstring), computed here by the Cornish-Fisher expansion of Student's t quantile (Abramowitz &
+Stegun 1964, formula 26.7.5).
+
+The namespace of an array is its own ``__array_namespace__()`` (NumPy >= 2 and JAX arrays have
+one, so JAX needs no extra package); only arrays without one (torch tensors) go through
+``array_api_compat``, imported then.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, TypeAlias
+
+import numpy as np
+
+from ..._errors import InputDtypeError, InternalError, NumProbesError
+
+__all__ = [
+    "Array",
+    "Matvec",
+    "apply",
+    "check_probes",
+    "column_dots",
+    "device",
+    "exact_trace",
+    "is_int",
+    "mean_and_stderr",
+    "mean_and_variance",
+    "namespace",
+    "single_term_stderr",
+    "t_factor",
+]
+
+Array: TypeAlias = Any
+"""An array of any array-API namespace (NumPy, ``jax.numpy``, torch)."""
+
+Matvec: TypeAlias = Callable[[Array], Array]
+"""Batched matvec: ``(B, n, k) -> (B, n, k)``, ``W[b] = J_b @ V[b]``."""
+
+
+def namespace(x: Array) -> Any:
+    """The array API namespace of ``x``: its own, else ``array_api_compat``'s (torch tensors).
+
+    Example:
+        >>> import numpy as np
+        >>> namespace(np.ones(3)) is np
+        True
+    """
+    own = getattr(x, "__array_namespace__", None)
+    if own is not None:
+        return own()
+    import array_api_compat
+
+    return array_api_compat.array_namespace(x)
+
+
+def device(x: Array) -> Any:
+    """The device of ``x``, for creating arrays beside it (``None`` for a traced JAX array)."""
+    if getattr(x, "__array_namespace__", None) is None:
+        import array_api_compat
+
+        return array_api_compat.device(x)
+    own = getattr(x, "device", None)
+    return own() if callable(own) else own  # a method in older JAX releases
+
+
+def _t97_coefficients() -> tuple[float, ...]:
+    """Coefficients ``a_1 .. a_5`` of ``t_nu(0.97) = z + sum_k a_k / nu^k``, ``z = z(0.97)``.
+
+    ``a_1 .. a_4``: the Cornish-Fisher expansion of Student's t quantile in powers of ``1 / nu``
+    (Abramowitz & Stegun 26.7.5); ``a_5`` makes the series exact at ``nu = 1``, where
+    ``t_1(0.97) = tan(0.47 pi)``. Within 0.6 % of the quantile for ``nu >= 1``, 0.2 % for
+    ``nu >= 2``.
+    """
+    z = _Z97
+    series = (
+        (z**3 + z) / 4,
+        (5 * z**5 + 16 * z**3 + 3 * z) / 96,
+        (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384,
+        (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160,
+    )
+    return (*series, math.tan(0.47 * math.pi) - z - sum(series))
+
+
+_Z97 = 1.8807936081512509
+"""The 97th percentile of the standard normal distribution."""
+
+
+_T97 = _t97_coefficients()
+
+
+def t_factor(dof: Any) -> Any:
+    """``kappa(dof) = max(1, t_dof(0.97) / 2)`` for ``dof >= 1``: a number or an array."""
+    inverse = 1 / dof
+    series = 0.0
+    for coefficient in reversed(_T97):
+        series = inverse * (coefficient + series)
+    half = (_Z97 + series) / 2
+    if isinstance(half, float):
+        return max(half, 1.0)
+    xp = namespace(half)
+    return xp.maximum(half, xp.ones_like(half))
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_probes(probes: Array, name: str, xp: Any) -> None:
+    if probes.ndim != 3:
+        raise NumProbesError(
+            f"{name} must have shape (B, n, k) (batch, input elements, columns); "
+            f"got shape {tuple(probes.shape)}."
+        )
+    if not xp.isdtype(probes.dtype, "real floating"):
+        raise InputDtypeError(f"{name} must have a real floating dtype; got {probes.dtype}.")
+
+
+def apply(matvec: Matvec, columns: Array) -> Array:
+    """Call ``matvec`` on all ``columns`` at once and check the shape of its answer."""
+    products = matvec(columns)
+    if tuple(products.shape) != tuple(columns.shape):
+        raise InternalError(
+            f"matvec returned shape {tuple(products.shape)} for columns of shape "
+            f"{tuple(columns.shape)}: it must return J_b @ V[b] for every sample b, "
+            "with the shape (B, n, k) of its input"
+        )
+    return products
+
+
+def column_dots(v: Array, w: Array) -> Array:
+    """``(..., n, k), (..., n, k) -> (..., k)``: the diagonal of ``V^T W``."""
+    xp = namespace(v)
+    return xp.sum(v * w, axis=-2)
+
+
+def mean_and_variance(terms: Array, xp: Any) -> tuple[Array, Array]:
+    """Mean of ``(B, k)`` independent terms over ``k >= 2`` and its variance estimate."""
+    k = terms.shape[-1]
+    mean = xp.mean(terms, axis=-1)
+    deviations = terms - mean[..., None]
+    return mean, xp.sum(deviations * deviations, axis=-1) / (k * (k - 1))
+
+
+def mean_and_stderr(terms: Array, xp: Any, images: Callable[[], Array]) -> tuple[Array, Array]:
+    """Mean of ``(B, k)`` independent terms over ``k`` and its standard error.
+
+    ``kappa(k - 1)`` times the sample standard deviation over ``sqrt(k)``; for ``k == 1``, the
+    single-term estimate from ``images()``, the columns ``A v`` of the term ``v^T A v``.
+    """
+    k = terms.shape[-1]
+    if k == 1:
+        return xp.mean(terms, axis=-1), single_term_stderr(images(), xp)
+    mean, variance = mean_and_variance(terms, xp)
+    return mean, t_factor(k - 1) * xp.sqrt(variance)
+
+
+def single_term_stderr(images: Array, xp: Any) -> Array:
+    """``sqrt(2 sum ||A v||^2)`` over the ``(B, n, c)`` columns ``A v`` of independent terms."""
+    return xp.sqrt(2 * xp.sum(images * images, axis=(-2, -1)))
+
+
+def exact_trace(matvec: Matvec, like: Array, xp: Any) -> tuple[Array, Array]:
+    """The exact traces from the ``n`` identity columns (``n`` matvecs), standard error 0."""
+    batch, n = like.shape[0], like.shape[-2]
+    eye = xp.eye(n, dtype=like.dtype, device=device(like))
+    columns = xp.broadcast_to(eye, (batch, n, n))
+    trace = xp.sum(column_dots(columns, apply(matvec, columns)), axis=-1)
+    return trace, xp.zeros_like(trace)
