@@ -1,0 +1,223 @@
+"""Every error of ``divjac.jax`` and ``divjac.torch`` is raised with a message that names the
+problem and the fix: one suite, run on both backends (framework-specific checks stay in
+``tests/jax/test_errors.py`` and ``tests/torch/test_errors.py``)."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+import divjac
+from divjac._errors import OptionError
+from tests.reference import jax_diagonal_blocks, torch_diagonal_blocks, traces
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A divjac backend and the few framework calls the tests need (einops-style)."""
+
+    dj: types.ModuleType
+    ones: Callable[..., Any]  # ones(shape) in the framework's default floating dtype
+    ones_int32: Callable[..., Any]
+    array: Callable[[np.ndarray], Any]  # a float64 array from NumPy
+    to_numpy: Callable[[Any], np.ndarray]
+    concat: Callable[[list[Any], int], Any]
+    mean: Callable[[Any, int], Any]
+    to_int32: Callable[[Any], Any]
+    randomness: Callable[[], Any]  # a key (JAX) or a generator (torch)
+    diagonal_blocks: Callable[..., np.ndarray]
+    cast_hint: str  # what the message on an integer input suggests
+    randomness_hint: str  # how the message on a missing key / generator says to pass it
+    argnums_type_hint: str  # the message when argnums selects a dict
+
+
+def _jax() -> Backend:
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import divjac.jax
+    import jax
+
+    return Backend(
+        dj=divjac.jax,
+        ones=jnp.ones,
+        ones_int32=lambda shape: jnp.ones(shape, jnp.int32),
+        array=jnp.asarray,
+        to_numpy=np.asarray,
+        concat=lambda xs, axis: jnp.concatenate(xs, axis=axis),
+        mean=lambda x, axis: jnp.mean(x, axis=axis),
+        to_int32=lambda x: x.astype(jnp.int32),
+        randomness=lambda: jax.random.key(0),
+        diagonal_blocks=jax_diagonal_blocks,
+        cast_hint=r"int32.*astype\(jnp.float32\)",
+        randomness_hint=r"fn\(jax.random.key\(0\), \*args",
+        argnums_type_hint="selects an argument of type dict",
+    )
+
+
+def _torch() -> Backend:
+    pytest.importorskip("torch")
+    import divjac.torch
+    import torch
+
+    return Backend(
+        dj=divjac.torch,
+        ones=lambda shape: torch.ones(shape),
+        ones_int32=lambda shape: torch.ones(shape, dtype=torch.int32),
+        array=torch.from_numpy,
+        to_numpy=lambda x: x.detach().numpy(),
+        concat=lambda xs, axis: torch.cat(xs, dim=axis),
+        mean=lambda x, axis: torch.mean(x, dim=axis),
+        to_int32=lambda x: x.int(),
+        randomness=lambda: torch.Generator().manual_seed(0),
+        diagonal_blocks=torch_diagonal_blocks,
+        cast_hint=r"torch.int32.*x\.float\(\)",
+        randomness_hint=r"fn\(torch.Generator\(\).manual_seed\(0\), \*args",
+        argnums_type_hint=r"type dict.*\.backward\(\)",
+    )
+
+
+@pytest.fixture(params=["jax", "torch"])
+def backend(request: pytest.FixtureRequest) -> Backend:
+    return _jax() if request.param == "jax" else _torch()
+
+
+def test_divergence_of_nonsquare_jacobian_names_both_shapes(backend: Backend) -> None:
+    x = backend.ones((4, 3))
+    f = lambda x: backend.concat([x, x], 1)  # noqa: E731
+    with pytest.raises(divjac.NonSquareJacobianError, match=r"\(6,\).*\(3,\)"):
+        backend.dj.divergence(f)(x)
+    same_size = lambda x: x.reshape(4, 3, 1) * 2.0  # noqa: E731
+    with pytest.raises(divjac.NonSquareJacobianError, match="reshape the output"):
+        backend.dj.divergence(same_size)(x)
+    assert issubclass(divjac.NonSquareJacobianError, ValueError)
+
+
+def test_output_batch_size_must_match(backend: Backend) -> None:
+    with pytest.raises(divjac.BatchSizeMismatchError, match=r"batch size 2 .* batch size 4"):
+        backend.dj.jacobian(lambda x: x[:2])(backend.ones((4, 3)))
+
+
+def test_integer_input_is_refused_with_a_cast_hint(backend: Backend) -> None:
+    with pytest.raises(divjac.InputDtypeError, match=backend.cast_hint):
+        backend.dj.divergence(lambda x: x * 2)(backend.ones_int32((4, 3)))
+    assert issubclass(divjac.InputDtypeError, TypeError)
+
+
+def test_integer_output_is_refused(backend: Backend) -> None:
+    with pytest.raises(divjac.OutputError, match="floating output"):
+        backend.dj.jacobian(lambda x: backend.to_int32(x > 0))(backend.ones((4, 3)))
+
+
+def test_argnums_out_of_range(backend: Backend) -> None:
+    x = backend.ones((4, 3))
+    with pytest.raises(divjac.ArgnumsError, match=r"argnums=2 is out of range .* 2 positional"):
+        backend.dj.jacobian(lambda x, y: x * y, 2)(x, x)
+    with pytest.raises(divjac.ArgnumsError, match="must be an int"):
+        backend.dj.divergence(lambda x: x, argnums="x")(x)
+
+
+def test_argnums_must_select_an_array(backend: Backend) -> None:
+    with pytest.raises(divjac.ArgnumsError, match=backend.argnums_type_hint):
+        backend.dj.jacobian(lambda p, x: p["w"] * x, 0)({"w": 1.0}, backend.ones((4, 3)))
+
+
+def test_batch_axis_out_of_range(backend: Backend) -> None:
+    x = backend.ones((4, 3))
+    with pytest.raises(divjac.BatchAxisError, match=r"batch_axis=2 .* shape \(4, 3\)"):
+        backend.dj.jacobian(lambda x: x, batch_axis=2)(x)
+    with pytest.raises(divjac.BatchAxisError, match="batch_axis=None for a single-sample"):
+        backend.dj.divergence(lambda x: x)(backend.ones(()))
+    with pytest.raises(divjac.BatchAxisError, match="function's output"):
+        backend.dj.jacobian(lambda x: x.sum(), batch_axis=0)(x)
+
+
+def test_output_must_be_one_array(backend: Backend) -> None:
+    x = backend.ones((4, 3))
+    with pytest.raises(divjac.OutputError, match="single array; got tuple"):
+        backend.dj.jacobian(lambda x: (x, x))(x)
+    with pytest.raises(divjac.OutputError, match="has_aux=True needs"):
+        backend.dj.jacobian(lambda x: x, has_aux=True)(x)
+
+
+def test_laplacian_needs_a_scalar_per_sample(backend: Backend) -> None:
+    with pytest.raises(divjac.OutputError, match="one scalar per sample"):
+        backend.dj.laplacian(lambda x: x**2)(backend.ones((4, 3)))
+
+
+def test_bad_options(backend: Backend) -> None:
+    dj = backend.dj
+    with pytest.raises(OptionError, match="mode must be one of") as info:
+        dj.jacobian(lambda x: x, mode="forward")
+    assert isinstance(info.value, ValueError) and isinstance(info.value, divjac.DivjacError)
+    with pytest.raises(OptionError, match="method must be one of"):
+        dj.divergence(lambda x: x, method="hutch")
+    with pytest.raises(OptionError, match="distribution must be one of"):
+        dj.divergence(lambda x: x, method="hutchinson", distribution="uniform")
+    with pytest.raises(OptionError, match="coupling must be one of"):
+        dj.divergence(lambda x: x, coupling="ignore")
+    with pytest.raises(OptionError, match="chunk_size must be a positive int"):
+        dj.divergence(lambda x: x, chunk_size=0)(backend.ones((4, 3)))
+
+
+def test_stochastic_method_without_randomness(backend: Backend) -> None:
+    x = backend.ones((4, 3))
+    hutchinson = backend.dj.divergence(lambda x: x, method="hutchinson")
+    with pytest.raises(divjac.MissingKeyError, match=backend.randomness_hint):
+        hutchinson(x)
+    with pytest.raises(divjac.MissingKeyError, match="got int"):
+        hutchinson(0, x)
+    assert issubclass(divjac.MissingKeyError, TypeError)
+
+
+def test_num_probes_errors(backend: Backend) -> None:
+    dj, x = backend.dj, backend.ones((4, 3))
+    with pytest.raises(divjac.NumProbesError, match="multiple of 3"):
+        dj.divergence(lambda x: x, method="hutch++", num_probes=4)(backend.randomness(), x)
+    with pytest.raises(divjac.NumProbesError, match="even"):
+        dj.divergence(lambda x: x, method="xtrace", num_probes=3)(backend.randomness(), x)
+    with pytest.raises(divjac.NumProbesError, match="method='exact' costs n=3"):
+        dj.divergence(lambda x: x, method="xtrace", num_probes=8)(backend.randomness(), x)
+    with pytest.raises(divjac.NumProbesError, match="needs 4 random vectors"):
+        dj.divergence(lambda x: x, method="hutchinson", num_probes=4)(backend.ones((2, 4, 3)), x)
+    with pytest.raises(divjac.NumProbesError, match="shape of the differentiated input"):
+        dj.divergence(lambda x: x, method="hutchinson")(backend.ones((16, 3, 4)), x)
+
+
+# --- batch coupling -------------------------------------------------------------------------
+
+
+def test_coupled_functions_raise_everywhere(backend: Backend) -> None:
+    dj = backend.dj
+    x = backend.array(np.random.default_rng(0).standard_normal((5, 3)))
+    center = lambda x: x - backend.mean(x, 0)  # noqa: E731
+    for fn in [
+        dj.jacobian(center),
+        dj.divergence(center),
+        dj.value_and_divergence(center),
+        dj.sparse_jacobian(center),
+    ]:
+        with pytest.raises(divjac.BatchCouplingError, match="output sample 0 depends on input"):
+            fn(x)
+    stochastic = dj.divergence(center, method="hutchinson")
+    with pytest.raises(divjac.BatchCouplingError, match="output sample 0 depends on input"):
+        stochastic(backend.randomness(), x)
+
+
+@pytest.mark.parametrize("method", ["exact", "sparse", "auto"])
+def test_coupling_exact_gives_true_diagonal_blocks(backend: Backend, method: str) -> None:
+    dj = backend.dj
+    x = backend.array(np.random.default_rng(3).standard_normal((5, 3)))
+    center = lambda x: x - backend.mean(x, 0)  # noqa: E731
+    blocks = backend.diagonal_blocks(center, (x,))
+    jacobian = backend.to_numpy(dj.jacobian(center, coupling="exact")(x))
+    np.testing.assert_allclose(jacobian, blocks, rtol=1e-12)
+    reverse = backend.to_numpy(dj.jacobian(center, coupling="exact", mode="rev")(x))
+    np.testing.assert_allclose(reverse, blocks, rtol=1e-12)
+    got = backend.to_numpy(dj.divergence(center, coupling="exact", method=method)(x))
+    np.testing.assert_allclose(got, traces(blocks, (3,)), rtol=1e-12)
