@@ -73,11 +73,10 @@ def xtrace(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
     estimate of the variance; being an average of products it is noisy (when ``c`` is about 0
     its standard deviation is 10-60 % of ``s^2 / m``) and can be negative, so the variance
     estimate is ``V = max(s^2 / m + c_hat, s^2 / (2 m))``, and ``stderr = kappa(m - 1)
-    sqrt(V)`` (module docstring). The leave-two-out bases come from the same QR (their
+    sqrt(V)`` (package docstring). The leave-two-out bases come from the same QR (their
     complement in ``range(Q)`` is spanned by ``s_i`` and ``s_j``): ``O(m^3)`` more work per
     sample, no matvec. With ``m == 1`` the estimate is the single Hutchinson term ``w^T J w``,
-    and the standard error its conservative single-term estimate
-    (module docstring).
+    and the standard error its conservative single-term estimate (package docstring).
 
     Args:
         matvec: Batched matvec, ``(B, n, k) -> (B, n, k)``, ``W[b] = J_b @ V[b]``.
@@ -89,8 +88,7 @@ def xtrace(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
         standard error above (0 when ``2m >= n``: the exact trace).
 
     Raises:
-        NumProbesError: ``probes`` has no column or more than ``n`` columns.
-        NumProbesError: ``probes`` is not 3-d.
+        NumProbesError: ``probes`` is not 3-d, or has no column or more than ``n`` columns.
         InputDtypeError: ``probes`` does not have a real floating dtype.
         InternalError: ``matvec`` returns a different shape.
 

@@ -33,7 +33,7 @@ def hutchinson(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
     Returns:
         ``(estimate, stderr)``, each of shape ``(B,)``: the mean of the ``k`` independent terms
         and their sample standard deviation (``ddof=1``) over ``sqrt(k)``, times Student's
-        ``kappa(k - 1)`` (module docstring). With ``k == 1``: the conservative single-term
+        ``kappa(k - 1)`` (package docstring). With ``k == 1``: the conservative single-term
         estimate ``sqrt(2) ||J v||``.
 
     Raises:

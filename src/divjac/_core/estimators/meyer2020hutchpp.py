@@ -47,14 +47,14 @@ def hutch_plus_plus(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
         ``(estimate, stderr)``, each of shape ``(B,)``. Given the sketch, the exact part has no
         error and the ``m`` Hutchinson terms ``g^T P J P g`` are independent with mean
         ``tr(P J P)``: the standard error is theirs (sample standard deviation over ``sqrt(m)``,
-        times ``kappa(m - 1)``, module docstring). With ``m == 1`` (``num_probes=3``) there is no
+        times ``kappa(m - 1)``, package docstring). With ``m == 1`` (``num_probes=3``) there is no
         sample variance: the conservative single-term estimate ``sqrt(2) ||P J P g||`` (about
         ``sqrt(2)`` times too large for non-symmetric ``J``, more for Rademacher probes and a
         large diagonal).
 
     Raises:
-        NumProbesError: The number of probe columns is odd, zero, or above ``2n``.
-        NumProbesError: ``probes`` is not 3-d.
+        NumProbesError: ``probes`` is not 3-d, or its number of columns is odd, zero, or
+            above ``2n``.
         InputDtypeError: ``probes`` does not have a real floating dtype.
         InternalError: ``matvec`` returns a different shape.
 

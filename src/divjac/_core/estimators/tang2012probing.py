@@ -100,7 +100,7 @@ def probing(
     ``s_C^2`` would bias it low (``E[s_C^4] = Var(t_C)^2 (r + 1) / (r - 1)`` for normal terms);
     correcting both sums gives ``nu_hat = (r + 1) (sum_C s_C^2)^2 / sum_C s_C^4 - 2``, clipped
     to ``[r - 1, c (r - 1)]`` (exactly ``r - 1`` when one class carries all the variance). The
-    standard error is ``kappa(nu_hat) sqrt(sum_C s_C^2 / r)`` (module docstring). With one
+    standard error is ``kappa(nu_hat) sqrt(sum_C s_C^2 / r)`` (package docstring). With one
     repetition it is the conservative single-term estimate ``sqrt(2 sum_C ||(J v_C)_C||^2)``
     (``(x)_C``: the elements of ``x`` in ``C``; it includes the diagonal of ``J``, so it can be
     far too large).
