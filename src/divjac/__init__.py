@@ -17,7 +17,9 @@ from ._errors import (
     MissingKeyError as MissingKeyError,
     NonSquareJacobianError as NonSquareJacobianError,
     NumProbesError as NumProbesError,
+    OptionError as OptionError,
     OutputError as OutputError,
+    PatternError as PatternError,
     RetraceWarning as RetraceWarning,
 )
 
@@ -50,7 +52,9 @@ __all__ = [
     "MissingKeyError",
     "NonSquareJacobianError",
     "NumProbesError",
+    "OptionError",
     "OutputError",
+    "PatternError",
     "RetraceWarning",
     "__version__",
     "clear_caches",

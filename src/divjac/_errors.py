@@ -50,6 +50,16 @@ class OutputError(DivjacError, TypeError):
     """The function's output is not what the transform needs (an array, a scalar per sample, ...)."""
 
 
+class OptionError(DivjacError, ValueError):
+    """An option of a transform (``mode``, ``method``, ``coupling``, ``chunk_size``, ...) has a
+    value divjac does not accept."""
+
+
+class PatternError(DivjacError, ValueError):
+    """A sparsity pattern, a coloring or a probing distance does not fit: wrong shape, negative
+    or missing colors, an unknown vertex order."""
+
+
 class NumProbesError(DivjacError, ValueError):
     """``num_probes`` (or the given probes) does not fit the stochastic method."""
 
