@@ -22,8 +22,8 @@ F = TypeVar("F", bound=Callable[..., object])
 _RANDOMNESS = """The function of a stochastic method takes one more argument, **first**: its
 randomness, a JAX PRNG key (``jax.random.key(0)``) or a ``torch.Generator`` (``None``:
 torch's global generator), or the caller's own probes (a floating array of shape
-``(k, *x.shape)``, or ``x.shape`` for one). Every argument and keyword after it is ``f``'s and
-reaches ``f`` untouched (``key=`` of an Equinox model included)."""
+``(k, *x.shape)``, or ``x.shape`` for one). Every argument and keyword after it is ``f``'s
+and reaches ``f`` untouched (``key=`` of an Equinox model included)."""
 
 ARGS: dict[str, str] = {
     "f": """batched function (in PyTorch also an ``nn.Module``); argument ``argnums`` and the
@@ -98,19 +98,21 @@ class _Doc:
     args: tuple[str, ...]
     returns: str
     raises: tuple[str, ...]
+    stochastic: bool = False  # its function may take a stochastic method's randomness first
 
     def text(self, extra_args: dict[str, str]) -> str:
         lines = [inspect.cleandoc(self.summary), "", "Args:"]
         texts = {**{name: ARGS[name] for name in self.args}, **extra_args}
         lines += [f"    {name}: {_flat(text)}" for name, text in texts.items()]
-        lines += ["", "Returns:", f"    {_flat(self.returns)}", "", "Raises:"]
+        returns = self.returns + ("\n" + _RANDOMNESS if self.stochastic else "")
+        lines += ["", "Returns:", f"    {_flat(returns)}", "", "Raises:"]
         lines += [f"    {_flat(text)}" for text in self.raises]
         return "\n".join(lines)
 
 
 def _flat(text: str) -> str:
     """A fragment's continuation lines indented under its first line (8 spaces)."""
-    first, *rest = inspect.cleandoc(text).splitlines()
+    first, *rest = (textwrap.dedent(line) for line in inspect.cleandoc(text).splitlines())
     return "\n".join([first, *(f"        {line}" for line in rest)])
 
 
@@ -136,9 +138,9 @@ _DOCS: dict[str, _Doc] = {
     "divergence": _Doc(
         "Per-sample divergence (trace of the per-sample Jacobian) of a batched function.",
         _DIVERGENCE_ARGS,
-        "A function with ``f``'s signature returning the per-sample divergence, shape ``(B,)``. "
-        + _RANDOMNESS,
+        "A function with ``f``'s signature returning the per-sample divergence, shape ``(B,)``.",
         _DIV_RAISES,
+        stochastic=True,
     ),
     "value_and_divergence": _Doc(
         """``f``'s output and its per-sample divergence from one shared forward computation.
@@ -146,9 +148,9 @@ _DOCS: dict[str, _Doc] = {
         As ``jax.value_and_grad`` and ``torch.func.grad_and_value`` pair them.""",
         _DIVERGENCE_ARGS,
         """A function with ``f``'s signature returning ``(value, div)`` (``((value, aux),
-        div)`` with ``has_aux``; ``div`` as :func:`divergence` returns it). """
-        + _RANDOMNESS,
+        div)`` with ``has_aux``; ``div`` as :func:`divergence` returns it).""",
         _DIV_RAISES,
+        stochastic=True,
     ),
     "divergence_from_pattern": _Doc(
         """Exact per-sample divergence of a batched function, from its given sparsity pattern.
@@ -173,9 +175,9 @@ _DOCS: dict[str, _Doc] = {
         framework's gradient (``jax.grad``, ``torch.func.grad``), so it stays differentiable
         w.r.t. parameters.""",
         tuple(a for a in _DIVERGENCE_ARGS if a != "return_stderr"),
-        "A function with ``f``'s signature returning the gradients, shape ``(B, *in_sample)``. "
-        + _RANDOMNESS,
+        "A function with ``f``'s signature returning the gradients, shape ``(B, *in_sample)``.",
         _DIV_RAISES,
+        stochastic=True,
     ),
     "laplacian": _Doc(
         """Per-sample Laplacian of a scalar-per-sample function ``u: [B, *shape] -> [B]``.
@@ -184,9 +186,9 @@ _DOCS: dict[str, _Doc] = {
         (Hessian-vector products); ``method`` works as in :func:`divergence` (the Hessian
         pattern is symmetric, so ``"sparse"`` uses a diagonal coloring of it).""",
         ("u", *(a for a in _DIVERGENCE_ARGS[1:] if a != "probing_distance")),
-        "A function with ``u``'s signature returning the per-sample Laplacian, shape ``(B,)``. "
-        + _RANDOMNESS,
+        "A function with ``u``'s signature returning the per-sample Laplacian, shape ``(B,)``.",
         _DIV_RAISES,
+        stochastic=True,
     ),
     "sparsity": _Doc(
         """The per-sample Jacobian sparsity of a batched function, as a transform.
