@@ -284,11 +284,13 @@ def _divergences(
     """``(*args) -> [(value, div, aux)]``, one per argument of ``argnums``."""
     _check_options(ds, coupling, fname)
 
-    def one(argnum: int) -> Callable[..., list[tuple[Array, Any, Any]]]:
-        inner = _divergence_transform(backend, f, argnum, batch_axis, has_aux, coupling, ds, fname)
-        return lambda *args, **kwargs: [inner(*args, **kwargs)]
+    def one(argnum: int) -> Callable[..., tuple[Array, Any, Any]]:
+        return _divergence_transform(backend, f, argnum, batch_axis, has_aux, coupling, ds, fname)
 
-    return per_argnum(argnums, one, lambda parts: [r for part in parts for r in part], fname=fname)
+    transform = per_argnum(argnums, one, list, fname=fname)
+    if isinstance(argnums, Sequence):
+        return transform
+    return lambda *args, **kwargs: [transform(*args, **kwargs)]
 
 
 def divergence(

@@ -54,8 +54,9 @@ def per_argnum(
 ) -> Callable[..., Any]:
     """The transform ``make(argnums)``, or for a tuple of ``argnums`` one per argument, whose
     calls return ``combine`` of their results (as ``jax.jacfwd`` does with a tuple)."""
+    _check_argnums(argnums, fname)
     if not isinstance(argnums, Sequence):
-        return make(argnums)  # an int (anything else is refused, at the call, by the checks)
+        return make(argnums)
     if not argnums:
         raise ArgnumsError(
             f"{fname}: argnums=() selects no argument. Pass an int, or a non-empty tuple of ints."
@@ -66,6 +67,24 @@ def per_argnum(
         return combine([part(*args, **kwargs) for part in parts])
 
     return each
+
+
+def _check_argnums(argnums: object, fname: str) -> None:
+    """Raise :class:`ArgnumsError` unless ``argnums`` is an int or a sequence of ints."""
+    items = argnums if isinstance(argnums, Sequence) else (argnums,)
+    if isinstance(argnums, str) or not all(
+        isinstance(a, int) and not isinstance(a, bool) for a in items
+    ):
+        hint = ""
+        if fname == "sparsity":
+            hint = (
+                " sparsity is a transform: pass f's arguments to the function it returns, "
+                "sparsity(f)(x) (or sparsity(f, argnums=1)(params, x))."
+            )
+        raise ArgnumsError(
+            f"{fname}: argnums must be an int or a tuple of ints; got {type(argnums).__name__}."
+            + hint
+        )
 
 
 def tuple_of(has_aux: bool) -> Callable[[list[Any]], Any]:

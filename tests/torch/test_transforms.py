@@ -528,6 +528,10 @@ def test_sparsity_is_a_transform_whose_calls_take_the_functions_own_keywords():
 
     pattern = sparsity(f)(x, batch_axis=2.0, argnums=3.0)
     assert pattern.nnz == 6 and pattern.is_batch_independent
+    with pytest.raises(divjac.ArgnumsError, match=r"sparsity\(f\)\(x\)"):
+        sparsity(f, x)  # the eager form of earlier versions
+    with pytest.raises(divjac.ArgnumsError, match="got float"):
+        jacobian(f, 1.0)
     single = sparsity(lambda s: torch.cumsum(s, dim=0), batch_axis=None)(x[0])
     np.testing.assert_array_equal(single.todense(), pattern.todense())
 
