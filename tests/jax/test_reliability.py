@@ -265,8 +265,10 @@ def test_messages_name_the_fix():
         divergence(center, method="hutch++", num_probes=3, coupling="exact")(jax.random.key(0), x)
     with pytest.raises(divjac.BatchCouplingError, match="pass batch_axis=None"):
         divergence(center)(x)
-    with pytest.raises(divjac.ArgnumsError, match=r"sparsity\(f, x, ...\)"):
-        sparsity(jnp.sin)
+    with pytest.raises(divjac.ArgnumsError, match=r"sparsity\(f\)\(x\)"):
+        sparsity(jnp.sin, x)
+    with pytest.raises(divjac.ArgnumsError, match="without positional arguments"):
+        sparsity(jnp.sin)()
     with pytest.raises(divjac.BatchAxisError, match="the batch is empty"):
         divergence(jnp.sin)(jnp.ones((0, 3)))
     with pytest.raises(divjac.MissingKeyError, match="got int"):
