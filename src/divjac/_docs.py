@@ -35,7 +35,6 @@ ARGS: dict[str, str] = {
         wrong values). Detected once, it is reused with no detection at any call.""",
     "argnums": """position of the differentiated array argument; a tuple of positions gives a
         tuple of results, one per argument (``has_aux``: ``(results, aux)``).""",
-    "argnum": "position of the differentiated array argument.",
     "batch_axis": """batch axis of the differentiated argument and of the output; ``None`` for
         a single-sample function.""",
     "mode": """``"fwd"`` (one JVP per input element), ``"rev"`` (one VJP per output element),
@@ -77,6 +76,9 @@ _DIV_RAISES = (
     _OPTION,
     _ARG_RAISES,
 )
+_ONE_ARGNUM = (
+    ("argnums", "position of the differentiated array argument (one: the pattern is its own)."),
+)
 _DIVERGENCE_ARGS = (
     "f",
     "argnums",
@@ -99,10 +101,11 @@ class _Doc:
     returns: str
     raises: tuple[str, ...]
     stochastic: bool = False  # its function may take a stochastic method's randomness first
+    own_args: tuple[tuple[str, str], ...] = ()  # (name, text) replacing the shared text
 
     def text(self, extra_args: dict[str, str]) -> str:
         lines = [inspect.cleandoc(self.summary), "", "Args:"]
-        texts = {**{name: ARGS[name] for name in self.args}, **extra_args}
+        texts = {**{name: ARGS[name] for name in self.args}, **dict(self.own_args), **extra_args}
         lines += [f"    {name}: {_flat(text)}" for name, text in texts.items()]
         returns = self.returns + ("\n" + _RANDOMNESS if self.stochastic else "")
         lines += ["", "Returns:", f"    {_flat(returns)}", "", "Raises:"]
@@ -130,10 +133,11 @@ _DOCS: dict[str, _Doc] = {
         The staged form of ``jacobian(f, mode="sparse")``: one pass per color of ``pattern``'s
         column (or row) coloring, and no detection at the call (as asdex's
         ``jacobian_from_coloring``).""",
-        ("f", "pattern", "argnum", "batch_axis", "chunk_size", "has_aux"),
+        ("f", "pattern", "argnums", "batch_axis", "chunk_size", "has_aux"),
         """A function with ``f``'s signature returning the per-sample Jacobians, shape
         ``(B, *out_sample, *in_sample)``.""",
         (_PATTERN, _ARG_RAISES),
+        own_args=_ONE_ARGNUM,
     ),
     "divergence": _Doc(
         "Per-sample divergence (trace of the per-sample Jacobian) of a batched function.",
@@ -157,13 +161,14 @@ _DOCS: dict[str, _Doc] = {
 
         The staged form of ``divergence(f, method="sparse")``: one pass per color of
         ``pattern``'s diagonal coloring, and no detection at the call.""",
-        ("f", "pattern", "argnum", "batch_axis", "chunk_size", "has_aux"),
+        ("f", "pattern", "argnums", "batch_axis", "chunk_size", "has_aux"),
         "A function with ``f``'s signature returning the per-sample divergence, shape ``(B,)``.",
         (
             _PATTERN,
             """NonSquareJacobianError: output and input samples differ in shape.""",
             _ARG_RAISES,
         ),
+        own_args=_ONE_ARGNUM,
     ),
     "grad_divergence": _Doc(
         """Per-sample gradient of the divergence w.r.t. the input.

@@ -75,7 +75,7 @@ def jacobian_from_pattern(
     f: Callable[..., Any],
     pattern: SparsityPattern,
     /,
-    argnum: int = 0,
+    argnums: int = 0,
     *,
     batch_axis: int | None = 0,
     chunk_size: int | None = None,
@@ -92,7 +92,7 @@ def jacobian_from_pattern(
         [1.0, 1.0, 0.0, 0.0, 0.0]
     """
     return T.jacobian_from_pattern(
-        BACKEND, f, pattern, argnum, batch_axis=batch_axis, chunk_size=chunk_size, has_aux=has_aux
+        BACKEND, f, pattern, argnums, batch_axis=batch_axis, chunk_size=chunk_size, has_aux=has_aux
     )
 
 
@@ -182,7 +182,7 @@ def divergence_from_pattern(
     f: Callable[..., Any],
     pattern: SparsityPattern,
     /,
-    argnum: int = 0,
+    argnums: int = 0,
     *,
     batch_axis: int | None = 0,
     chunk_size: int | None = None,
@@ -199,7 +199,7 @@ def divergence_from_pattern(
         [30.0, 30.0]
     """
     return D.divergence_from_pattern(
-        BACKEND, f, pattern, argnum, batch_axis=batch_axis, chunk_size=chunk_size, has_aux=has_aux
+        BACKEND, f, pattern, argnums, batch_axis=batch_axis, chunk_size=chunk_size, has_aux=has_aux
     )
 
 
