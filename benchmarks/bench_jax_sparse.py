@@ -46,7 +46,7 @@ def run(quick: bool) -> list[Result]:
     params = models.init_cnn(key, channels=16, layers=3)
     x = jax.random.normal(jax.random.key(1), (8, 32, 32, 3))
     repeat = 2 if quick else 5
-    pattern = sparsity(models.cnn, params, x, argnums=1)
+    pattern = sparsity(models.cnn, argnums=1)(params, x)
     sparse = jax.jit(divergence(models.cnn, 1, method="sparse"))
     dense = jax.jit(_dense_reference)
     ours_value = sparse(params, x)
@@ -88,11 +88,11 @@ def _detection(params, quick: bool) -> list[Result]:
         x = jnp.zeros((batch, 64, 64, 3))
         _detect.CACHE.clear()
         start = time.perf_counter()
-        p = sparsity(models.cnn, params, x, argnums=1)
+        p = sparsity(models.cnn, argnums=1)(params, x)
         _ = p.diagonal_colors, p.colors
         first = time.perf_counter() - start
         start = time.perf_counter()
-        again = sparsity(models.cnn, params, x, argnums=1)
+        again = sparsity(models.cnn, argnums=1)(params, x)
         _ = again.diagonal_colors, again.colors
         second = time.perf_counter() - start
         out.append(

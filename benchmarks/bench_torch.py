@@ -109,7 +109,7 @@ def _cnn_case(quick: bool) -> list[Result]:
     params = models.init_cnn(0, channels=16, layers=3)
     x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     f = models.cnn
-    pattern = sparsity(f, params, x, argnums=1)
+    pattern = sparsity(f, argnums=1)(params, x)
     sparse = divergence(f, 1, method="sparse")
     dense_ours = divergence(f, 1, method="exact")
 

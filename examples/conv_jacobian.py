@@ -36,7 +36,7 @@ def main(small: bool = False) -> dict[str, Any]:
     images = jax.random.uniform(jax.random.key(0), (2, size, size))
     n = size * size
 
-    pattern = sparsity(blur, images)
+    pattern = sparsity(blur)(images)
     print(f"per-sample Jacobian: {n} x {n}, {pattern.nnz:,} structural nonzeros")
     print(f"  column colors: {pattern.n_colors} (passes of sparse_jacobian) instead of {n} columns")
     print(f"  diagonal colors: {pattern.n_diagonal_colors} (passes of the exact divergence)")

@@ -17,7 +17,10 @@ from ._errors import (
     MissingKeyError as MissingKeyError,
     NonSquareJacobianError as NonSquareJacobianError,
     NumProbesError as NumProbesError,
+    OptionError as OptionError,
     OutputError as OutputError,
+    PatternError as PatternError,
+    PatternTypeError as PatternTypeError,
     RetraceWarning as RetraceWarning,
 )
 
@@ -50,7 +53,10 @@ __all__ = [
     "MissingKeyError",
     "NonSquareJacobianError",
     "NumProbesError",
+    "OptionError",
     "OutputError",
+    "PatternError",
+    "PatternTypeError",
     "RetraceWarning",
     "__version__",
     "clear_caches",

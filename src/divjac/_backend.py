@@ -1,25 +1,29 @@
 """What the transforms need from a framework: the interface of a backend (imports no framework).
 
-The transforms of :mod:`divjac._transforms` are written once; each framework provides one
-:class:`Backend` (``divjac.jax._backend.JaxBackend``, ``divjac.torch._backend.TorchBackend``)
-with its primitives: array predicates, tracing, the linearized function and its batched passes,
-indicators, gathers and scatters, random draws and sparse matrices. Arrays are the framework's
-own (``jax.Array``, ``torch.Tensor``); the transforms only index, reshape and sum them.
+The transforms (:mod:`divjac._transforms`, :mod:`divjac._divergence`) are written once; each
+framework provides one :class:`Backend` (``divjac.jax._backend.JaxBackend``,
+``divjac.torch._backend.TorchBackend``) with its primitives: array predicates, tracing, the
+linearized function and its batched passes, indicators, gathers and scatters, random draws and
+sparse matrices. Arrays are the framework's own (``jax.Array``, ``torch.Tensor``); the transforms
+only index, reshape and sum them.
+
+This module imports only NumPy and the core: the modules above it (:mod:`divjac._call`, the
+transforms, the framework backends) import it, never the other way round.
 """
 
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from dataclasses import dataclass
+from typing import Any, Generic, TypeAlias, TypeVar
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from ._core.detection import Traced
-    from ._transforms import Call
+from ._core.detection import Traced
 
-__all__ = ["Array", "Backend", "Finish", "Linear", "Seed"]
+__all__ = ["Array", "Backend", "Finish", "Linear", "Point", "Seed", "TracedT"]
 
 Array: TypeAlias = Any
 """An array of the backend's framework."""
@@ -29,6 +33,52 @@ Seed: TypeAlias = Callable[[Array], Array]
 
 Finish: TypeAlias = Callable[[Array, Array, Array], Array]
 """``(c, t, pushed) -> result``: what a pass keeps of the pushed ``t``."""
+
+
+TracedT = TypeVar("TracedT", bound=Traced)
+"""The traced program of a backend (a subclass of :class:`~divjac._core.detection.Traced`)."""
+
+
+@dataclass(frozen=True)
+class Point(Generic[TracedT]):
+    """The batch-first function of one call at its input: what a backend linearizes.
+
+    Attributes:
+        g: the caller's function, batch first in the differentiated argument and the output
+            (returning ``(output, aux)`` with ``has_aux``); the other arguments are bound.
+        xb: the differentiated input, batch first.
+        traced: ``g``'s traced program.
+        has_aux: ``g`` returns ``(output, aux)``.
+        args: the caller's positional arguments (the differentiated one included).
+        kwargs: the caller's keyword arguments.
+    """
+
+    g: Callable[[Array], Any]
+    xb: Array
+    traced: TracedT
+    has_aux: bool
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.xb.shape[0])
+
+    @property
+    def in_sample(self) -> tuple[int, ...]:
+        return tuple(self.xb.shape[1:])
+
+    @property
+    def out_sample(self) -> tuple[int, ...]:
+        return tuple(self.traced.out_shape[1:])
+
+    @property
+    def n_in(self) -> int:
+        return math.prod(self.in_sample)
+
+    @property
+    def n_out(self) -> int:
+        return math.prod(self.out_sample)
 
 
 class Linear(abc.ABC):
@@ -53,8 +103,8 @@ class Linear(abc.ABC):
         """
 
 
-class Backend(abc.ABC):
-    """A framework's primitives, as the transforms use them.
+class Backend(abc.ABC, Generic[TracedT]):
+    """A framework's primitives, as the transforms use them, over its traced programs ``TracedT``.
 
     Attributes:
         array_noun: what the framework calls an array (in messages).
@@ -122,20 +172,21 @@ class Backend(abc.ABC):
         argnum: int,
         batch_axis: int | None,
         has_aux: bool,
-    ) -> Traced:
+    ) -> TracedT:
         """``fun`` traced batch-first in argument ``argnum`` (cached)."""
 
     @abc.abstractmethod
-    def prefer_reverse(self, traced: Traced) -> bool:
+    def prefer_reverse(self, traced: TracedT) -> bool:
         """Whether to push rows (VJPs) rather than columns when both take as many passes."""
 
     @abc.abstractmethod
-    def linearize(self, call: Call, reverse: bool) -> Linear:
-        """The JVP (or, with ``reverse``, the VJP) of the call's batch-first function."""
+    def linearize(self, point: Point[TracedT], reverse: bool) -> Linear:
+        """The JVP (or, with ``reverse``, the VJP) of the batch-first function at ``point``."""
 
     @abc.abstractmethod
-    def grad_of_sum(self, fn: Callable[[Array], Array], x: Array) -> Array:
-        """The gradient of ``sum(fn(x))`` w.r.t. ``x``, differentiable again."""
+    def grad_of_sum(self, fn: Callable[[Array], Any], x: Array, *, has_aux: bool) -> Any:
+        """The gradient of ``sum(fn(x))`` w.r.t. ``x``, differentiable again; with ``has_aux``,
+        ``fn`` returns ``(values, aux)`` and the result is ``(gradient, aux)``."""
 
     # --- seeds and reading the passes ---------------------------------------------------------
 
@@ -194,9 +245,9 @@ class Backend(abc.ABC):
         ``like``, from the caller's source of randomness."""
 
     @abc.abstractmethod
-    def sparse_format(self) -> Any:
-        """The sparse format a ``sparse_jacobian`` was asked for, checked. Its keyword-only
-        parameters are the framework's extra ``sparse_jacobian`` keywords."""
+    def sparse_format(self, layout: Any) -> Any:
+        """The sparse format of ``sparse_jacobian``'s ``layout`` (``None``: the framework's
+        default), checked: a :class:`~divjac.OptionError` names the layouts it takes."""
 
     @abc.abstractmethod
     def sparse_matrix(

@@ -152,7 +152,7 @@ def test_captured_index_array_changed_in_place_is_detected_again():
     f = lambda x: jnp.sin(x[:, perm])  # noqa: E731
     x = jax.random.normal(jax.random.key(8), (3, 4))
     _check_all(f, x, 4)
-    assert sparsity(f, x).nnz == 4
+    assert sparsity(f)(x).nnz == 4
     perm[:] = [0, 1, 2, 3]  # the user's NumPy array, changed in place
     _check_all(f, x, 4)
     np.testing.assert_allclose(divergence(f)(x), jnp.sum(jnp.cos(x), axis=1), rtol=1e-12)
@@ -265,8 +265,10 @@ def test_messages_name_the_fix():
         divergence(center, method="hutch++", num_probes=3, coupling="exact")(jax.random.key(0), x)
     with pytest.raises(divjac.BatchCouplingError, match="pass batch_axis=None"):
         divergence(center)(x)
-    with pytest.raises(divjac.ArgnumsError, match=r"sparsity\(f, x, ...\)"):
-        sparsity(jnp.sin)
+    with pytest.raises(divjac.ArgnumsError, match=r"sparsity\(f\)\(x\)"):
+        sparsity(jnp.sin, x)
+    with pytest.raises(divjac.ArgnumsError, match="without positional arguments"):
+        sparsity(jnp.sin)()
     with pytest.raises(divjac.BatchAxisError, match="the batch is empty"):
         divergence(jnp.sin)(jnp.ones((0, 3)))
     with pytest.raises(divjac.MissingKeyError, match="got int"):
@@ -281,7 +283,7 @@ def test_memory_guard_on_detection_and_passes(monkeypatch):
     clear_caches()
     monkeypatch.setenv("DIVJAC_DETECTION_MEMORY_MB", "0.05")
     with pytest.raises(divjac.DetectionMemoryError, match="DIVJAC_DETECTION_MEMORY_MB"):
-        sparsity(models.cnn, params, x, argnums=1)
+        sparsity(models.cnn, argnums=1)(params, x)
     with pytest.raises(MemoryError):  # a DetectionMemoryError is a MemoryError
         divergence(models.cnn, 1, method="sparse")(params, x)
     np.testing.assert_allclose(divergence(models.cnn, 1)(params, x), exact, rtol=1e-10)
@@ -384,7 +386,7 @@ def _layer(name):
 def test_real_layers_are_per_sample_without_fallbacks(name):
     f, x = _layer(name)
     blocks = jax_diagonal_blocks(f, (x,))
-    pattern = sparsity(f, x)  # warnings are errors: no DenseFallbackWarning
+    pattern = sparsity(f)(x)  # warnings are errors: no DenseFallbackWarning
     assert pattern.is_batch_independent
     n = int(np.prod(x.shape[1:]))
     dense = np.abs(blocks.reshape(len(x), -1, n)).max(0) > 0

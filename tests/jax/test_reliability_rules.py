@@ -48,7 +48,7 @@ def true_nonzeros(f, x, points=3):
 
 def check_pattern(f, x, *, exact):
     """Batch independent, no rule missing, never misses a nonzero, exact where claimed."""
-    pattern = sparsity(f, x)
+    pattern = sparsity(f)(x)
     assert pattern.is_batch_independent
     assert pattern.dense_fallbacks == frozenset()
     truth = true_nonzeros(f, x)
@@ -121,7 +121,7 @@ def test_pick_with_labels_traced_by_jit():
 def test_unknown_batch_index_stays_conservative():
     shuffle = jnp.array([1, 0, 3, 2])
     f = lambda x: jnp.tanh(x[shuffle])  # noqa: E731 - a known permutation of the samples
-    assert not sparsity(f, X).is_batch_independent
+    assert not sparsity(f)(X).is_batch_independent
     # Output sample b reads input sample shuffle[b] != b: the diagonal blocks are zero.
     np.testing.assert_allclose(divergence(f, coupling="exact")(X), np.zeros(B))
     # Traced (unknown) sample indices may mix samples: refused.
@@ -176,9 +176,9 @@ def test_max_and_min_over_a_vmapped_named_axis(collective, reduction):
     # JAX does not differentiate pmax / pmin; their pattern is that of the reduction.
     named = jax.vmap(jax.vmap(lambda v: v * collective(v, "rows"), axis_name="rows"))
     x = _normal(2, (B, 3, 4))
-    pattern = sparsity(named, x)
+    pattern = sparsity(named)(x)
     assert pattern.is_batch_independent and pattern.nnz == 12 * 3
-    reduced = sparsity(lambda x: x * reduction(x, axis=1, keepdims=True), x)
+    reduced = sparsity(lambda x: x * reduction(x, axis=1, keepdims=True))(x)
     np.testing.assert_array_equal(pattern.todense(), reduced.todense())
 
 
@@ -186,7 +186,7 @@ def test_a_named_axis_left_over_stays_dense():
     f = jax.pmap(lambda v: v * lax.psum(v, "devices"), axis_name="devices")
     x = _normal(9, (1, 3))  # one device, one sample
     with pytest.warns(divjac.DenseFallbackWarning, match="psum"):
-        pattern = sparsity(f, x)
+        pattern = sparsity(f)(x)
     assert pattern.nnz == 9
 
 
@@ -252,7 +252,7 @@ def test_diffrax_flow_map_is_per_sample(vmapped):
     wrap = jax.vmap if vmapped else (lambda flow: flow)
     f = wrap(_flow())  # reverse mode only (a custom_vjp adjoint)
     forward = wrap(_flow(diffrax.ForwardMode()))  # forward mode only
-    pattern = sparsity(f, Y)
+    pattern = sparsity(f)(Y)
     assert pattern.is_batch_independent and pattern.nnz == 16
     check_values(f, Y, modes=("auto", "sparse", "rev"), reference=forward)
     check_values(forward, Y, modes=("fwd",), methods=())
@@ -291,7 +291,7 @@ def test_dense_fallback_keeps_samples_apart():
     np.testing.assert_allclose(got, traces(jax_diagonal_blocks(f, (X,)), (N,)), rtol=1e-10)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", divjac.DenseFallbackWarning)
-        pattern = sparsity(f, X)
+        pattern = sparsity(f)(X)
         check_values(f, X)
     assert pattern.is_batch_independent
     assert pattern.nnz == N * N  # dense within the sample, never a miss
@@ -314,7 +314,7 @@ def test_dense_fallback_is_not_split_where_the_batching_rule_does_not_hold():
     # not defined on its slices (scalars), although its batching rule accepts them.
     x = _normal(6, (6,))
     with pytest.warns(divjac.DenseFallbackWarning):
-        pattern = sparsity(lambda v: jnp.tanh(rowflip_p.bind(v)), x, batch_axis=None)
+        pattern = sparsity(lambda v: jnp.tanh(rowflip_p.bind(v)), batch_axis=None)(x)
     assert pattern.nnz == 36
 
 
@@ -326,7 +326,7 @@ def test_dense_fallback_of_a_primitive_mixing_its_leading_axis_stays_coupled():
         0,
     )
     with pytest.warns(divjac.DenseFallbackWarning):
-        pattern = sparsity(lambda x: mix_p.bind(x), X)
+        pattern = sparsity(lambda x: mix_p.bind(x))(X)
     assert not pattern.is_batch_independent
 
 
@@ -413,7 +413,7 @@ def test_detection_does_not_retrace_custom_rules_with_other_perturbations():
     f = lambda x: _scaled_jit(x, scale)  # noqa: E731
     y, pull = jax.vjp(f, X)  # the user's own differentiation, before divjac
     expected = pull(jnp.ones_like(y))[0]
-    pattern = sparsity(f, X)
+    pattern = sparsity(f)(X)
     np.testing.assert_array_equal(pattern.todense(), np.eye(N, dtype=bool))
     assert pattern.is_batch_independent
     assert set(FWD_SEEN) == {(True, False)}
@@ -434,7 +434,7 @@ def test_diffrax_user_vjp_after_detection(coupling):
     f = jax.vmap(flow)
     expected = jax.vmap(jax.jacrev(flow))(Y)
     if coupling == "raise":
-        assert sparsity(f, Y).is_batch_independent
+        assert sparsity(f)(Y).is_batch_independent
     else:
         np.testing.assert_allclose(
             divergence(f, coupling="exact")(Y), jnp.trace(expected, axis1=1, axis2=2), rtol=1e-10

@@ -34,7 +34,7 @@ def _full_jacobian(f, x, reverse=False):
 def assert_sound(f, x, *, reverse=False, points=3):
     """The detected per-sample pattern contains every nonzero of every diagonal block, and
     coupling is reported whenever an off-diagonal block has a nonzero."""
-    pattern = sparsity(f, x)
+    pattern = sparsity(f)(x)
     B = x.shape[0]
     n_in = x.size // B
     for k in range(points):
@@ -239,7 +239,7 @@ def test_precise_patterns_are_exact(name):
     """For linear index maps and stencils the pattern is not only sound but exact."""
     f, shape, _ = ARCHITECTURES[name]
     x = _normal(8, shape)
-    pattern = sparsity(f, x)
+    pattern = sparsity(f)(x)
     J = _full_jacobian(f, x).reshape(shape[0], pattern.shape[0], shape[0], pattern.shape[1])
     union = np.zeros(pattern.shape, bool)
     for b in range(shape[0]):
@@ -338,10 +338,10 @@ def _conv_stack(layers, channels):
 @pytest.mark.parametrize("channels", [1, 3])
 def test_color_counts_reach_the_optimum(channels):
     x = jnp.zeros((1, 16, 16, channels))
-    one = sparsity(_conv_stack(1, channels), x)
+    one = sparsity(_conv_stack(1, channels))(x)
     assert one.n_diagonal_colors == 4 * channels
     assert one.n_colors == 9 * channels
-    three = sparsity(_conv_stack(3, channels), x)
+    three = sparsity(_conv_stack(3, channels))(x)
     assert three.n_diagonal_colors == 16 * channels
     assert three.n_colors == 49 * channels
     for p in (one, three):
@@ -352,7 +352,7 @@ def test_color_counts_reach_the_optimum(channels):
 
 def test_seed_cnn_needs_48_diagonal_and_147_column_colors():
     params = models.init_cnn(KEY, channels=16, layers=3, dtype=jnp.float64)
-    pattern = sparsity(models.cnn, params, jnp.zeros((2, 32, 32, 3)), argnums=1)
+    pattern = sparsity(models.cnn, argnums=1)(params, jnp.zeros((2, 32, 32, 3)))
     assert (pattern.n_diagonal_colors, pattern.n_colors) == (48, 147)
     assert pattern.shape == (3072, 3072) and 0 < pattern.density < 0.05
 
@@ -363,7 +363,7 @@ def test_seed_cnn_needs_48_diagonal_and_147_column_colors():
 def test_gaussian_blur_jacobian_has_121_colors_and_the_pixel_gradient_is_the_flipped_kernel():
     kernel = models.gaussian_kernel(11, 2.0, jnp.float64)
     images = _normal(13, (2, 64, 64))
-    pattern = sparsity(models.blur, images, kernel, argnums=0)
+    pattern = sparsity(models.blur, argnums=0)(images, kernel)
     assert pattern.n_colors == 121 and pattern.n_row_colors == 121
     J = sparse_jacobian(models.blur)(images, kernel)
     assert J.shape == (2, 4096, 4096) and J.nse == pattern.nnz
@@ -420,7 +420,7 @@ def test_unknown_primitive_warns_and_stays_correct():
     x = _normal(16, (6,))
     single = lambda v: jnp.tanh(opaque_p.bind(v))  # noqa: E731
     with pytest.warns(divjac.DenseFallbackWarning, match="divjac_test_opaque"):
-        pattern = sparsity(single, x, batch_axis=None)
+        pattern = sparsity(single, batch_axis=None)(x)
     assert pattern.dense_fallbacks == frozenset({"divjac_test_opaque"})
     assert pattern.nnz == 36  # dense: an over-approximation, never a miss
     expected = jnp.trace(jax.jacfwd(single)(x))
@@ -474,7 +474,7 @@ def test_compiled_sparse_path_has_only_the_colored_passes():
     params = models.init_cnn(KEY, channels=4, layers=3, dtype=jnp.float64)
     x = jnp.zeros((2, 16, 16, 3))
     n = 16 * 16 * 3
-    colors = sparsity(models.cnn, params, x, argnums=1).n_diagonal_colors
+    colors = sparsity(models.cnn, argnums=1)(params, x).n_diagonal_colors
     jaxpr = jax.make_jaxpr(divergence(models.cnn, 1, method="sparse"))(params, x)
     leading = {v.aval.shape[0] for e in jaxpr.jaxpr.eqns for v in e.outvars if v.aval.shape}
     assert colors in leading and n not in leading
@@ -484,10 +484,10 @@ def test_auto_detection_gives_up_on_density_not_on_batch_size(monkeypatch):
     """Past its floor of entries, "auto" abandons detection only for a dense pattern: the
     entries of a sparse one grow with the batch (every sample is seeded), its density does not.
     """
-    from divjac import _transforms
+    from divjac import _call
     from divjac._core import detection
 
-    monkeypatch.setattr(_transforms, "AUTO_DETECTION_ENTRIES", 2000)
+    monkeypatch.setattr(_call, "AUTO_DETECTION_ENTRIES", 2000)
     gave_up = []
     check = detection.EntryLimit.check
 
@@ -502,7 +502,7 @@ def test_auto_detection_gives_up_on_density_not_on_batch_size(monkeypatch):
     params = models.init_cnn(KEY, channels=4, layers=2, dtype=jnp.float64)
     x = _normal(20, (16, 8, 8, 3))  # 16 samples: ~60,000 entries, 4% dense per sample
     n = 8 * 8 * 3
-    colors = sparsity(models.cnn, params, x, argnums=1).n_diagonal_colors
+    colors = sparsity(models.cnn, argnums=1)(params, x).n_diagonal_colors
     jaxpr = jax.make_jaxpr(divergence(models.cnn, 1))(params, x)
     leading = {v.aval.shape[0] for e in jaxpr.jaxpr.eqns for v in e.outvars if v.aval.shape}
     assert colors in leading and n not in leading and not gave_up
@@ -520,10 +520,10 @@ def test_auto_detection_gives_up_on_density_not_on_batch_size(monkeypatch):
 
 def test_sparsity_pattern_api():
     f = lambda x: jnp.cumsum(x, axis=1)  # noqa: E731
-    p = sparsity(f, jnp.ones((4, 5)))
+    p = sparsity(f)(jnp.ones((4, 5)))
     assert p.shape == (5, 5) and p.nnz == 15 and p.density == pytest.approx(0.6)
     assert p.is_batch_independent and p.is_square
     np.testing.assert_array_equal(p.todense(), np.tril(np.ones((5, 5), bool)))
     assert "nnz=15" in repr(p)
-    q = sparsity(lambda x: x - x.mean(0), jnp.ones((4, 5)))
+    q = sparsity(lambda x: x - x.mean(0))(jnp.ones((4, 5)))
     assert not q.is_batch_independent and q.coupling is not None

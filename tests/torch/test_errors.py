@@ -23,7 +23,7 @@ def test_unknown_operation_is_dense_with_a_warning_naming_it():
         return torch.histc(x, bins=4).sum() * x  # histc has no sparsity rule
 
     with pytest.warns(divjac.DenseFallbackWarning, match="aten.histc"):
-        pattern = sparsity(f, torch.rand(3, 2))
+        pattern = sparsity(f)(torch.rand(3, 2))
     assert not pattern.is_batch_independent  # conservative, never an under-approximation
 
 
@@ -38,7 +38,7 @@ def test_batchnorm_train_mode_is_detected_and_eval_mode_is_fine():
     train = _bn_net(True)
     with pytest.raises(divjac.BatchCouplingError, match="BatchNorm in training"):
         divergence(train)(x)
-    assert not sparsity(train, x).is_batch_independent
+    assert not sparsity(train)(x).is_batch_independent
     evaluation = _bn_net(False)
     div = divergence(evaluation)(x)
     expected = traces(torch_diagonal_blocks(evaluation, (x,)), (3,))

@@ -79,8 +79,8 @@ def test_cnn_jacobian_divergence_pattern_and_colors():
             atol=ATOL,
         )
     # Patterns: identical up to the NCHW <-> NHWC permutation of both axes.
-    p_jax = dj.sparsity(jf, jp, jx, argnums=1)
-    p_torch = dt.sparsity(tf, tp, tx, argnums=1)
+    p_jax = dj.sparsity(jf, argnums=1)(jp, jx)
+    p_torch = dt.sparsity(tf, argnums=1)(tp, tx)
     perm = _nchw_to_nhwc_index(3, 8, 8)
     permuted = p_jax.csr[perm][:, perm]
     assert (permuted != p_torch.csr).nnz == 0
@@ -113,7 +113,7 @@ def test_blur_sparse_jacobian_and_pattern():
     J_jax = dj.sparse_jacobian(jmodels.blur)(x, kernel).todense()
     J_torch = dt.sparse_jacobian(tmodels.blur)(tx, tk).to_dense()
     np.testing.assert_allclose(J_torch, J_jax, rtol=RTOL, atol=ATOL)
-    p_jax, p_torch = dj.sparsity(jmodels.blur, x, kernel), dt.sparsity(tmodels.blur, tx, tk)
+    p_jax, p_torch = dj.sparsity(jmodels.blur)(x, kernel), dt.sparsity(tmodels.blur)(tx, tk)
     assert (p_jax.csr != p_torch.csr).nnz == 0
     assert (p_jax.n_colors, p_jax.n_diagonal_colors) == (
         p_torch.n_colors,

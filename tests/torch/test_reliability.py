@@ -57,7 +57,7 @@ def test_captured_float_tensor_is_never_read():
         return torch.tanh(x @ W)
 
     x = _randn(3, 4)
-    assert sparsity(f, x).nnz == 16
+    assert sparsity(f)(x).nnz == 16
     _close(jacobian(f)(x), f, (x,))
     W.copy_(_randn(4, 4, seed=1))
     _close(jacobian(f)(x), f, (x,))
@@ -81,7 +81,7 @@ def test_float_attribute_of_a_module_is_never_read():
     _close(jacobian(net)(x), net, (x,))
     net.gate.fill_(0.5)
     _close(jacobian(net)(x), net, (x,))
-    assert sparsity(net, x).nnz == 16
+    assert sparsity(net)(x).nnz == 16
 
 
 def test_captured_index_and_mask_modified_in_place_are_seen(traces_made):
@@ -92,7 +92,7 @@ def test_captured_index_and_mask_modified_in_place_are_seen(traces_made):
         return torch.where(mask, x[:, perm] * x, 0.0)
 
     x = _randn(3, 4)
-    assert sparsity(f, x).nnz == 4  # read: the pattern is exact
+    assert sparsity(f)(x).nnz == 4  # read: the pattern is exact
     _close(jacobian(f, mode="sparse")(x), f, (x,))
     traced = traces_made[0]
     _close(jacobian(f, mode="sparse")(x), f, (x,))
@@ -101,7 +101,7 @@ def test_captured_index_and_mask_modified_in_place_are_seen(traces_made):
     _close(jacobian(f, mode="sparse")(x), f, (x,))
     mask[2:] = True
     _close(jacobian(f, mode="sparse")(x), f, (x,))
-    assert sparsity(f, x).nnz == 8
+    assert sparsity(f)(x).nnz == 8
     assert traces_made[0] == traced + 2
 
 
@@ -212,11 +212,11 @@ class Masked(nn.Module):
 def test_replaced_parameters_and_buffers_retrace(traces_made):
     net = Masked()
     x = _randn(3, 4)
-    assert sparsity(net, x).nnz == 8
+    assert sparsity(net)(x).nnz == 8
     _close(jacobian(net)(x), net, (x,))
     before = traces_made[0]
     net.register_buffer("mask", torch.ones(4, dtype=torch.bool))
-    assert sparsity(net, x).nnz == 16
+    assert sparsity(net)(x).nnz == 16
     _close(jacobian(net)(x), net, (x,))
     net.weight = nn.Parameter(_randn(6, 4, seed=2))  # another shape: another output
     net.mask = torch.ones(6, dtype=torch.bool)
@@ -423,7 +423,7 @@ def test_recurrent_layers_are_per_sample(cls, dtype):
 
     if dtype == torch.float64:
         m = make().double()
-        assert sparsity(out(m), x).is_batch_independent
+        assert sparsity(out(m))(x).is_batch_independent
         _close(jacobian(out(m))(x), out(m), (x,))
         np.testing.assert_allclose(
             divergence(out(m))(x).detach(), traces(torch_diagonal_blocks(out(m), (x,)), (4, 3))
@@ -483,7 +483,7 @@ def test_attention_is_per_sample(case):
 
     f = _attention_cases()[case]
     x = _randn(2, 3, 8)
-    assert sparsity(f, x).is_batch_independent
+    assert sparsity(f)(x).is_batch_independent
     for mode in ("rev", "fwd"):  # the fused kernels have no forward derivative: divjac's
         _close(jacobian(f, mode=mode)(x), f, (x,))  # passes use the math one
 
@@ -530,7 +530,7 @@ def _linalg_cases():
 def test_linear_algebra(case):
     f = _linalg_cases()[case]
     x = _randn(3, 4)
-    assert sparsity(f, x).is_batch_independent
+    assert sparsity(f)(x).is_batch_independent
     for mode in ("auto", "fwd", "rev") if case != "solve_columns" else ("auto", "fwd"):
         _close(jacobian(f, mode=mode)(x), f, (x,))
     if case != "solve_batched_matrix":  # (3, 4) -> (3, 2)
@@ -564,7 +564,7 @@ def test_subgraph_operations_are_dense_not_empty():
 
     x = _randn(3, 4)
     with pytest.warns(DenseFallbackWarning, match="cond"):
-        pattern = sparsity(f, x)
+        pattern = sparsity(f)(x)
     assert pattern.nnz == 16
 
 

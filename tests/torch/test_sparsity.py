@@ -41,7 +41,7 @@ def true_pattern(f: Callable, x: torch.Tensor, trials: int = 2) -> tuple[np.ndar
 
 
 def assert_sound(f: Callable, x: torch.Tensor, *, exact: bool = False) -> None:
-    detected = sparsity(f, x)
+    detected = sparsity(f)(x)
     truth, coupled = true_pattern(f, x)
     missed = truth & ~detected.csr.toarray()
     assert not missed.any(), f"the pattern misses {int(missed.sum())} true nonzeros"
@@ -257,7 +257,7 @@ def test_random_sequential_stacks_are_sound(c, h, w, kinds, seed):
 def test_cnn_color_counts_match_the_design():
     """A 3-layer 3x3 'same' conv stack on 32x32x3: 48 diagonal and 147 column colors."""
     params = models.init_cnn(0)
-    pattern = sparsity(models.cnn, params, torch.zeros(2, 3, 32, 32), argnums=1)
+    pattern = sparsity(models.cnn, argnums=1)(params, torch.zeros(2, 3, 32, 32))
     assert pattern.is_batch_independent
     assert pattern.n_diagonal_colors == 48
     assert pattern.n_colors == 147
@@ -285,7 +285,7 @@ def test_sparse_jacobian_and_divergence_are_exact(f):
     flat = blocks.reshape(2, 108, 108)
     np.testing.assert_allclose(coo.to_dense(), flat, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(csr.to_dense(), flat, rtol=1e-10, atol=1e-12)
-    assert coo._nnz() == 2 * sparsity(f, x).nnz
+    assert coo._nnz() == 2 * sparsity(f)(x).nnz
 
 
 def test_sparse_jacobian_single_sample():
@@ -305,7 +305,7 @@ def test_parameters_are_not_folded_into_the_pattern():
     def f(x):
         return torch.where(weight > 0, x, 0.0)
 
-    pattern = sparsity(f, _randn(2, 6))
+    pattern = sparsity(f)(_randn(2, 6))
     assert pattern.nnz == 6  # every diagonal entry, whatever the current signs
 
 

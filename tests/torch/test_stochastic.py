@@ -101,7 +101,7 @@ def test_probes_follow_the_batch_axis():
 def test_probing_with_a_valid_diagonal_coloring_is_exact():
     params = models.init_cnn(0, channels=3, layers=2, dtype=D)
     x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(2), dtype=D)
-    pattern = sparsity(models.cnn, params, x, argnums=1)
+    pattern = sparsity(models.cnn, argnums=1)(params, x)
     exact = divergence(models.cnn, 1, method="sparse")(params, x)
     est, stderr = divergence(
         models.cnn, 1, method="probing", num_probes=pattern.n_diagonal_colors, return_stderr=True

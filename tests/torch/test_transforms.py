@@ -6,13 +6,18 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+import divjac
 import torch
 from divjac.models import torch as models
 from divjac.torch import (
     divergence,
+    divergence_from_pattern,
     grad_divergence,
     jacobian,
+    jacobian_from_pattern,
     laplacian,
+    sparse_jacobian,
+    sparsity,
     value_and_divergence,
 )
 from tests.reference import torch_diagonal_blocks, traces
@@ -433,3 +438,133 @@ def test_f_keywords_reach_f(method):
     got = div(*randomness, x, generator=torch.Generator().manual_seed(7), probes=2.0)
     scale = 1 / 3 if method == "hutchinson" else 1.0  # unit probes: the mean of the diagonal
     np.testing.assert_allclose(got.detach(), scale * exact, rtol=1e-10)
+
+
+# --- the same options on every transform, and the staged API ------------------------------------
+
+_W = torch.as_tensor(np.random.default_rng(0).normal(size=(3, 3)))
+_XV = (
+    torch.as_tensor(np.random.default_rng(1).normal(size=(4, 3))),
+    torch.as_tensor(np.random.default_rng(2).normal(size=(4, 3))),
+)
+
+
+def _two_args(x, v):
+    """Square in each argument: ``tanh(x W) * v``."""
+    return torch.tanh(x @ _W) * v
+
+
+def _one_sample_divergence(x, v, argnum):
+    """``tr d f / d arg`` of one sample, by dense ``torch.func.jacfwd``."""
+    return torch.trace(torch.func.jacfwd(_two_args, argnums=argnum)(x, v))
+
+
+def test_every_transform_takes_tuple_argnums():
+    x, v = _XV
+    blocks = [torch_diagonal_blocks(_two_args, (x, v), argnum=a) for a in (0, 1)]
+    divs = [traces(b, (3,)) for b in blocks]
+    got = divergence(_two_args, (0, 1))(x, v)
+    for g, d in zip(got, divs, strict=True):
+        np.testing.assert_allclose(g, d, rtol=1e-12)
+    value, got = value_and_divergence(_two_args, (0, 1))(x, v)
+    np.testing.assert_allclose(value, _two_args(x, v))
+    np.testing.assert_allclose(got[1], divs[1], rtol=1e-12)
+    grads = grad_divergence(_two_args, (0, 1))(x, v)
+    for a, g in enumerate(grads):
+        one = torch.func.grad(_one_sample_divergence, argnums=a)
+        per_sample = torch.func.vmap(one, (0, 0, None))(x, v, a)
+        zeros = torch.zeros_like(x)  # the gradient w.r.t. v is a ZeroTensor (no numpy view)
+        np.testing.assert_allclose(zeros + g, zeros + per_sample, rtol=1e-10)
+    u = lambda x, v: torch.sum(_two_args(x, v) * x, dim=1)  # noqa: E731
+    laps = laplacian(u, (0, 1))(x, v)
+    for a, lap in enumerate(laps):
+        one = torch.func.hessian(lambda x, v: torch.sum(_two_args(x, v) * x), argnums=a)
+        hess = torch.func.vmap(one)(x, v)
+        np.testing.assert_allclose(lap, torch.diagonal(hess, dim1=1, dim2=2).sum(1), rtol=1e-10)
+    sparse = sparse_jacobian(_two_args, (0, 1))(x, v)
+    patterns = sparsity(_two_args, (0, 1))(x, v)
+    for block, matrix, pattern in zip(blocks, sparse, patterns, strict=True):
+        np.testing.assert_allclose(matrix.to_dense(), block, rtol=1e-12)
+        assert pattern.shape == (3, 3)
+    with pytest.raises(divjac.ArgnumsError, match=r"argnums=\(\)"):
+        divergence(_two_args, ())
+
+
+def test_grad_divergence_and_laplacian_take_has_aux():
+    x, v = _XV
+
+    def with_aux(x, v):
+        out = _two_args(x, v)
+        return out, {"mean": torch.mean(out)}
+
+    grad, aux = grad_divergence(with_aux, has_aux=True)(x, v)
+    np.testing.assert_allclose(grad, grad_divergence(_two_args)(x, v), rtol=1e-12)
+    np.testing.assert_allclose(aux["mean"], torch.mean(_two_args(x, v)))
+    u = lambda x, v: torch.sum(_two_args(x, v), dim=1)  # noqa: E731
+    lap, aux = laplacian(lambda x, v: (u(x, v), {"u": u(x, v)}), has_aux=True)(x, v)
+    np.testing.assert_allclose(lap, laplacian(u)(x, v), rtol=1e-12)
+    np.testing.assert_allclose(aux["u"], u(x, v))
+    with pytest.raises(divjac.OutputError, match="pair"):
+        laplacian(u, has_aux=True)(x, v)
+
+
+@pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr])
+def test_sparse_jacobian_of_a_coupled_function_with_coupling_exact(layout):
+    x = _XV[0]
+    f = lambda x: torch.tanh(x) * torch.mean(x, dim=0)  # noqa: E731 - mixes samples
+    with pytest.raises(divjac.BatchCouplingError):
+        sparse_jacobian(f)(x)
+    got = sparse_jacobian(f, coupling="exact", layout=layout)(x)
+    np.testing.assert_allclose(got.to_dense(), torch_diagonal_blocks(f, (x,)), rtol=1e-12)
+    with pytest.raises(divjac.OptionError, match="layout"):
+        sparse_jacobian(f, layout=torch.strided)
+
+
+def test_sparsity_is_a_transform_whose_calls_take_the_functions_own_keywords():
+    x = _XV[0]
+
+    def f(x, *, batch_axis, argnums):  # f's own keywords, named like divjac's options
+        return torch.cumsum(x, dim=1) * batch_axis * argnums
+
+    pattern = sparsity(f)(x, batch_axis=2.0, argnums=3.0)
+    assert pattern.nnz == 6 and pattern.is_batch_independent
+    with pytest.raises(divjac.ArgnumsError, match=r"sparsity\(f\)\(x\)"):
+        sparsity(f, x)  # the eager form of earlier versions
+    with pytest.raises(divjac.ArgnumsError, match="got float"):
+        jacobian(f, 1.0)
+    single = sparsity(lambda s: torch.cumsum(s, dim=0), batch_axis=None)(x[0])
+    np.testing.assert_array_equal(single.todense(), pattern.todense())
+
+
+def test_jacobian_and_divergence_from_a_pattern():
+    f = lambda x: torch.cumsum(torch.sin(x), dim=1) ** 2  # noqa: E731
+    x = torch.as_tensor(np.random.default_rng(3).normal(size=(5, 4)))
+    pattern = sparsity(f)(x[:2])  # detected once, on another batch size
+    blocks = torch_diagonal_blocks(f, (x,))
+    np.testing.assert_allclose(jacobian_from_pattern(f, pattern)(x), blocks, rtol=1e-12)
+    np.testing.assert_allclose(
+        divergence_from_pattern(f, pattern)(x), traces(blocks, (4,)), rtol=1e-12
+    )
+    with_aux = lambda x: (f(x), x.sum())  # noqa: E731
+    jac, aux = jacobian_from_pattern(with_aux, pattern, has_aux=True, chunk_size=1)(x)
+    np.testing.assert_allclose(jac, blocks, rtol=1e-12)
+    div, aux = divergence_from_pattern(with_aux, pattern, has_aux=True)(x)
+    np.testing.assert_allclose(div, traces(blocks, (4,)), rtol=1e-12)
+    np.testing.assert_allclose(aux, x.sum())
+    g = lambda p, x: f(x.T).T * p  # noqa: E731 - the input in argument 1, batch on axis 1
+    got = jacobian_from_pattern(g, pattern, 1, batch_axis=1)(2.0, x.T)
+    np.testing.assert_allclose(got, 2.0 * blocks, rtol=1e-12)
+
+
+def test_a_stale_pattern_is_refused():
+    f = lambda x: torch.cumsum(x, dim=1)  # noqa: E731
+    x = _XV[0]
+    stale = sparsity(f)(torch.ones(2, 5, dtype=D))  # another sample shape
+    for transform in (jacobian_from_pattern, divergence_from_pattern):
+        with pytest.raises(divjac.PatternError, match=r"\(5,\).*\(3,\).*again"):
+            transform(f, stale)(x)
+    coupled = sparsity(lambda x: x - torch.mean(x, dim=0))(x)
+    with pytest.raises(divjac.PatternError, match="mixes samples"):
+        jacobian_from_pattern(f, coupled)(x)
+    with pytest.raises(divjac.PatternTypeError, match="SparsityPattern"):
+        divergence_from_pattern(f, coupled.csr)(x)

@@ -40,13 +40,13 @@ def normalize_argnum(argnums: object, n_args: int, *, fname: str) -> int:
     if isinstance(argnums, bool) or not isinstance(argnums, int):
         raise ArgnumsError(
             f"{fname}: argnums must be an int selecting one positional argument; got "
-            f"{argnums!r}. Pass e.g. argnums=0 (or a tuple of ints to `jacobian`)."
+            f"{argnums!r}. Pass e.g. argnums=0 (or a tuple of ints)."
         )
     if n_args == 0:
         raise ArgnumsError(
             f"{fname}: was called without positional arguments, so argnums={argnums} selects "
-            "nothing. Pass the differentiated array positionally: fn(x) (for `sparsity`, the "
-            "arguments come with the function: sparsity(f, x, ...))."
+            "nothing. Pass the differentiated array positionally: fn(x) (for `sparsity`, call "
+            "the function it returns: sparsity(f)(x))."
         )
     if not -n_args <= argnums < n_args:
         raise ArgnumsError(

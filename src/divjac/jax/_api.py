@@ -1,95 +1,348 @@
-"""The public transforms of :mod:`divjac.jax`: :mod:`divjac._transforms` bound to JAX.
+"""The public transforms of :mod:`divjac.jax`: divjac's transforms on JAX arrays.
 
-Each function is the backend-neutral transform with :class:`~divjac.jax._backend.JaxBackend`
-filled in; its docstring carries a JAX example (doctested).
+Each is a typed ``def`` calling the backend-neutral transform (:mod:`divjac._transforms`,
+:mod:`divjac._divergence`) with :class:`~divjac.jax._backend.JaxBackend`; :mod:`divjac.torch`
+has the same functions with the same signatures. The shared docstring text comes from
+:mod:`divjac._docs`; the example of each is JAX's (doctested).
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable, Sequence
+from typing import Any, overload
 
-from .. import _transforms as T
+from .. import _divergence as D, _transforms as T
+from .._call import Coupling, Distribution, Method, Mode
 from .._core import stochastic
+from .._core.pattern import SparsityPattern
+from .._docs import documented
 from . import _detect
 from ._backend import BACKEND
 
-_bind = functools.partial(T.bind, backend=BACKEND, module=__name__)
+__all__ = [
+    "clear_caches",
+    "divergence",
+    "divergence_from_pattern",
+    "grad_divergence",
+    "jacobian",
+    "jacobian_from_pattern",
+    "laplacian",
+    "sparse_jacobian",
+    "sparsity",
+    "value_and_divergence",
+]
 
 
-jacobian = _bind(
-    T.jacobian,
+@documented()
+def jacobian(
+    f: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    mode: Mode = "auto",
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    coupling: Coupling = "raise",
+) -> Callable[..., Any]:
+    """{jacobian}
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from divjac.jax import jacobian
+        >>> W = jnp.array([[1.0, 2.0], [3.0, 4.0]])
+        >>> jacobian(lambda x: x @ W.T)(jnp.ones((5, 2))).shape
+        (5, 2, 2)
     """
-    >>> import jax.numpy as jnp
-    >>> from divjac.jax import jacobian
-    >>> W = jnp.array([[1.0, 2.0], [3.0, 4.0]])
-    >>> jacobian(lambda x: x @ W.T)(jnp.ones((5, 2))).shape
-    (5, 2, 2)
-    """,
-)
+    return T.jacobian(
+        BACKEND,
+        f,
+        argnums,
+        batch_axis=batch_axis,
+        mode=mode,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+        coupling=coupling,
+    )
 
-divergence = _bind(
-    T.divergence,
-    """
-    >>> import jax.numpy as jnp
-    >>> from divjac.jax import divergence
-    >>> divergence(lambda x: jnp.sin(x))(jnp.zeros((3, 4))).tolist()
-    [4.0, 4.0, 4.0]
-    """,
-)
 
-value_and_divergence = _bind(
-    T.value_and_divergence,
-    """
-    >>> import jax.numpy as jnp
-    >>> from divjac.jax import value_and_divergence
-    >>> y, div = value_and_divergence(lambda x: 2.0 * x)(jnp.ones((2, 3)))
-    >>> y.shape, div.tolist()
-    ((2, 3), [6.0, 6.0])
-    """,
-)
+@documented()
+def jacobian_from_pattern(
+    f: Callable[..., Any],
+    pattern: SparsityPattern,
+    /,
+    argnums: int = 0,
+    *,
+    batch_axis: int | None = 0,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """{jacobian_from_pattern}
 
-grad_divergence = _bind(
-    T.grad_divergence,
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from divjac.jax import jacobian_from_pattern, sparsity
+        >>> f = lambda x: jnp.cumsum(x, axis=1)
+        >>> pattern = sparsity(f)(jnp.ones((8, 5)))
+        >>> jacobian_from_pattern(f, pattern)(jnp.ones((3, 5)))[0].tolist()[1]
+        [1.0, 1.0, 0.0, 0.0, 0.0]
     """
-    >>> import jax.numpy as jnp
-    >>> from divjac.jax import grad_divergence
-    >>> grad_divergence(lambda x: x**3)(jnp.ones((2, 3))).tolist()
-    [[6.0, 6.0, 6.0], [6.0, 6.0, 6.0]]
-    """,
-)
+    return T.jacobian_from_pattern(
+        BACKEND, f, pattern, argnums, batch_axis=batch_axis, chunk_size=chunk_size, has_aux=has_aux
+    )
 
-laplacian = _bind(
-    T.laplacian,
-    """
-    >>> import jax.numpy as jnp
-    >>> from divjac.jax import laplacian
-    >>> laplacian(lambda x: jnp.sum(x**2, axis=1))(jnp.ones((2, 3))).tolist()
-    [6.0, 6.0]
-    """,
-)
 
-sparsity = _bind(
-    T.sparsity,
-    """
-    >>> import jax.numpy as jnp
-    >>> from divjac.jax import sparsity
-    >>> p = sparsity(lambda x: jnp.cumsum(x, axis=1), jnp.ones((8, 5)))
-    >>> p.nnz, p.n_diagonal_colors
-    (15, 5)
-    """,
-)
+@documented()
+def divergence(
+    f: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    method: Method = "auto",
+    num_probes: int | None = None,
+    distribution: Distribution = "rademacher",
+    return_stderr: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    coupling: Coupling = "raise",
+    probing_distance: int | None = None,
+) -> Callable[..., Any]:
+    """{divergence}
 
-sparse_jacobian = _bind(
-    T.sparse_jacobian,
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from divjac.jax import divergence
+        >>> divergence(lambda x: jnp.sin(x))(jnp.zeros((3, 4))).tolist()
+        [4.0, 4.0, 4.0]
     """
-    >>> import jax.numpy as jnp
-    >>> from divjac.jax import sparse_jacobian
-    >>> J = sparse_jacobian(lambda x: jnp.sin(x))(jnp.zeros((2, 3)))
-    >>> J.shape, J.nse
-    ((2, 3, 3), 3)
-    """,
-    options=BACKEND.sparse_format,
-)
+    return D.divergence(
+        BACKEND,
+        f,
+        argnums,
+        batch_axis=batch_axis,
+        method=method,
+        num_probes=num_probes,
+        distribution=distribution,
+        return_stderr=return_stderr,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+        coupling=coupling,
+        probing_distance=probing_distance,
+    )
+
+
+@documented()
+def value_and_divergence(
+    f: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    method: Method = "auto",
+    num_probes: int | None = None,
+    distribution: Distribution = "rademacher",
+    return_stderr: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    coupling: Coupling = "raise",
+    probing_distance: int | None = None,
+) -> Callable[..., Any]:
+    """{value_and_divergence}
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from divjac.jax import value_and_divergence
+        >>> y, div = value_and_divergence(lambda x: 2.0 * x)(jnp.ones((2, 3)))
+        >>> y.shape, div.tolist()
+        ((2, 3), [6.0, 6.0])
+    """
+    return D.value_and_divergence(
+        BACKEND,
+        f,
+        argnums,
+        batch_axis=batch_axis,
+        method=method,
+        num_probes=num_probes,
+        distribution=distribution,
+        return_stderr=return_stderr,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+        coupling=coupling,
+        probing_distance=probing_distance,
+    )
+
+
+@documented()
+def divergence_from_pattern(
+    f: Callable[..., Any],
+    pattern: SparsityPattern,
+    /,
+    argnums: int = 0,
+    *,
+    batch_axis: int | None = 0,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """{divergence_from_pattern}
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from divjac.jax import divergence_from_pattern, sparsity
+        >>> f = lambda x: jnp.cumsum(x, axis=1) ** 2
+        >>> pattern = sparsity(f)(jnp.ones((8, 5)))
+        >>> divergence_from_pattern(f, pattern)(jnp.ones((2, 5))).tolist()
+        [30.0, 30.0]
+    """
+    return D.divergence_from_pattern(
+        BACKEND, f, pattern, argnums, batch_axis=batch_axis, chunk_size=chunk_size, has_aux=has_aux
+    )
+
+
+@documented()
+def grad_divergence(
+    f: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    method: Method = "auto",
+    num_probes: int | None = None,
+    distribution: Distribution = "rademacher",
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    coupling: Coupling = "raise",
+    probing_distance: int | None = None,
+) -> Callable[..., Any]:
+    """{grad_divergence}
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from divjac.jax import grad_divergence
+        >>> grad_divergence(lambda x: x**3)(jnp.ones((2, 3))).tolist()
+        [[6.0, 6.0, 6.0], [6.0, 6.0, 6.0]]
+    """
+    return D.grad_divergence(
+        BACKEND,
+        f,
+        argnums,
+        batch_axis=batch_axis,
+        method=method,
+        num_probes=num_probes,
+        distribution=distribution,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+        coupling=coupling,
+        probing_distance=probing_distance,
+    )
+
+
+@documented()
+def laplacian(
+    u: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    method: Method = "auto",
+    num_probes: int | None = None,
+    distribution: Distribution = "rademacher",
+    return_stderr: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    coupling: Coupling = "raise",
+) -> Callable[..., Any]:
+    """{laplacian}
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from divjac.jax import laplacian
+        >>> laplacian(lambda x: jnp.sum(x**2, axis=1))(jnp.ones((2, 3))).tolist()
+        [6.0, 6.0]
+    """
+    return D.laplacian(
+        BACKEND,
+        u,
+        argnums,
+        batch_axis=batch_axis,
+        method=method,
+        num_probes=num_probes,
+        distribution=distribution,
+        return_stderr=return_stderr,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+        coupling=coupling,
+    )
+
+
+@overload
+def sparsity(
+    f: Callable[..., Any], /, argnums: int = 0, *, batch_axis: int | None = 0, has_aux: bool = False
+) -> Callable[..., SparsityPattern]: ...
+
+
+@overload
+def sparsity(
+    f: Callable[..., Any],
+    /,
+    argnums: Sequence[int],
+    *,
+    batch_axis: int | None = 0,
+    has_aux: bool = False,
+) -> Callable[..., tuple[SparsityPattern, ...]]: ...
+
+
+@documented()
+def sparsity(
+    f: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """{sparsity}
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from divjac.jax import sparsity
+        >>> p = sparsity(lambda x: jnp.cumsum(x, axis=1))(jnp.ones((8, 5)))
+        >>> p.nnz, p.n_diagonal_colors
+        (15, 5)
+    """
+    return T.sparsity(BACKEND, f, argnums, batch_axis=batch_axis, has_aux=has_aux)
+
+
+@documented()
+def sparse_jacobian(
+    f: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    coupling: Coupling = "raise",
+) -> Callable[..., Any]:
+    """{sparse_jacobian}
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from divjac.jax import sparse_jacobian
+        >>> J = sparse_jacobian(lambda x: jnp.sin(x))(jnp.zeros((2, 3)))
+        >>> J.shape, J.nse
+        ((2, 3, 3), 3)
+    """
+    return T.sparse_jacobian(
+        BACKEND,
+        f,
+        argnums,
+        batch_axis=batch_axis,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+        coupling=coupling,
+        layout=None,
+    )
 
 
 def clear_caches() -> None:

@@ -1,4 +1,4 @@
-"""JAX's primitives for the transforms of :mod:`divjac._transforms`.
+"""JAX's primitives for divjac's transforms (:mod:`divjac._transforms`, :mod:`divjac._divergence`).
 
 Passes are batched with ``jax.vmap`` (``lax.map`` with ``batch_size`` when chunked) over the JVP of
 ``jax.linearize`` (or the VJP of ``jax.vjp``). A tangent that is the same in every sample is
@@ -20,10 +20,10 @@ from jax.experimental import sparse as jsparse
 import jax
 from jax import lax
 
-from .._backend import Array, Backend, Finish, Linear, Seed
-from .._core import detection, plan
-from .._transforms import Call
-from ._detect import is_array, trace
+from .._backend import Array, Backend, Finish, Linear, Point, Seed
+from .._core import plan
+from .._errors import OptionError
+from ._detect import Traced, is_array, trace
 from ._sink import shared_push
 
 __all__ = ["BACKEND", "JaxBackend"]
@@ -32,26 +32,26 @@ __all__ = ["BACKEND", "JaxBackend"]
 class _Linearized(Linear):
     """``jax.linearize`` (or ``jax.vjp``) of the batch-first function, at the call's input."""
 
-    def __init__(self, call: Call, reverse: bool) -> None:
+    def __init__(self, point: Point[Traced], reverse: bool) -> None:
         aux = None
         if reverse:
-            if call.spec.has_aux:
-                y, vjp_fn, aux = jax.vjp(call.g, call.xb, has_aux=True)
+            if point.has_aux:
+                y, vjp_fn, aux = jax.vjp(point.g, point.xb, has_aux=True)
             else:
-                y, vjp_fn = jax.vjp(call.g, call.xb)
+                y, vjp_fn = jax.vjp(point.g, point.xb)
 
             def push(ct: jax.Array) -> jax.Array:
                 return vjp_fn(ct)[0]
 
-        elif call.spec.has_aux:
-            y, push, aux = jax.linearize(call.g, call.xb, has_aux=True)
+        elif point.has_aux:
+            y, push, aux = jax.linearize(point.g, point.xb, has_aux=True)
         else:
-            y, push = jax.linearize(call.g, call.xb)
+            y, push = jax.linearize(point.g, point.xb)
         self.value, self.aux = y, aux
         self._push: Callable[[jax.Array], jax.Array] = push
-        self._batch_size = call.batch_size
-        self._seed_sample = call.out_sample if reverse else call.in_sample
-        self._dtype = call.xb.dtype
+        self._batch_size = point.batch_size
+        self._seed_sample = point.out_sample if reverse else point.in_sample
+        self._dtype = point.xb.dtype
 
     def passes(
         self, inputs: jax.Array, seed: Seed, finish: Finish, chunk: int, *, shared: bool
@@ -71,7 +71,7 @@ class _Linearized(Linear):
         return lax.map(pass_fn, inputs, batch_size=chunk)
 
 
-class JaxBackend(Backend):
+class JaxBackend(Backend[Traced]):
     """The transforms on JAX arrays (``jax.linearize``, ``jax.vjp``, ``jax.vmap``)."""
 
     array_noun = "array"
@@ -126,14 +126,21 @@ class JaxBackend(Backend):
 
         return on_a_copy
 
-    def prefer_reverse(self, traced: detection.Traced) -> bool:
+    def prefer_reverse(self, traced: Traced) -> bool:
         """Columns: forward passes share the batch-independent work (broadcast sinking)."""
         return False
 
-    def linearize(self, call: Call, reverse: bool) -> Linear:
-        return _Linearized(call, reverse)
+    def linearize(self, point: Point[Traced], reverse: bool) -> Linear:
+        return _Linearized(point, reverse)
 
-    def grad_of_sum(self, fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    def grad_of_sum(self, fn: Callable[[jax.Array], Any], x: jax.Array, *, has_aux: bool) -> Any:
+        if has_aux:
+
+            def summed_and_aux(x: jax.Array) -> tuple[jax.Array, Any]:
+                values, aux = fn(x)
+                return jnp.sum(values), aux
+
+            return jax.grad(summed_and_aux, has_aux=True)(x)
         return jax.grad(lambda x: jnp.sum(fn(x)))(x)
 
     def indicators(
@@ -199,7 +206,12 @@ class JaxBackend(Backend):
             return jax.random.rademacher(randomness, tuple(shape), like.dtype)
         return jax.random.normal(randomness, tuple(shape), like.dtype)
 
-    def sparse_format(self) -> None:
+    def sparse_format(self, layout: Any) -> None:
+        """JAX's one sparse format, ``BCOO`` (``layout`` must be ``None``)."""
+        if layout is not None:
+            raise OptionError(
+                f"sparse_jacobian: JAX's sparse Jacobian is a BCOO array; got layout={layout!r}."
+            )
         return None
 
     def sparse_matrix(

@@ -1,101 +1,356 @@
-"""The public transforms of :mod:`divjac.torch`: :mod:`divjac._transforms` bound to PyTorch.
+"""The public transforms of :mod:`divjac.torch`: divjac's transforms on torch tensors.
 
-Each function is the backend-neutral transform with :class:`~divjac.torch._backend.TorchBackend`
-filled in; its docstring carries a PyTorch example (doctested). ``f`` may be a function or an
-``nn.Module``; results stay on the autograd graph of the module parameters.
+Each is a typed ``def`` calling the backend-neutral transform (:mod:`divjac._transforms`,
+:mod:`divjac._divergence`) with :class:`~divjac.torch._backend.TorchBackend`; :mod:`divjac.jax`
+has the same functions with the same signatures (``sparse_jacobian`` takes one more keyword,
+``layout``). The shared docstring text comes from :mod:`divjac._docs`; the example of each is
+PyTorch's (doctested). ``f`` may be a function or an ``nn.Module``; results stay on the autograd
+graph of the module parameters.
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable, Sequence
+from typing import Any, overload
 
-from .. import _transforms as T
+import torch
+
+from .. import _divergence as D, _transforms as T
+from .._call import Coupling, Distribution, Method, Mode
 from .._core import stochastic
+from .._core.pattern import SparsityPattern
+from .._docs import documented
 from . import _detect
 from ._backend import BACKEND
 
-_bind = functools.partial(T.bind, backend=BACKEND, module=__name__)
+__all__ = [
+    "clear_caches",
+    "divergence",
+    "divergence_from_pattern",
+    "grad_divergence",
+    "jacobian",
+    "jacobian_from_pattern",
+    "laplacian",
+    "sparse_jacobian",
+    "sparsity",
+    "value_and_divergence",
+]
 
 
-jacobian = _bind(
-    T.jacobian,
+@documented()
+def jacobian(
+    f: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    mode: Mode = "auto",
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    coupling: Coupling = "raise",
+) -> Callable[..., Any]:
+    """{jacobian}
+
+    Example:
+        >>> import torch
+        >>> from divjac.torch import jacobian
+        >>> W = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+        >>> jacobian(lambda x: x @ W.T)(torch.ones(5, 2)).shape
+        torch.Size([5, 2, 2])
     """
-    >>> import torch
-    >>> from divjac.torch import jacobian
-    >>> W = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-    >>> jacobian(lambda x: x @ W.T)(torch.ones(5, 2)).shape
-    torch.Size([5, 2, 2])
-    """,
-)
+    return T.jacobian(
+        BACKEND,
+        f,
+        argnums,
+        batch_axis=batch_axis,
+        mode=mode,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+        coupling=coupling,
+    )
 
-divergence = _bind(
-    T.divergence,
-    """
-    >>> import torch
-    >>> from divjac.torch import divergence
-    >>> divergence(torch.sin)(torch.zeros(3, 4)).tolist()
-    [4.0, 4.0, 4.0]
-    """,
-)
 
-value_and_divergence = _bind(
-    T.value_and_divergence,
-    """
-    >>> import torch
-    >>> from divjac.torch import value_and_divergence
-    >>> y, div = value_and_divergence(lambda x: 2.0 * x)(torch.ones(2, 3))
-    >>> tuple(y.shape), div.tolist()
-    ((2, 3), [6.0, 6.0])
-    """,
-)
+@documented()
+def jacobian_from_pattern(
+    f: Callable[..., Any],
+    pattern: SparsityPattern,
+    /,
+    argnums: int = 0,
+    *,
+    batch_axis: int | None = 0,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """{jacobian_from_pattern}
 
-grad_divergence = _bind(
-    T.grad_divergence,
+    Example:
+        >>> import torch
+        >>> from divjac.torch import jacobian_from_pattern, sparsity
+        >>> f = lambda x: torch.cumsum(x, dim=1)
+        >>> pattern = sparsity(f)(torch.ones(8, 5))
+        >>> jacobian_from_pattern(f, pattern)(torch.ones(3, 5))[0].tolist()[1]
+        [1.0, 1.0, 0.0, 0.0, 0.0]
     """
-    >>> import torch
-    >>> from divjac.torch import grad_divergence
-    >>> grad_divergence(lambda x: x**3)(torch.ones(2, 3)).tolist()
-    [[6.0, 6.0, 6.0], [6.0, 6.0, 6.0]]
-    """,
-)
+    return T.jacobian_from_pattern(
+        BACKEND, f, pattern, argnums, batch_axis=batch_axis, chunk_size=chunk_size, has_aux=has_aux
+    )
 
-laplacian = _bind(
-    T.laplacian,
-    """
-    >>> import torch
-    >>> from divjac.torch import laplacian
-    >>> laplacian(lambda x: torch.sum(x**2, dim=1))(torch.ones(2, 3)).tolist()
-    [6.0, 6.0]
-    """,
-)
 
-sparsity = _bind(
-    T.sparsity,
-    """
-    >>> import torch
-    >>> from divjac.torch import sparsity
-    >>> p = sparsity(lambda x: torch.cumsum(x, dim=1), torch.ones(8, 5))
-    >>> p.nnz, p.n_diagonal_colors
-    (15, 5)
-    """,
-)
+@documented()
+def divergence(
+    f: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    method: Method = "auto",
+    num_probes: int | None = None,
+    distribution: Distribution = "rademacher",
+    return_stderr: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    coupling: Coupling = "raise",
+    probing_distance: int | None = None,
+) -> Callable[..., Any]:
+    """{divergence}
 
-sparse_jacobian = _bind(
-    T.sparse_jacobian,
+    Example:
+        >>> import torch
+        >>> from divjac.torch import divergence
+        >>> divergence(torch.sin)(torch.zeros(3, 4)).tolist()
+        [4.0, 4.0, 4.0]
     """
-    >>> import torch
-    >>> from divjac.torch import sparse_jacobian
-    >>> J = sparse_jacobian(torch.sin)(torch.zeros(2, 3))
-    >>> tuple(J.shape), J._nnz()
-    ((2, 3, 3), 6)
-    """,
-    notes="""
-    Args:
-        layout: ``torch.sparse_coo`` (default; a 3-d COO tensor) or ``torch.sparse_csr`` (a
-            batched CSR tensor: every sample shares the pattern).
-    """,
-    options=BACKEND.sparse_format,
+    return D.divergence(
+        BACKEND,
+        f,
+        argnums,
+        batch_axis=batch_axis,
+        method=method,
+        num_probes=num_probes,
+        distribution=distribution,
+        return_stderr=return_stderr,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+        coupling=coupling,
+        probing_distance=probing_distance,
+    )
+
+
+@documented()
+def value_and_divergence(
+    f: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    method: Method = "auto",
+    num_probes: int | None = None,
+    distribution: Distribution = "rademacher",
+    return_stderr: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    coupling: Coupling = "raise",
+    probing_distance: int | None = None,
+) -> Callable[..., Any]:
+    """{value_and_divergence}
+
+    Example:
+        >>> import torch
+        >>> from divjac.torch import value_and_divergence
+        >>> y, div = value_and_divergence(lambda x: 2.0 * x)(torch.ones(2, 3))
+        >>> tuple(y.shape), div.tolist()
+        ((2, 3), [6.0, 6.0])
+    """
+    return D.value_and_divergence(
+        BACKEND,
+        f,
+        argnums,
+        batch_axis=batch_axis,
+        method=method,
+        num_probes=num_probes,
+        distribution=distribution,
+        return_stderr=return_stderr,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+        coupling=coupling,
+        probing_distance=probing_distance,
+    )
+
+
+@documented()
+def divergence_from_pattern(
+    f: Callable[..., Any],
+    pattern: SparsityPattern,
+    /,
+    argnums: int = 0,
+    *,
+    batch_axis: int | None = 0,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """{divergence_from_pattern}
+
+    Example:
+        >>> import torch
+        >>> from divjac.torch import divergence_from_pattern, sparsity
+        >>> f = lambda x: torch.cumsum(x, dim=1) ** 2
+        >>> pattern = sparsity(f)(torch.ones(8, 5))
+        >>> divergence_from_pattern(f, pattern)(torch.ones(2, 5)).tolist()
+        [30.0, 30.0]
+    """
+    return D.divergence_from_pattern(
+        BACKEND, f, pattern, argnums, batch_axis=batch_axis, chunk_size=chunk_size, has_aux=has_aux
+    )
+
+
+@documented()
+def grad_divergence(
+    f: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    method: Method = "auto",
+    num_probes: int | None = None,
+    distribution: Distribution = "rademacher",
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    coupling: Coupling = "raise",
+    probing_distance: int | None = None,
+) -> Callable[..., Any]:
+    """{grad_divergence}
+
+    Example:
+        >>> import torch
+        >>> from divjac.torch import grad_divergence
+        >>> grad_divergence(lambda x: x**3)(torch.ones(2, 3)).tolist()
+        [[6.0, 6.0, 6.0], [6.0, 6.0, 6.0]]
+    """
+    return D.grad_divergence(
+        BACKEND,
+        f,
+        argnums,
+        batch_axis=batch_axis,
+        method=method,
+        num_probes=num_probes,
+        distribution=distribution,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+        coupling=coupling,
+        probing_distance=probing_distance,
+    )
+
+
+@documented()
+def laplacian(
+    u: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    method: Method = "auto",
+    num_probes: int | None = None,
+    distribution: Distribution = "rademacher",
+    return_stderr: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    coupling: Coupling = "raise",
+) -> Callable[..., Any]:
+    """{laplacian}
+
+    Example:
+        >>> import torch
+        >>> from divjac.torch import laplacian
+        >>> laplacian(lambda x: torch.sum(x**2, dim=1))(torch.ones(2, 3)).tolist()
+        [6.0, 6.0]
+    """
+    return D.laplacian(
+        BACKEND,
+        u,
+        argnums,
+        batch_axis=batch_axis,
+        method=method,
+        num_probes=num_probes,
+        distribution=distribution,
+        return_stderr=return_stderr,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+        coupling=coupling,
+    )
+
+
+@overload
+def sparsity(
+    f: Callable[..., Any], /, argnums: int = 0, *, batch_axis: int | None = 0, has_aux: bool = False
+) -> Callable[..., SparsityPattern]: ...
+
+
+@overload
+def sparsity(
+    f: Callable[..., Any],
+    /,
+    argnums: Sequence[int],
+    *,
+    batch_axis: int | None = 0,
+    has_aux: bool = False,
+) -> Callable[..., tuple[SparsityPattern, ...]]: ...
+
+
+@documented()
+def sparsity(
+    f: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """{sparsity}
+
+    Example:
+        >>> import torch
+        >>> from divjac.torch import sparsity
+        >>> p = sparsity(lambda x: torch.cumsum(x, dim=1))(torch.ones(8, 5))
+        >>> p.nnz, p.n_diagonal_colors
+        (15, 5)
+    """
+    return T.sparsity(BACKEND, f, argnums, batch_axis=batch_axis, has_aux=has_aux)
+
+
+@documented(
+    layout="""``torch.sparse_coo`` (default; a 3-d COO tensor) or ``torch.sparse_csr`` (a
+        batched CSR tensor: every sample shares the pattern)."""
 )
+def sparse_jacobian(
+    f: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    coupling: Coupling = "raise",
+    layout: torch.layout = torch.sparse_coo,
+) -> Callable[..., Any]:
+    """{sparse_jacobian}
+
+    Example:
+        >>> import torch
+        >>> from divjac.torch import sparse_jacobian
+        >>> J = sparse_jacobian(torch.sin)(torch.zeros(2, 3))
+        >>> tuple(J.shape), J._nnz()
+        ((2, 3, 3), 6)
+    """
+    return T.sparse_jacobian(
+        BACKEND,
+        f,
+        argnums,
+        batch_axis=batch_axis,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+        coupling=coupling,
+        layout=layout,
+    )
 
 
 def clear_caches() -> None:

@@ -1,4 +1,4 @@
-"""PyTorch's primitives for the transforms of :mod:`divjac._transforms`, on ``torch.func``.
+"""PyTorch's primitives for divjac's transforms, on ``torch.func``.
 
 Passes run together under ``torch.func.vmap``: VJPs pull a batch of cotangents through one
 ``torch.func.vjp`` (``chunk_size`` at a time); JVPs are pushed by ``torch.func.jvp`` inside the
@@ -18,7 +18,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 from torch.utils import _pytree as pytree
@@ -26,10 +26,9 @@ from torch.utils import _pytree as pytree
 import torch
 from torch import nn
 
-from .._backend import Backend, Finish, Linear, Seed
-from .._core import detection
+from .._backend import Backend, Finish, Linear, Point, Seed
 from .._core.detection import LRU
-from .._transforms import Call
+from .._errors import OptionError
 from ._detect import TensorSpec, Traced, plain_kernels, trace
 
 __all__ = ["BACKEND", "TorchBackend"]
@@ -47,16 +46,16 @@ class _Passes(Linear):
     ``value`` and ``aux`` are those of the first run.
     """
 
-    def __init__(self, call: Call, reverse: bool) -> None:
-        self._call = call
+    def __init__(self, point: Point[Traced], reverse: bool) -> None:
+        self._point = point
         self._reverse = reverse
-        self._g: Callable[[torch.Tensor], Any] = call.g
+        self._g: Callable[[torch.Tensor], Any] = point.g
         self._aux_of: Callable[[Any], Any] | None = None
-        if call.spec.has_aux:
-            self._g, self._aux_of = _split_aux(call.g)
+        if point.has_aux:
+            self._g, self._aux_of = _split_aux(point.g)
         self._vjp: Any = None
-        self._traced = cast(Traced, call.traced)
-        self._rng = _Generators(call.xb.device) if self._traced.draws_random else None
+        self._traced = point.traced
+        self._rng = _Generators(point.xb.device) if self._traced.draws_random else None
 
     def _keep(self, y: torch.Tensor, aux: Any) -> None:
         if self.value is None:
@@ -65,8 +64,8 @@ class _Passes(Linear):
     def passes(
         self, inputs: torch.Tensor, seed: Seed, finish: Finish, chunk: int, *, shared: bool
     ) -> torch.Tensor:
-        call = self._call
-        xb, B = _without_overlap(call.xb), call.batch_size
+        point = self._point
+        xb, B = _without_overlap(point.xb), point.batch_size
         g, aux_of = self._g, self._aux_of
         n_passes = int(inputs.shape[0])
 
@@ -103,7 +102,8 @@ class _Passes(Linear):
             # The value is the same in every pass (out_dims None); chunks are run one by one,
             # as vmap's own chunk_size cannot return an unbatched output. Random operations
             # draw once per chunk (shared by its passes), and every chunk the same numbers.
-            pushes = torch.func.vmap(push, out_dims=cast(Any, (None, 0)), randomness="same")
+            out_dims: Any = (None, 0)  # torch's annotation says int | tuple[int, ...]
+            pushes = torch.func.vmap(push, out_dims=out_dims, randomness="same")
             parts = []
             for lo in range(0, n_passes, chunk):
                 if self._rng is not None:
@@ -146,14 +146,14 @@ class _Tape(Linear):
     operation (dropout) draws once.
     """
 
-    def __init__(self, call: Call) -> None:
-        self._call = call
-        self._traced = cast(Traced, call.traced)
+    def __init__(self, point: Point[Traced]) -> None:
+        self._point = point
+        self._traced = point.traced
         self._tape: tuple[torch.Tensor, torch.Tensor, bool] | None = None
 
     def _record(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        call = self._call
-        xb = call.xb
+        point = self._point
+        xb = point.xb
         # On the graph only when something the caller has requires grad (the input, an
         # argument or a captured parameter); else the results carry no graph, as torch.func's.
         create = torch.is_grad_enabled() and (
@@ -161,13 +161,13 @@ class _Tape(Linear):
             or self._traced.captures_grad()
             or any(
                 isinstance(a, torch.Tensor) and a.requires_grad
-                for a in pytree.tree_leaves((call.args, call.kwargs))
+                for a in pytree.tree_leaves((point.args, point.kwargs))
             )
         )
         with torch.enable_grad():
             x = xb if xb.requires_grad else xb.detach().requires_grad_()
-            out = call.g(x)
-        y, aux = out if call.spec.has_aux else (out, None)
+            out = point.g(x)
+        y, aux = out if point.has_aux else (out, None)
         if create:
             self.value, self.aux = y, aux
         else:
@@ -201,7 +201,7 @@ class _Tape(Linear):
     def passes(
         self, inputs: torch.Tensor, seed: Seed, finish: Finish, chunk: int, *, shared: bool
     ) -> torch.Tensor:
-        B = self._call.batch_size
+        B = self._point.batch_size
 
         def one(c: torch.Tensor) -> torch.Tensor:
             t = seed(c)
@@ -292,7 +292,7 @@ def _flat_tree(n: int) -> Any:
     return pytree.tree_structure((tuple(range(n)), {}))
 
 
-class TorchBackend(Backend):
+class TorchBackend(Backend[Traced]):
     """The transforms on torch tensors and modules (``torch.func.jvp``, ``vjp``, ``vmap``)."""
 
     array_noun = "tensor"
@@ -328,36 +328,48 @@ class TorchBackend(Backend):
         return torch.zeros_like(x)
 
     def trace(
-        self, fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], **options: Any
+        self,
+        fun: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        argnum: int,
+        batch_axis: int | None,
+        has_aux: bool,
     ) -> Traced:
-        argnum = options.pop("argnum")
         if not kwargs and all(type(a) in _LEAVES for a in args):  # f(t, x): no tree to flatten
-            return trace(fun, list(args), _flat_tree(len(args)), x_leaf=argnum, **options)
-        leaves, treedef = pytree.tree_flatten((args, kwargs))
-        x_leaf = len(pytree.tree_leaves(args[:argnum]))
-        return trace(fun, leaves, treedef, x_leaf=x_leaf, **options)
+            leaves, treedef, x_leaf = list(args), _flat_tree(len(args)), argnum
+        else:
+            leaves, treedef = pytree.tree_flatten((args, kwargs))
+            x_leaf = len(pytree.tree_leaves(args[:argnum]))
+        return trace(fun, leaves, treedef, x_leaf=x_leaf, batch_axis=batch_axis, has_aux=has_aux)
 
-    def prefer_reverse(self, traced: detection.Traced) -> bool:
+    def prefer_reverse(self, traced: Traced) -> bool:
         """Rows, but columns for a convolution network: PyTorch's reverse mode runs one
         forward pass then batched backward passes, faster on dense layers (MLPs: ~20%), while
         its batched convolution backward is the slower one (3-7x on a blur). Columns too when
         a linear solve broadcasts its matrix over a batch of right-hand sides: PyTorch's
         ``vmap`` of its gradient fails (torch 2.13)."""
-        torch_traced = cast(Traced, traced)
-        return not (torch_traced.has_convolution or torch_traced.solves_broadcast)
+        return not (traced.has_convolution or traced.solves_broadcast)
 
-    def linearize(self, call: Call, reverse: bool) -> Linear:
+    def linearize(self, point: Point[Traced], reverse: bool) -> Linear:
         """Rows on the autograd tape outside ``torch.func`` transforms, else (and columns) by
         ``torch.func`` passes."""
         if reverse and torch._C._functorch.peek_interpreter_stack() is None:
-            return _Tape(call)
-        return _Passes(call, reverse)
+            return _Tape(point)
+        return _Passes(point, reverse)
 
     def grad_of_sum(
-        self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
-    ) -> torch.Tensor:
-        result: torch.Tensor = torch.func.grad(lambda x: torch.sum(fn(x)))(x)
-        return result
+        self, fn: Callable[[torch.Tensor], Any], x: torch.Tensor, *, has_aux: bool
+    ) -> Any:
+        if has_aux:
+
+            def summed_and_aux(x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+                values, aux = fn(x)
+                return torch.sum(values), aux
+
+            return torch.func.grad(summed_and_aux, has_aux=True)(x)
+        return torch.func.grad(lambda x: torch.sum(fn(x)))(x)
 
     def indicators(
         self, colors: np.ndarray | None, n: int, n_passes: int, like: torch.Tensor
@@ -440,9 +452,12 @@ class TorchBackend(Backend):
         raw = torch.randn(shape, generator=randomness, device=at, dtype=dtype)
         return raw.to(device)
 
-    def sparse_format(self, *, layout: torch.layout = torch.sparse_coo) -> torch.layout:
+    def sparse_format(self, layout: torch.layout | None) -> torch.layout:
+        """``torch.sparse_coo`` (the default) or ``torch.sparse_csr``."""
+        if layout is None:
+            return torch.sparse_coo
         if layout not in (torch.sparse_coo, torch.sparse_csr):
-            raise ValueError(
+            raise OptionError(
                 "sparse_jacobian: layout must be torch.sparse_coo or torch.sparse_csr; "
                 f"got {layout}."
             )

@@ -1,0 +1,220 @@
+"""What one call of a transform is: the options it was built with and its prepared arguments.
+
+A transform is built with a :class:`Spec` (its backend, function and options); each call of the
+function it returns is prepared into a :class:`Call` (:func:`prepare`): the arguments checked, the
+function traced batch first, and the batch-first function at its input, which the backend
+linearizes (a :class:`~divjac._backend.Point`). The option types (:data:`Mode`, :data:`Method`,
+...) are defined here once, for the public signatures of both frameworks.
+
+Imports the backend interface and the core, never a transform (nor a framework).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+from ._backend import Array, Backend, Point
+from ._core import checks, plan
+from ._core.detection import AUTO_DETECTION_ENTRIES, Detection, Traced
+from ._errors import ArgnumsError, BatchAxisError, InternalError, OptionError, OutputError
+
+__all__ = [
+    "Call",
+    "Coupling",
+    "Distribution",
+    "Method",
+    "Mode",
+    "Spec",
+    "check_floating_output",
+    "check_option",
+    "from_axis",
+    "prepare",
+    "to_axis",
+]
+
+Mode: TypeAlias = Literal["auto", "fwd", "rev", "sparse"]
+"""How ``jacobian`` computes: one JVP per input element (``"fwd"``), one VJP per output element
+(``"rev"``), one pass per color of the detected pattern (``"sparse"``), or the cheapest
+(``"auto"``)."""
+
+Method: TypeAlias = Literal["auto", "exact", "sparse", "hutchinson", "hutch++", "xtrace", "probing"]
+"""How a divergence (or Laplacian) is computed: exact (``"auto"``, ``"exact"``, ``"sparse"``) or
+estimated (``"hutchinson"``, ``"hutch++"``, ``"xtrace"``, ``"probing"``)."""
+
+Distribution: TypeAlias = Literal["rademacher", "gaussian", "sphere"]
+"""The distribution of the probes of a stochastic method."""
+
+Coupling: TypeAlias = Literal["raise", "exact"]
+"""What to do with a function that mixes samples: refuse it, or compute its exact per-sample
+diagonal blocks."""
+
+
+def check_option(name: str, value: object, options: Any, *, fname: str) -> None:
+    """Raise :class:`OptionError` unless ``value`` is one of the ``Literal`` type ``options``."""
+    choices = typing.get_args(options)
+    if value not in choices:
+        raise OptionError(f"{fname}: {name} must be one of {choices}; got {value!r}.")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a transform was built with (shared by all its calls).
+
+    Attributes:
+        backend: the framework's primitives.
+        fun: the caller's (batched) function.
+        argnums: the position of the differentiated argument.
+        batch_axis: its batch axis (and the output's); ``None``: a single sample.
+        has_aux: ``fun`` returns ``(output, aux)``.
+        coupling: what to do when ``fun`` mixes samples.
+        fname: the public name of the transform (in messages).
+        prefer_reverse: rows rather than columns on a tie; ``None``: the backend decides from the
+            traced program.
+    """
+
+    backend: Backend[Any]
+    fun: Callable[..., Any]
+    argnums: int
+    batch_axis: int | None
+    has_aux: bool
+    coupling: Coupling
+    fname: str
+    prefer_reverse: bool | None = None
+
+
+@dataclass(frozen=True)
+class Call(Point[Traced]):
+    """One call of a transform: the batch-first function at its input, and its :class:`Spec`
+    (whose ``batch_axis`` is normalized to a non-negative axis)."""
+
+    spec: Spec
+
+    @property
+    def backend(self) -> Backend[Any]:
+        return self.spec.backend
+
+    def unbatch(self, yb: Array) -> Array:
+        """A batch-first result back to the caller's layout."""
+        return to_axis(self.backend, yb, self.spec.batch_axis)
+
+    def bytes_per_pass(self) -> int:
+        xb, traced = self.xb, self.traced
+        elements = math.prod(xb.shape) + math.prod(traced.out_shape) + traced.pass_elements
+        return self.backend.itemsize(xb) * elements
+
+    def chunk(self, n_passes: int, chunk_size: int | None) -> int:
+        """Passes run at once: ``chunk_size``, or as many as fit the memory budget."""
+        return plan.choose_chunk_size(n_passes, self.bytes_per_pass(), chunk_size)
+
+    def detect(self, *, per_sample: bool, auto: bool = False) -> Detection:
+        """Detect the pattern (abandoned in ``auto`` mode when too dense); checks coupling."""
+        limit = AUTO_DETECTION_ENTRIES if auto else None
+        found = self.traced.detect(per_sample=per_sample, max_entries=limit)
+        if found is None:
+            found = self.traced.detect(per_sample=False)
+        if found is None:
+            raise InternalError("a detection without an entry limit gave up")
+        if found.coupling is not None and self.spec.coupling == "raise":
+            raise checks.coupling_error(
+                found.coupling, fname=self.spec.fname, fallbacks=found.fallbacks
+            )
+        return found
+
+    def prefer_reverse(self, found: Detection | None) -> bool:
+        """Rows rather than columns on a tie (and always where forward mode cannot go, as
+        ``found`` tells; ``None``: nothing was detected)."""
+        if found is not None and found.has_custom_vjp:
+            return True
+        if self.spec.prefer_reverse is not None:
+            return self.spec.prefer_reverse
+        return self.backend.prefer_reverse(self.traced)
+
+
+def from_axis(backend: Backend[Any], t: Array, axis: int | None) -> Array:
+    """Batch axis ``axis`` (``None``: no batch) moved first."""
+    return t[None] if axis is None else backend.moveaxis(t, axis, 0)
+
+
+def to_axis(backend: Backend[Any], t: Array, axis: int | None) -> Array:
+    """The leading batch axis moved to ``axis`` (``None``: removed)."""
+    return t[0] if axis is None else backend.moveaxis(t, 0, axis)
+
+
+def prepare(spec: Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+    """Check the arguments of one call, trace ``spec.fun`` batch first and bind it."""
+    backend, fname = spec.backend, spec.fname
+    argnum = checks.normalize_argnum(spec.argnums, len(args), fname=fname)
+    x = args[argnum]
+    if not backend.is_array(x):
+        noun = backend.array_noun
+        raise ArgnumsError(
+            f"{fname}: argnums={spec.argnums} selects an argument of type {type(x).__name__}; "
+            f"divjac differentiates with respect to one {noun}. Pass the {noun} there (to "
+            f"differentiate w.r.t. parameters, {backend.param_grad_hint})."
+        )
+    if not backend.is_floating_input(x.dtype):
+        raise checks.not_floating(
+            x.dtype, argnum=argnum, fname=fname, cast_hint=backend.input_cast_hint
+        )
+    x_shape = tuple(x.shape)
+    axis = checks.normalize_batch_axis(
+        spec.batch_axis, x_shape, what="differentiated input", fname=fname
+    )
+    if axis is not None and x_shape[axis] == 0:
+        raise BatchAxisError(
+            f"{fname}: the batch is empty (the differentiated input has shape {x_shape}, size "
+            f"0 on batch_axis={axis}): there is no sample to differentiate. Skip empty batches "
+            "(e.g. drop_last in the data loader), or check batch_axis."
+        )
+    fun, has_aux = backend.functional(spec.fun), spec.has_aux
+    traced = backend.trace(fun, args, kwargs, argnum=argnum, batch_axis=axis, has_aux=has_aux)
+    _check_output(spec, traced.out_tree, x_shape, axis)
+    if axis != spec.batch_axis:
+        spec = dataclasses.replace(spec, batch_axis=axis)
+
+    def g(xb: Array) -> Any:
+        out = fun(*args[:argnum], to_axis(backend, xb, axis), *args[argnum + 1 :], **kwargs)
+        y, aux = out if has_aux else (out, None)
+        yb = from_axis(backend, y, axis)
+        return (yb, aux) if has_aux else yb
+
+    xb = from_axis(backend, x, axis)
+    return Call(g, xb, traced, has_aux, args, kwargs, spec)
+
+
+def _check_output(spec: Spec, out: Any, x_shape: tuple[int, ...], axis: int | None) -> None:
+    """Check what the traced function returned (``out``: its tree of array specs)."""
+    backend, fname = spec.backend, spec.fname
+    if spec.has_aux:
+        if not (isinstance(out, tuple | list) and len(out) == 2):
+            raise OutputError(
+                f"{fname}: has_aux=True needs the function to return a pair (output, aux); "
+                f"got {type(out).__name__}."
+            )
+        out = out[0]
+    if not backend.is_array_spec(out):
+        raise checks.not_an_array(out, what="function's output", fname=fname)
+    check_floating_output(backend, out.dtype, fname)
+    if axis is None:
+        return
+    out_axis = checks.normalize_batch_axis(
+        spec.batch_axis, out.shape, what="function's output", fname=fname
+    )
+    if out_axis is None:
+        raise InternalError("a batch axis normalized to None")
+    if out.shape[out_axis] != x_shape[axis]:
+        raise checks.batch_size_mismatch(x_shape, axis, out.shape, out_axis, fname=fname)
+
+
+def check_floating_output(backend: Backend[Any], dtype: Any, fname: str) -> None:
+    """Raise :class:`OutputError` unless an output of ``dtype`` can be differentiated."""
+    if not backend.is_floating_output(dtype):
+        raise OutputError(
+            f"{fname}: the function's output has dtype {dtype}; derivatives need a real "
+            f"floating output. Return floats ({backend.output_cast_hint})."
+        )

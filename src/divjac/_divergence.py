@@ -1,0 +1,501 @@
+"""Per-sample divergences, their gradients and Laplacians, written once over a backend.
+
+The divergence ``tr J_b`` of a batch-independent function is read from batched passes whose
+tangents are the indicators of one (diagonal) color in every sample: exact with one pass per
+input element (``"exact"``) or per color of a diagonal coloring of the detected pattern
+(``"sparse"``), or estimated from random probes (:mod:`divjac._core.estimators`). The gradient of
+the divergence and the Laplacian (the divergence of the gradient) are built on it. Imports
+neither JAX nor PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._backend import Array, Backend, Linear
+from ._call import (
+    Call,
+    Coupling,
+    Distribution,
+    Method,
+    Spec,
+    check_floating_output,
+    check_option,
+    prepare,
+)
+from ._core import checks, estimators as est, plan, stochastic
+from ._core.detection import AUTO_DETECTION_ENTRIES
+from ._core.pattern import SparsityPattern
+from ._errors import InternalError, OutputError
+from ._transforms import check_pattern, per_argnum, shaped, tuple_of
+
+__all__ = [
+    "divergence",
+    "divergence_from_pattern",
+    "grad_divergence",
+    "laplacian",
+    "value_and_divergence",
+]
+
+
+def _pushed(c: Array, t: Array, pushed: Array) -> Array:
+    return pushed
+
+
+def _itself(seed: Array) -> Array:
+    """The seed of a pass whose input is its seed (stacked probes)."""
+    return seed
+
+
+@dataclass(frozen=True)
+class _DivSpec:
+    """The options of a divergence transform; ``pattern``: a given one (no detection)."""
+
+    method: Method
+    num_probes: int | None
+    distribution: Distribution
+    return_stderr: bool
+    chunk_size: int | None
+    probing_distance: int | None
+    pattern: SparsityPattern | None = None
+
+
+def _exact_divergence(call: Call, ds: _DivSpec) -> tuple[Array, Array, Any]:
+    """Exact per-sample divergence: (batch-first value, divergence (B,), aux)."""
+    checks.check_square(call.in_sample, call.out_sample, fname=call.spec.fname)
+    B, n = call.batch_size, call.n_in
+    if ds.pattern is not None:
+        check_pattern(call, ds.pattern)
+        reverse = call.prefer_reverse(None)
+        return _diagonal_passes(
+            call, plan.divergence_plan("sparse", n, ds.pattern, prefer_reverse=reverse), ds, True
+        )
+    per_sample = ds.method in ("sparse", "auto")
+    found = call.detect(per_sample=per_sample, auto=ds.method == "auto")
+    reverse = call.prefer_reverse(found)
+    if found.coupling is None:
+        the_plan = plan.divergence_plan(ds.method, n, found.pattern, prefer_reverse=reverse)
+        batched = True
+    else:
+        whole = (
+            call.traced.detect(
+                per_sample=True, whole_batch=True, max_entries=AUTO_DETECTION_ENTRIES
+            )
+            if per_sample
+            else None
+        )  # None: dense, or past the memory budget (one pass per sample and element then)
+        pattern = whole.pattern if whole is not None else None
+        the_plan = plan.divergence_plan(
+            "exact" if pattern is None else ds.method, B * n, pattern, prefer_reverse=reverse
+        )
+        batched = False
+    return _diagonal_passes(call, the_plan, ds, batched)
+
+
+def _diagonal_passes(
+    call: Call, the_plan: plan.Plan, ds: _DivSpec, batched: bool
+) -> tuple[Array, Array, Any]:
+    """The passes of an exact divergence: (batch-first value, divergence (B,), aux).
+
+    ``batched``: the seeds are one sample's, shared by all; otherwise they span the whole batch
+    (the diagonal blocks of a coupled function).
+    """
+    backend, B = call.backend, call.batch_size
+    n_seed = call.n_in if batched else B * call.n_in
+    inputs, indicator = backend.indicators(the_plan.colors, n_seed, the_plan.n_passes, call.xb)
+    seed = shaped(indicator, call.in_sample if batched else (B, *call.in_sample))
+    finish = backend.diagonal_sums(the_plan.colors, n_seed, B, batched)
+    chunk = call.chunk(the_plan.n_passes, ds.chunk_size)
+    linear = backend.linearize(call, the_plan.reverse)
+    contributions = linear.passes(inputs, seed, finish, chunk, shared=batched)
+    return linear.value, contributions.sum(0), linear.aux
+
+
+def _stochastic_divergence(
+    call: Call, ds: _DivSpec, randomness: Any
+) -> tuple[Array, Array, Array | None, Any]:
+    """(batch-first value, estimate (B,), stderr (B,) or ``None`` when not asked for, aux) of a
+    stochastic method."""
+    fname = call.spec.fname
+    checks.check_square(call.in_sample, call.out_sample, fname=fname)
+    found = call.detect(per_sample=ds.method == "probing", auto=True)
+    if found.coupling is not None and ds.method in ("hutch++", "xtrace"):  # coupling="exact"
+        raise checks.coupling_error(
+            found.coupling, fname=fname, fallbacks=found.fallbacks, method=ds.method
+        )
+    backend, B, n = call.backend, call.batch_size, call.n_in
+    # Rows or columns, as the exact method would choose: every estimator estimates the trace
+    # of J^T (pushed rows) as well as that of J.
+    linear = backend.linearize(call, call.prefer_reverse(found))
+    if ds.method == "probing":
+        matvec = _batched_matvec(call, linear, ds.chunk_size)
+        pattern = found.pattern if found.coupling is None else None
+        colors, exact, reps = stochastic.probing_plan(
+            pattern,
+            call.in_sample,
+            num_probes=ds.num_probes,
+            probing_distance=ds.probing_distance,
+            need_stderr=ds.return_stderr,
+        )
+        signs = backend.moveaxis(
+            _draw(call, randomness, reps, "rademacher").reshape(reps, B, n), 0, -1
+        )
+        estimate, stderr = est.probing(
+            matvec, colors, signs, exact=exact, num_colors=int(colors.max()) + 1
+        )
+    else:
+        num = ds.num_probes or stochastic.default_num_probes(ds.method, n)
+        k = est.num_random_vectors(ds.method, num, n)
+        columns = _draw(call, randomness, k, ds.distribution)
+        if ds.method == "hutchinson" and (k > 1 or not ds.return_stderr):
+            terms = _probe_terms(call, linear, columns, ds.chunk_size)
+            estimate, stderr = est.hutchinson_from_terms(terms, stderr=ds.return_stderr)
+        else:
+            V = backend.moveaxis(columns.reshape(k, B, n), 0, -1)
+            matvec = _batched_matvec(call, linear, ds.chunk_size)
+            estimate, stderr = est.estimate_trace(ds.method, matvec, V)
+    return linear.value, estimate, stderr, linear.aux
+
+
+def _probe_terms(call: Call, linear: Linear, columns: Array, chunk_size: int | None) -> Array:
+    """Hutchinson's terms ``v^T J_b v`` ``(k, B)`` of the probes ``columns`` ``(k, B, *in)``,
+    each from one batched pass, in the layout of the passes (as hand-written code does)."""
+    k = int(columns.shape[0])
+    sample_axes = tuple(range(1, 1 + len(call.in_sample)))
+
+    def dot(c: Array, t: Array, pushed: Array) -> Array:
+        return (pushed * t).sum(sample_axes)
+
+    return linear.passes(columns, _itself, dot, call.chunk(k, chunk_size), shared=False)
+
+
+def _batched_matvec(call: Call, linear: Linear, chunk_size: int | None) -> Callable[[Array], Array]:
+    """``V (B, n, k) -> W (B, n, k)`` with ``W[b] = J_b V[b]``: one batched pass per column."""
+    backend = call.backend
+    B, n, shape = call.batch_size, call.n_in, call.in_sample
+
+    def matvec(V: Array) -> Array:
+        k = V.shape[-1]
+        columns = backend.moveaxis(V, -1, 0).reshape(k, B, *shape)
+        out = linear.passes(columns, _itself, _pushed, call.chunk(k, chunk_size), shared=False)
+        return backend.moveaxis(out.reshape(k, B, n), 0, -1)
+
+    return matvec
+
+
+def _is_probes(backend: Backend, randomness: Any) -> bool:
+    """Whether the randomness argument is the caller's own probes (a floating array)."""
+    return backend.is_array(randomness) and backend.is_floating_input(randomness.dtype)
+
+
+def _draw(call: Call, randomness: Any, k: int, distribution: str) -> Array:
+    """Probes ``(k, B, *in)``: the caller's (reusable noise) or ``k`` per sample drawn from
+    ``randomness``."""
+    backend, fname = call.backend, call.spec.fname
+    B, n, shape = call.batch_size, call.n_in, call.in_sample
+    if _is_probes(backend, randomness):
+        probes = backend.asarray(randomness, like=call.xb)
+        axis = call.spec.batch_axis
+        x_shape = stochastic.caller_shape(shape, B, axis)
+        if stochastic.check_probes_shape(tuple(probes.shape), x_shape, k, fname=fname):
+            probes = probes[None]
+        return probes[:, None] if axis is None else backend.moveaxis(probes, axis + 1, 1)
+    raw = backend.draw(randomness, (B, n, k), distribution, like=call.xb)
+    columns = backend.moveaxis(est.normalize_probes(raw, distribution), -1, 0)
+    return columns.reshape(k, B, *shape)
+
+
+def _split_randomness(
+    backend: Backend, stochastic_method: bool, args: tuple[Any, ...], fname: str
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """``((randomness,), f's arguments)`` of a stochastic transform's call, ``((), args)``
+    of an exact one.
+
+    The randomness of a stochastic method is the first positional argument of the transformed
+    function (a key or generator, or the caller's probes), so that it can never collide with
+    ``f``'s own arguments and keywords: every keyword of the call reaches ``f``.
+    """
+    if not stochastic_method:
+        return (), args
+    if len(args) < 2 or not (_is_probes(backend, args[0]) or backend.is_randomness(args[0])):
+        if not args:
+            got = "no argument"
+        elif len(args) == 1:
+            got = "one argument only (f's own arguments follow the randomness)"
+        else:
+            got = f"{type(args[0]).__name__}"
+            if backend.is_array(args[0]):
+                got += f" of dtype {args[0].dtype}"
+        raise stochastic.missing_randomness(fname, backend.randomness_example, got)
+    return (args[0],), args[1:]
+
+
+def _divergence_transform(
+    backend: Backend[Any],
+    f: Callable[..., Any],
+    argnum: int,
+    batch_axis: int | None,
+    has_aux: bool,
+    coupling: Coupling,
+    ds: _DivSpec,
+    fname: str,
+    prefer_reverse: bool | None = None,
+) -> Callable[..., tuple[Array, Any, Any]]:
+    """The shared body of the divergence transforms: ``(*args) -> (value, div, aux)``."""
+    spec = Spec(backend, f, argnum, batch_axis, has_aux, coupling, fname, prefer_reverse)
+    stochastic_method = ds.method in plan.STOCHASTIC_METHODS
+
+    def value_and_div(*args: Any, **kwargs: Any) -> tuple[Array, Any, Any]:
+        randomness, args = _split_randomness(backend, stochastic_method, args, fname)
+        call = prepare(spec, args, kwargs)
+        if randomness:
+            y, div, stderr, aux = _stochastic_divergence(call, ds, randomness[0])
+        else:
+            y, div, aux = _exact_divergence(call, ds)
+            stderr = backend.zeros_like(div) if ds.return_stderr else None
+        if call.spec.batch_axis is None:
+            div = div[0]
+            stderr = None if stderr is None else stderr[0]
+        result = (div, stderr) if ds.return_stderr else div
+        return call.unbatch(y), result, aux
+
+    return value_and_div
+
+
+def _check_options(ds: _DivSpec, coupling: Coupling, fname: str) -> None:
+    check_option("method", ds.method, Method, fname=fname)
+    check_option("distribution", ds.distribution, Distribution, fname=fname)
+    check_option("coupling", coupling, Coupling, fname=fname)
+
+
+def _divergences(
+    backend: Backend[Any],
+    f: Callable[..., Any],
+    argnums: int | Sequence[int],
+    batch_axis: int | None,
+    has_aux: bool,
+    coupling: Coupling,
+    ds: _DivSpec,
+    fname: str,
+) -> Callable[..., list[tuple[Array, Any, Any]]]:
+    """``(*args) -> [(value, div, aux)]``, one per argument of ``argnums``."""
+    _check_options(ds, coupling, fname)
+
+    def one(argnum: int) -> Callable[..., tuple[Array, Any, Any]]:
+        return _divergence_transform(backend, f, argnum, batch_axis, has_aux, coupling, ds, fname)
+
+    transform = per_argnum(argnums, one, list, fname=fname)
+    if isinstance(argnums, Sequence):
+        return transform
+    return lambda *args, **kwargs: [transform(*args, **kwargs)]
+
+
+def divergence(
+    backend: Backend[Any],
+    f: Callable[..., Any],
+    argnums: int | Sequence[int],
+    *,
+    batch_axis: int | None,
+    method: Method,
+    num_probes: int | None,
+    distribution: Distribution,
+    return_stderr: bool,
+    chunk_size: int | None,
+    has_aux: bool,
+    coupling: Coupling,
+    probing_distance: int | None,
+) -> Callable[..., Any]:
+    """Per-sample divergence of a batched function (see ``divjac.jax.divergence``)."""
+    ds = _DivSpec(method, num_probes, distribution, return_stderr, chunk_size, probing_distance)
+    results = _divergences(backend, f, argnums, batch_axis, has_aux, coupling, ds, "divergence")
+    several = isinstance(argnums, Sequence)
+
+    def div_fn(*args: Any, **kwargs: Any) -> Any:
+        found = results(*args, **kwargs)
+        divs = tuple(div for _, div, _ in found) if several else found[0][1]
+        return (divs, found[0][2]) if has_aux else divs
+
+    return div_fn
+
+
+def value_and_divergence(
+    backend: Backend[Any],
+    f: Callable[..., Any],
+    argnums: int | Sequence[int],
+    *,
+    batch_axis: int | None,
+    method: Method,
+    num_probes: int | None,
+    distribution: Distribution,
+    return_stderr: bool,
+    chunk_size: int | None,
+    has_aux: bool,
+    coupling: Coupling,
+    probing_distance: int | None,
+) -> Callable[..., Any]:
+    """``f``'s output and its per-sample divergence (see ``divjac.jax.value_and_divergence``)."""
+    ds = _DivSpec(method, num_probes, distribution, return_stderr, chunk_size, probing_distance)
+    fname = "value_and_divergence"
+    results = _divergences(backend, f, argnums, batch_axis, has_aux, coupling, ds, fname)
+    several = isinstance(argnums, Sequence)
+
+    def value_and_div_fn(*args: Any, **kwargs: Any) -> Any:
+        found = results(*args, **kwargs)
+        value, _, aux = found[0]
+        divs = tuple(div for _, div, _ in found) if several else found[0][1]
+        return ((value, aux), divs) if has_aux else (value, divs)
+
+    return value_and_div_fn
+
+
+def divergence_from_pattern(
+    backend: Backend[Any],
+    f: Callable[..., Any],
+    pattern: SparsityPattern,
+    argnums: int,
+    *,
+    batch_axis: int | None,
+    chunk_size: int | None,
+    has_aux: bool,
+) -> Callable[..., Any]:
+    """Exact per-sample divergence from a given pattern: one pass per diagonal color, no
+    detection (see ``divjac.jax.divergence_from_pattern``)."""
+    ds = _DivSpec("sparse", None, "rademacher", False, chunk_size, None, pattern)
+    fname = "divergence_from_pattern"
+    inner = _divergence_transform(backend, f, argnums, batch_axis, has_aux, "raise", ds, fname)
+
+    def div_fn(*args: Any, **kwargs: Any) -> Any:
+        _, div, aux = inner(*args, **kwargs)
+        return (div, aux) if has_aux else div
+
+    return div_fn
+
+
+def grad_divergence(
+    backend: Backend[Any],
+    f: Callable[..., Any],
+    argnums: int | Sequence[int],
+    *,
+    batch_axis: int | None,
+    method: Method,
+    num_probes: int | None,
+    distribution: Distribution,
+    chunk_size: int | None,
+    has_aux: bool,
+    coupling: Coupling,
+    probing_distance: int | None,
+) -> Callable[..., Any]:
+    """Per-sample gradient of the divergence w.r.t. the input (see
+    ``divjac.jax.grad_divergence``).
+
+    For a batch-independent ``f``, ``div_b`` depends only on ``x_b``, so the gradient of
+    ``sum_b div_b`` holds every per-sample gradient at once: exact, not scaled by ``1/B``, with
+    no ``B^2`` work.
+    """
+    fname = "grad_divergence"
+    ds = _DivSpec(method, num_probes, distribution, False, chunk_size, probing_distance)
+    _check_options(ds, coupling, fname)
+    stochastic_method = method in plan.STOCHASTIC_METHODS
+
+    def one(argnum: int) -> Callable[..., Any]:
+        inner = _divergence_transform(backend, f, argnum, batch_axis, has_aux, coupling, ds, fname)
+
+        def grad_fn(*args: Any, **kwargs: Any) -> Any:
+            randomness, args = _split_randomness(backend, stochastic_method, args, fname)
+            at = checks.normalize_argnum(argnum, len(args), fname=fname)
+
+            def divergences(x: Array) -> Any:
+                _, div, aux = inner(*randomness, *args[:at], x, *args[at + 1 :], **kwargs)
+                return (div, aux) if has_aux else div
+
+            return backend.grad_of_sum(divergences, args[at], has_aux=has_aux)
+
+        return grad_fn
+
+    return per_argnum(argnums, one, tuple_of(has_aux), fname=fname)
+
+
+def laplacian(
+    backend: Backend[Any],
+    u: Callable[..., Any],
+    argnums: int | Sequence[int],
+    *,
+    batch_axis: int | None,
+    method: Method,
+    num_probes: int | None,
+    distribution: Distribution,
+    return_stderr: bool,
+    chunk_size: int | None,
+    has_aux: bool,
+    coupling: Coupling,
+) -> Callable[..., Any]:
+    """Per-sample Laplacian of a scalar-per-sample function (see ``divjac.jax.laplacian``).
+
+    The Laplacian is the divergence of the per-sample gradient, computed forward-over-reverse
+    (Hessian-vector products); the Hessian pattern is symmetric, so ``"sparse"`` uses a
+    diagonal coloring of it.
+    """
+    fname = "laplacian"
+    ds = _DivSpec(method, num_probes, distribution, return_stderr, chunk_size, None)
+    _check_options(ds, coupling, fname)
+
+    def one(argnum: int) -> Callable[..., Any]:
+        def gradient(*args: Any, **kwargs: Any) -> Any:
+            at = checks.normalize_argnum(argnum, len(args), fname=fname)
+            x_shape = tuple(args[at].shape)
+
+            def values(x: Array) -> Any:
+                out = u(*args[:at], x, *args[at + 1 :], **kwargs)
+                _check_scalar_per_sample(backend, out, x_shape, batch_axis, has_aux)
+                return out
+
+            return backend.grad_of_sum(values, args[at], has_aux=has_aux)
+
+        inner = _divergence_transform(
+            backend, gradient, argnum, batch_axis, has_aux, coupling, ds, fname, False
+        )
+
+        def lap_fn(*args: Any, **kwargs: Any) -> Any:
+            _, lap, aux = inner(*args, **kwargs)
+            return (lap, aux) if has_aux else lap
+
+        return lap_fn
+
+    return per_argnum(argnums, one, tuple_of(has_aux), fname=fname)
+
+
+def _check_scalar_per_sample(
+    backend: Backend[Any], out: Any, x_shape: tuple[int, ...], batch_axis: int | None, has_aux: bool
+) -> None:
+    if has_aux:
+        if not (isinstance(out, tuple | list) and len(out) == 2):
+            raise OutputError(
+                "laplacian: has_aux=True needs u to return a pair (values, aux); got "
+                f"{type(out).__name__}."
+            )
+        out = out[0]
+    if not backend.is_array(out):
+        raise checks.not_an_array(out, what="function's output", fname="laplacian")
+    check_floating_output(backend, out.dtype, "laplacian")
+    shape = tuple(out.shape)
+    if batch_axis is None:
+        sample = shape
+    else:
+        axis = checks.normalize_batch_axis(
+            batch_axis, shape, what="function's output", fname="laplacian"
+        )
+        if axis is None:
+            raise InternalError("a batch axis normalized to None")
+        x_axis = batch_axis % len(x_shape)
+        if shape[axis] != x_shape[x_axis]:
+            raise checks.batch_size_mismatch(x_shape, x_axis, shape, axis, fname="laplacian")
+        sample = shape[:axis] + shape[axis + 1 :]
+    if math.prod(sample) != 1:
+        raise OutputError(
+            f"laplacian: u must return one scalar per sample (output shape (B,) or "
+            f"(B, 1)); its per-sample output has shape {sample}. Use "
+            "divergence/jacobian for vector outputs."
+        )

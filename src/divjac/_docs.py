@@ -1,0 +1,243 @@
+"""The docstrings of the public transforms, written once for ``divjac.jax`` and ``divjac.torch``.
+
+Each public function is a hand-written ``def`` whose docstring starts with ``{name}``, its
+framework's example following; :func:`documented` fills in the shared text of ``name``: the
+summary, then the Args (one text per argument, :data:`ARGS`), Returns and Raises sections.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from ._errors import InternalError
+
+__all__ = ["ARGS", "documented"]
+
+F = TypeVar("F", bound=Callable[..., object])
+
+_RANDOMNESS = """The function of a stochastic method takes one more argument, **first**: its
+randomness, a JAX PRNG key (``jax.random.key(0)``) or a ``torch.Generator`` (``None``:
+torch's global generator), or the caller's own probes (a floating array of shape
+``(k, *x.shape)``, or ``x.shape`` for one). Every argument and keyword after it is ``f``'s
+and reaches ``f`` untouched (``key=`` of an Equinox model included)."""
+
+ARGS: dict[str, str] = {
+    "f": """batched function (in PyTorch also an ``nn.Module``); argument ``argnums`` and the
+        output carry the batch on ``batch_axis``. Other arguments pass through untouched.""",
+    "u": """batched function returning one scalar per sample (output ``(B,)`` or ``(B, 1)``;
+        in PyTorch also an ``nn.Module``).""",
+    "pattern": """the per-sample pattern of ``f`` (from :func:`sparsity`), trusted as it is: it
+        must hold every nonzero of ``f``'s per-sample Jacobian (a pattern that misses one gives
+        wrong values). Detected once, it is reused with no detection at any call.""",
+    "argnums": """position of the differentiated array argument; a tuple of positions gives a
+        tuple of results, one per argument (``has_aux``: ``(results, aux)``).""",
+    "batch_axis": """batch axis of the differentiated argument and of the output; ``None`` for
+        a single-sample function.""",
+    "mode": """``"fwd"`` (one JVP per input element), ``"rev"`` (one VJP per output element),
+        ``"sparse"`` (one pass per color of the detected per-sample pattern) or ``"auto"``
+        (sparse when it saves passes, else the cheaper of fwd/rev).""",
+    "method": """``"exact"`` (one batched pass per input element), ``"sparse"`` (exact, one pass
+        per color of a diagonal coloring of the detected pattern), ``"auto"`` (exact: sparse
+        when it saves passes, never stochastic), or a stochastic estimate: ``"hutchinson"``,
+        ``"hutch++"``, ``"xtrace"``, ``"probing"``.""",
+    "num_probes": """matvec budget per sample of a stochastic method (default 16; Hutch++ needs
+        a multiple of 3, XTrace an even number).""",
+    "distribution": """probe distribution: ``"rademacher"``, ``"gaussian"`` or
+        ``"sphere"``.""",
+    "return_stderr": """return ``(result, stderr)``: an error bar (estimate +- 2 stderr covers
+        the truth at least 94 % of the time, never NaN); 0 for exact methods.""",
+    "chunk_size": "passes computed at once (bounds memory); ``None`` picks from the sizes.",
+    "has_aux": """``f`` returns ``(output, aux)``; the returned function then gives
+        ``(result, aux)``.""",
+    "coupling": """``"raise"`` (default) refuses a function that mixes samples with a
+        :class:`~divjac.BatchCouplingError`; ``"exact"`` computes the true per-sample diagonal
+        blocks of such a function (one pass per sample and element).""",
+    "probing_distance": """for ``"probing"``, color a distance-limited pattern (Chebyshev
+        distance on the per-sample grid) instead of choosing the distance from the budget.""",
+}
+
+_ARG_RAISES = """ArgnumsError, BatchAxisError, BatchSizeMismatchError, InputDtypeError,
+        OutputError: the arguments do not fit (the message says how to fix them)."""
+_COUPLED = """BatchCouplingError: ``f`` mixes samples (with ``coupling="raise"``)."""
+_OPTION = """OptionError: an option (``mode``, ``method``, ``coupling``, ...) has a value it
+        does not take."""
+_PATTERN = """PatternError: ``pattern`` is not of this function at these shapes (detect it
+        again), or of a function that mixes samples."""
+_DIV_RAISES = (
+    _COUPLED,
+    """NonSquareJacobianError: output and input samples differ in shape.""",
+    """MissingKeyError: a stochastic method's function was called without its randomness
+        (a key, generator or probes) as its first argument.""",
+    """NumProbesError: ``num_probes`` or the probes do not fit the method.""",
+    _OPTION,
+    _ARG_RAISES,
+)
+_ONE_ARGNUM = (
+    ("argnums", "position of the differentiated array argument (one: the pattern is its own)."),
+)
+_DIVERGENCE_ARGS = (
+    "f",
+    "argnums",
+    "batch_axis",
+    "method",
+    "num_probes",
+    "distribution",
+    "return_stderr",
+    "chunk_size",
+    "has_aux",
+    "coupling",
+    "probing_distance",
+)
+
+
+@dataclass(frozen=True)
+class _Doc:
+    summary: str
+    args: tuple[str, ...]
+    returns: str
+    raises: tuple[str, ...]
+    stochastic: bool = False  # its function may take a stochastic method's randomness first
+    own_args: tuple[tuple[str, str], ...] = ()  # (name, text) replacing the shared text
+
+    def text(self, extra_args: dict[str, str]) -> str:
+        lines = [inspect.cleandoc(self.summary), "", "Args:"]
+        texts = {**{name: ARGS[name] for name in self.args}, **dict(self.own_args), **extra_args}
+        lines += [f"    {name}: {_flat(text)}" for name, text in texts.items()]
+        returns = self.returns + ("\n" + _RANDOMNESS if self.stochastic else "")
+        lines += ["", "Returns:", f"    {_flat(returns)}", "", "Raises:"]
+        lines += [f"    {_flat(text)}" for text in self.raises]
+        return "\n".join(lines)
+
+
+def _flat(text: str) -> str:
+    """A fragment's continuation lines indented under its first line (8 spaces)."""
+    first, *rest = (textwrap.dedent(line) for line in inspect.cleandoc(text).splitlines())
+    return "\n".join([first, *(f"        {line}" for line in rest)])
+
+
+_DOCS: dict[str, _Doc] = {
+    "jacobian": _Doc(
+        "Per-sample Jacobian of a batched function.",
+        ("f", "argnums", "batch_axis", "mode", "chunk_size", "has_aux", "coupling"),
+        """A function with ``f``'s signature returning the per-sample Jacobians, shape
+        ``(B, *out_sample, *in_sample)`` (``(*out, *in)`` with ``batch_axis=None``).""",
+        (_COUPLED, _OPTION, _ARG_RAISES),
+    ),
+    "jacobian_from_pattern": _Doc(
+        """Per-sample Jacobian of a batched function, from its given sparsity pattern.
+
+        The staged form of ``jacobian(f, mode="sparse")``: one pass per color of ``pattern``'s
+        column (or row) coloring, and no detection at the call (as asdex's
+        ``jacobian_from_coloring``).""",
+        ("f", "pattern", "argnums", "batch_axis", "chunk_size", "has_aux"),
+        """A function with ``f``'s signature returning the per-sample Jacobians, shape
+        ``(B, *out_sample, *in_sample)``.""",
+        (_PATTERN, _ARG_RAISES),
+        own_args=_ONE_ARGNUM,
+    ),
+    "divergence": _Doc(
+        "Per-sample divergence (trace of the per-sample Jacobian) of a batched function.",
+        _DIVERGENCE_ARGS,
+        "A function with ``f``'s signature returning the per-sample divergence, shape ``(B,)``.",
+        _DIV_RAISES,
+        stochastic=True,
+    ),
+    "value_and_divergence": _Doc(
+        """``f``'s output and its per-sample divergence from one shared forward computation.
+
+        As ``jax.value_and_grad`` and ``torch.func.grad_and_value`` pair them.""",
+        _DIVERGENCE_ARGS,
+        """A function with ``f``'s signature returning ``(value, div)`` (``((value, aux),
+        div)`` with ``has_aux``; ``div`` as :func:`divergence` returns it).""",
+        _DIV_RAISES,
+        stochastic=True,
+    ),
+    "divergence_from_pattern": _Doc(
+        """Exact per-sample divergence of a batched function, from its given sparsity pattern.
+
+        The staged form of ``divergence(f, method="sparse")``: one pass per color of
+        ``pattern``'s diagonal coloring, and no detection at the call.""",
+        ("f", "pattern", "argnums", "batch_axis", "chunk_size", "has_aux"),
+        "A function with ``f``'s signature returning the per-sample divergence, shape ``(B,)``.",
+        (
+            _PATTERN,
+            """NonSquareJacobianError: output and input samples differ in shape.""",
+            _ARG_RAISES,
+        ),
+        own_args=_ONE_ARGNUM,
+    ),
+    "grad_divergence": _Doc(
+        """Per-sample gradient of the divergence w.r.t. the input.
+
+        For a batch-independent ``f``, ``div_b`` depends only on ``x_b``, so the gradient of
+        ``sum_b div_b`` holds every per-sample gradient at once: exact, not scaled by ``1/B``,
+        with no ``B^2`` work (for ``coupling="exact"``, the gradient of each sample's
+        diagonal-block trace w.r.t. the whole batch, summed over samples). Computed with the
+        framework's gradient (``jax.grad``, ``torch.func.grad``), so it stays differentiable
+        w.r.t. parameters.""",
+        tuple(a for a in _DIVERGENCE_ARGS if a != "return_stderr"),
+        "A function with ``f``'s signature returning the gradients, shape ``(B, *in_sample)``.",
+        _DIV_RAISES,
+        stochastic=True,
+    ),
+    "laplacian": _Doc(
+        """Per-sample Laplacian of a scalar-per-sample function ``u: [B, *shape] -> [B]``.
+
+        The divergence of the per-sample gradient, computed forward-over-reverse
+        (Hessian-vector products); ``method`` works as in :func:`divergence` (the Hessian
+        pattern is symmetric, so ``"sparse"`` uses a diagonal coloring of it).""",
+        ("u", *(a for a in _DIVERGENCE_ARGS[1:] if a != "probing_distance")),
+        "A function with ``u``'s signature returning the per-sample Laplacian, shape ``(B,)``.",
+        _DIV_RAISES,
+        stochastic=True,
+    ),
+    "sparsity": _Doc(
+        """The per-sample Jacobian sparsity of a batched function, as a transform.
+
+        Detection interprets the traced program (the jaxpr in JAX, the ATen graph traced on
+        fake tensors in PyTorch): values are never used, except constants baked into the
+        function, so the pattern holds for every input of these shapes. It never misses a true
+        nonzero; operations without a rule are assumed dense (with a warning). divjac's options
+        are given here, ``f``'s arguments at the call: ``sparsity(f)(x, key=k)`` passes ``key``
+        to ``f``.""",
+        ("f", "argnums", "batch_axis", "has_aux"),
+        """A function with ``f``'s signature returning the
+        :class:`~divjac.jax.SparsityPattern` of ``f`` at these arguments' shapes: the
+        per-sample CSR pattern, its colorings and ``is_batch_independent`` (a coupled function
+        is reported, not refused).""",
+        (_ARG_RAISES,),
+    ),
+    "sparse_jacobian": _Doc(
+        """Per-sample Jacobian as a sparse matrix batch of shape ``(B, n_out, n_in)``.
+
+        A ``BCOO`` array in JAX, a sparse COO or CSR tensor in PyTorch. Only the detected
+        nonzeros are stored, and they are computed with one pass per color of the column (or
+        row) coloring: a 64x64 blur with an 11x11 kernel needs about 121 passes instead of
+        4096, and no ``H*W x H*W`` dense array is formed.""",
+        ("f", "argnums", "batch_axis", "chunk_size", "has_aux", "coupling"),
+        """A function with ``f``'s signature returning the sparse per-sample Jacobians (one
+        ``(n_out, n_in)`` matrix with ``batch_axis=None``).""",
+        (_COUPLED, _OPTION, _ARG_RAISES),
+    ),
+}
+
+
+def documented(**extra_args: str) -> Callable[[F], F]:
+    """Fill ``{name}`` in the decorated function's docstring with the shared text of ``name``
+    (its own name), followed by the ``extra_args`` of its framework in its Args section."""
+
+    def fill(fn: F) -> F:
+        name = fn.__name__
+        template = inspect.cleandoc(fn.__doc__ or "")
+        placeholder = "{" + name + "}"
+        if placeholder not in template:
+            raise InternalError(f"the docstring of {name} lacks its placeholder {placeholder}")
+        extra = {k: textwrap.dedent(v) for k, v in extra_args.items()}
+        fn.__doc__ = template.replace(placeholder, _DOCS[name].text(extra)) + "\n"
+        return fn
+
+    return fill

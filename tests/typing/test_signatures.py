@@ -1,0 +1,54 @@
+"""The public signatures: the same in divjac.jax and divjac.torch, their option types complete.
+
+(mypy checks ``tests/typing/user_code.py`` against them; these tests check them at run time.)
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+
+import pytest
+
+from divjac import _call
+from divjac._core import estimators, plan
+
+dj = pytest.importorskip("divjac.jax")
+dt = pytest.importorskip("divjac.torch")
+
+
+def test_the_option_types_are_the_options_divjac_takes():
+    assert typing.get_args(_call.Mode) == plan.JACOBIAN_MODES
+    assert typing.get_args(_call.Method) == plan.DIVERGENCE_METHODS
+    assert set(typing.get_args(_call.Distribution)) == set(estimators.DISTRIBUTIONS)
+
+
+def test_both_frameworks_expose_the_same_functions_with_the_same_signatures():
+    assert dj.__all__ == dt.__all__
+    for name in dj.__all__:
+        jax_fn, torch_fn = getattr(dj, name), getattr(dt, name)
+        if not inspect.isfunction(jax_fn) or name == "clear_caches":
+            continue
+        torch_params = dict(inspect.signature(torch_fn).parameters)
+        if name == "sparse_jacobian":  # PyTorch's sparse layouts: one more keyword
+            del torch_params["layout"]
+        assert dict(inspect.signature(jax_fn).parameters) == torch_params, name
+        assert inspect.signature(jax_fn).return_annotation == (
+            inspect.signature(torch_fn).return_annotation
+        )
+        if name != "sparse_jacobian":  # the shared text, then each framework's example
+            shared = [(fn.__doc__ or "").split("Example:")[0] for fn in (jax_fn, torch_fn)]
+            assert shared[0] == shared[1], name
+
+
+def test_every_transform_is_documented_and_positional_only_in_its_function():
+    for name in dj.__all__:
+        fn = getattr(dj, name)
+        if not inspect.isfunction(fn) or name == "clear_caches":
+            continue
+        first = next(iter(inspect.signature(fn).parameters.values()))
+        assert first.kind is inspect.Parameter.POSITIONAL_ONLY, name
+        doc = fn.__doc__ or ""
+        for section in ("Args:", "Returns:", "Raises:", "Example:", ">>>"):
+            assert section in doc, (name, section)
+        assert "{" + name + "}" not in doc
