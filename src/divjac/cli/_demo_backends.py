@@ -12,12 +12,11 @@ import math
 import time
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from ._demo import Case, Sizes
+from ._demo_report import Case, Sizes, make_data
 
 __all__ = ["Backend", "JaxBackend", "TorchBackend", "make_backend"]
 
@@ -93,7 +92,6 @@ class JaxBackend:
         import jax.numpy as jnp
 
         from ..models import jax as models
-        from ._demo import Case, make_data
 
         data = make_data(sizes)
 
@@ -194,7 +192,6 @@ class TorchBackend:
         import torch
 
         from ..models import torch as models
-        from ._demo import Case, make_data
 
         data = make_data(sizes)
         kernel = models.gaussian_kernel(sizes.blur_kernel, sizes.blur_sigma)

@@ -8,9 +8,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 import jax
-from _harness import Result, interleaved_best_times
-from divjac.jax import divergence, jacobian
-from divjac.models import jax as models
+
+from ...jax import divergence, jacobian
+from ...models import jax as models
+from ._harness import Result, interleaved_best_times
 
 
 def run(quick: bool) -> list[Result]:
