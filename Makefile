@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.divjac-installed
-CODE   := $(wildcard src tests benchmarks examples)
+CODE   := src tests examples
 
 .PHONY: install demo test lint typecheck pytest bench bench-quick clean
 

@@ -164,10 +164,9 @@ def test_inspect_conv_reports_pattern_colors_and_auto_plans(jax_module, tmp_path
 
 
 def test_inspect_nnz_matches_the_dense_pattern(jax_module):
+    import jax
     import jax.numpy as jnp
     import numpy as np
-
-    import jax
 
     report = inspect_json(f"{jax_module}:conv", "--shape", "2,6,6,3")
     module = _load(jax_module)

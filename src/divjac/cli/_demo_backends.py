@@ -153,9 +153,8 @@ class JaxBackend:
         return np.asarray(jax.jit(jax.vmap(jax.jacfwd(one, argnum), axes))(*case.args))
 
     def ref_grad_div(self, case: Case) -> np.ndarray:
-        import jax.numpy as jnp
-
         import jax
+        import jax.numpy as jnp
 
         one, axes = _per_sample(case, case.fn)
 
@@ -165,9 +164,8 @@ class JaxBackend:
         return np.asarray(jax.jit(jax.vmap(jax.grad(div, case.argnum), axes))(*case.args))
 
     def ref_laplacian(self, case: Case, u: Callable[..., Any]) -> np.ndarray:
-        import jax.numpy as jnp
-
         import jax
+        import jax.numpy as jnp
 
         one, axes = _per_sample(case, u)
 
@@ -260,9 +258,8 @@ class TorchBackend:
         return self.numpy(vmap(jacfwd(one, argnums=argnum), in_dims=axes)(*case.args))
 
     def ref_grad_div(self, case: Case) -> np.ndarray:
-        from torch.func import grad, jacfwd, vmap
-
         import torch
+        from torch.func import grad, jacfwd, vmap
 
         one, axes = _per_sample(case, case.fn)
 
@@ -272,9 +269,8 @@ class TorchBackend:
         return self.numpy(vmap(grad(div, argnums=case.argnum), in_dims=axes)(*case.args))
 
     def ref_laplacian(self, case: Case, u: Callable[..., Any]) -> np.ndarray:
-        from torch.func import hessian, vmap
-
         import torch
+        from torch.func import hessian, vmap
 
         one, axes = _per_sample(case, u)
 

@@ -189,9 +189,8 @@ def _make_input(framework: str, shape: tuple[int, ...], dtype: str) -> Any:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}; got {dtype!r}.")
     data = np.random.default_rng(0).standard_normal(shape)
     if framework == "jax":
-        import jax.numpy as jnp
-
         import jax
+        import jax.numpy as jnp
 
         if dtype == "float64" and not jax.config.read("jax_enable_x64"):
             jax.config.update("jax_enable_x64", True)

@@ -9,10 +9,9 @@ vs one hand-written batched JVP (target <= 1.2x).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
-
-import jax
 
 from ...jax import divergence
 from ...models import jax as models

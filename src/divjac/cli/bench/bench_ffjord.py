@@ -232,9 +232,8 @@ def _overhead(repeat: int) -> list[Result]:
 
 
 def _jax(d: int, repeat: int) -> Result:
-    import jax.numpy as jnp
-
     import jax
+    import jax.numpy as jnp
 
     from ...jax import divergence as jdivergence
     from ...models import jax as jmodels
@@ -275,9 +274,8 @@ def _jax_training_step(d: int, repeat: int) -> Result:
     """A jitted CNF training step in diffrax (fixed-step Tsit5, 8 steps, Hutchinson with one
     fixed probe): divjac's ``value_and_divergence`` against a hand-written ``jax.jvp``."""
     import diffrax
-    import jax.numpy as jnp
-
     import jax
+    import jax.numpy as jnp
 
     from ...jax import value_and_divergence as jvalue_and_divergence
     from ...models import jax as jmodels

@@ -5,9 +5,8 @@ MLP ``d -> 256 -> 256 -> d`` (tanh), ``B = 64``, ``d`` in {16, 128}, float32, ev
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 import jax
+import jax.numpy as jnp
 
 from ...jax import divergence, jacobian
 from ...models import jax as models

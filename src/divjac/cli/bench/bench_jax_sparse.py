@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import time
 
-import jax.numpy as jnp
-
 import jax
+import jax.numpy as jnp
 
 from ...jax import _detect, divergence, sparsity
 from ...models import jax as models

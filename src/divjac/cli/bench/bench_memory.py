@@ -8,9 +8,8 @@ and hand-written ``vmap(jacfwd)`` + trace. With chunking, memory is ``c`` passes
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 import jax
+import jax.numpy as jnp
 
 from ..._errors import InternalError
 from ...jax import divergence

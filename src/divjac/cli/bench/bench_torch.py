@@ -18,9 +18,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from torch.func import jacfwd, jacrev, vmap
-
 import torch
+from torch.func import jacfwd, jacrev, vmap
 
 from ...models import torch as models
 from ...torch import divergence, jacobian, sparsity
