@@ -19,7 +19,7 @@ def main() -> None:
         if not isinstance(err, DivjacError):
             raise
         print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        sys.exit(2)
     cli_main()
 
 
