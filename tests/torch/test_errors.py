@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
 import divjac
-import torch
 from divjac.torch import (
     divergence,
     jacobian,
@@ -16,7 +17,6 @@ from divjac.torch import (
     value_and_divergence,
 )
 from tests.reference import torch_diagonal_blocks, traces
-from torch import nn
 
 X = torch.ones(4, 3)
 GEN = torch.Generator().manual_seed(0)

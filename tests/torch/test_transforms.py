@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
-
 import torch
+from hypothesis import given, strategies as st
+from torch import nn
+
 from divjac.models import torch as models
 from divjac.torch import (
     divergence,
@@ -16,7 +17,6 @@ from divjac.torch import (
     value_and_divergence,
 )
 from tests.reference import torch_diagonal_blocks, traces
-from torch import nn
 
 D = torch.float64
 
