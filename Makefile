@@ -3,9 +3,16 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.divjac-installed
-CODE   := $(wildcard src tests benchmarks examples)
+CODE   := src tests examples
 
-.PHONY: install demo test lint typecheck pytest bench bench-quick clean
+# The fast tests against the lowest supported versions, each set in its own venv:
+# requirements-lowest-core.txt (NumPy, SciPy; on LOWEST_CORE_PYTHON, which .ci/run sets to
+# Python 3.10 when there is one) and requirements-lowest-jax.txt (JAX needs Python 3.11).
+LOWEST_CORE_PYTHON ?= $(PYTHON)
+LOWEST_JAX_TESTS := src/divjac/jax tests/jax/test_errors.py tests/jax/test_sparsity.py \
+	tests/jax/test_stochastic.py
+
+.PHONY: install demo test lint typecheck pytest test-lowest bench bench-quick clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +22,14 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	touch $@
 
 install: $(STAMP)
+
+.venv-lowest-core/.divjac-installed: PYTHON := $(LOWEST_CORE_PYTHON)
+.venv-lowest-%/.divjac-installed: requirements-lowest-%.txt pyproject.toml
+	$(PYTHON) -m venv $(@D)
+	$(@D)/bin/python -m pip install -q --upgrade pip
+	$(@D)/bin/python -m pip install -q -r $<
+	$(@D)/bin/python -m pip install -q --no-deps -e .
+	touch $@
 
 demo: install
 	$(BIN)/divjac demo
@@ -31,6 +46,10 @@ pytest: install
 
 test: lint typecheck pytest
 
+test-lowest: .venv-lowest-core/.divjac-installed .venv-lowest-jax/.divjac-installed
+	.venv-lowest-core/bin/python -m pytest -n 2 tests/core src/divjac/_core
+	.venv-lowest-jax/bin/python -m pytest -n 2 $(LOWEST_JAX_TESTS)
+
 bench: install
 	$(BIN)/divjac bench
 
@@ -38,4 +57,4 @@ bench-quick: install
 	$(BIN)/divjac bench --quick
 
 clean:
-	rm -rf $(VENV) divjac-demo bench-results .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-lowest-core .venv-lowest-jax divjac-demo bench-results .pytest_cache .mypy_cache .ruff_cache

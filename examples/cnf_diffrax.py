@@ -19,9 +19,9 @@ import math
 from typing import Any
 
 import diffrax
+import jax
 import jax.numpy as jnp
 
-import jax
 from divjac.jax import value_and_divergence
 from divjac.models import jax as models
 

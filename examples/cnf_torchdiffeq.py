@@ -19,9 +19,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 from torchdiffeq import odeint
 
-import torch
 from divjac.models import torch as models
 from divjac.torch import value_and_divergence
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jax
 from divjac.jax import sparse_jacobian, sparsity
 from divjac.models import jax as models
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import optax
 
-import jax
 from divjac.jax import jacobian, laplacian
 
 

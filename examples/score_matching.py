@@ -19,10 +19,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
-import jax
 from divjac.jax import divergence
 from divjac.models import jax as models
 

@@ -17,9 +17,8 @@ def jax_diagonal_blocks(
     differentiated with dense ``jax.jacfwd``: the diagonal blocks of the batched Jacobian by
     definition, also for functions that mix samples. Shape ``(B, *out_sample, *in_sample)``.
     """
-    import jax.numpy as jnp
-
     import jax
+    import jax.numpy as jnp
 
     x = jnp.moveaxis(args[argnum], batch_axis, 0)
     blocks = []

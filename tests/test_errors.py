@@ -38,10 +38,10 @@ class Backend:
 
 def _jax() -> Backend:
     pytest.importorskip("jax")
+    import jax
     import jax.numpy as jnp
 
     import divjac.jax
-    import jax
 
     return Backend(
         dj=divjac.jax,
@@ -62,8 +62,9 @@ def _jax() -> Backend:
 
 def _torch() -> Backend:
     pytest.importorskip("torch")
-    import divjac.torch
     import torch
+
+    import divjac.torch
 
     return Backend(
         dj=divjac.torch,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -13,9 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from divjac.cli import app
-from divjac.cli._bench import find_suite
+from divjac.cli._bench import BUILTIN, Suite, find_suite
 
-ROOT = Path(__file__).resolve().parents[2]
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 # torch's forward-mode AD loads its JVP decompositions with torch.jit.script on first use, which
@@ -80,7 +78,8 @@ def test_demo_quick_prints_every_method_and_writes_the_plots(tmp_path):
 
 def test_demo_reports_a_missing_backend_with_the_extra_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "divjac.torch", None)  # as if torch were not installed
-    from divjac.cli._demo import QUICK, collect
+    from divjac.cli._demo import collect
+    from divjac.cli._demo_report import QUICK
 
     report = collect(QUICK, ("torch",))
     assert report.backends == [] and "torch" in report.unavailable
@@ -165,10 +164,9 @@ def test_inspect_conv_reports_pattern_colors_and_auto_plans(jax_module, tmp_path
 
 
 def test_inspect_nnz_matches_the_dense_pattern(jax_module):
+    import jax
     import jax.numpy as jnp
     import numpy as np
-
-    import jax
 
     report = inspect_json(f"{jax_module}:conv", "--shape", "2,6,6,3")
     module = _load(jax_module)
@@ -293,7 +291,7 @@ def test_inspect_module_that_fails_to_import(tmp_path):
 # --- bench ------------------------------------------------------------------------------------
 
 FAKE_BENCH = """
-from _harness import Result
+from divjac.cli.bench import Result
 
 
 def run(quick):
@@ -303,14 +301,22 @@ def run(quick):
     ]
 """
 
+NEEDS_AN_ALTERNATIVE = """
+import no_such_alternative_xyz
+
+
+def run(quick):
+    return []
+"""
+
 
 @pytest.fixture
 def fake_suite(tmp_path: Path) -> Path:
     suite = tmp_path / "suite"
     suite.mkdir()
-    for name in ("run.py", "_harness.py"):
-        shutil.copy(ROOT / "benchmarks" / name, suite / name)
     (suite / "bench_fake.py").write_text(textwrap.dedent(FAKE_BENCH))
+    (suite / "bench_needs.py").write_text(textwrap.dedent(NEEDS_AN_ALTERNATIVE))
+    (suite / "helper.py").write_text("raise RuntimeError('not a benchmark: never imported')\n")
     return suite
 
 
@@ -320,9 +326,11 @@ def test_bench_runs_the_suite_and_writes_json_markdown_and_png(fake_suite, tmp_p
     assert result.exit_code == 0, result.output
     text = flat(result.output)
     assert "bench_fake: 2 result(s)" in text and "P0" in text and "yes" in text
+    assert "bench_needs: skipped (ModuleNotFoundError: No module named" in text
     data = json.loads((out / "results.json").read_text())
     assert [r["id"] for r in data["results"]] == ["P0", "-"]
     assert data["results"][0]["passed"] is True
+    assert list(data["meta"]["skipped"]) == ["bench_needs"]
     assert (out / "results.png").read_bytes()[:4] == b"\x89PNG"
     rows = (out / "results.md").read_text().splitlines()
     assert len(rows) == 4 and rows[0].startswith("| id | case |")
@@ -334,26 +342,19 @@ def test_bench_runs_the_suite_and_writes_json_markdown_and_png(fake_suite, tmp_p
 def test_bench_only_selects_modules(fake_suite, tmp_path):
     result = invoke("bench", "--suite", str(fake_suite), "--only", "nothing_matches")
     assert_usage_error(result, "no benchmark modules", "nothing_matches")
+    assert Suite(fake_suite).modules(["fake"]) == ["bench_fake"]
 
 
-def test_bench_suite_without_runner(tmp_path):
+def test_bench_suite_that_is_not_a_folder(tmp_path):
+    result = invoke("bench", "--suite", str(tmp_path / "missing"))
+    assert_usage_error(result, "is not a folder of bench_*.py modules")
     result = invoke("bench", "--suite", str(tmp_path))
-    assert_usage_error(result, "is not a benchmark suite", "run.py")
+    assert_usage_error(result, "no benchmark modules bench_*.py in")
 
 
-def test_bench_finds_the_checkout_suite_from_elsewhere(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    assert find_suite(None) == ROOT / "benchmarks"
-    (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "benchmarks" / "run.py").write_text("")
-    assert find_suite(None) == tmp_path / "benchmarks"
-
-
-def test_bench_no_suite_anywhere(tmp_path, monkeypatch):
-    import divjac
-
-    monkeypatch.chdir(tmp_path)
-    fake_install = tmp_path / "site" / "lib" / "divjac" / "__init__.py"
-    monkeypatch.setattr(divjac, "__file__", str(fake_install))
-    result = invoke("bench", "--quick")
-    assert_usage_error(result, "no benchmark suite found", "--suite")
+def test_bench_default_is_the_installed_suite_from_anywhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no checkout here: the suite comes with the package
+    assert find_suite(None) == BUILTIN
+    modules = Suite(BUILTIN).modules()
+    assert "bench_jax_dense" in modules and "bench_torch" in modules
+    assert all(callable(Suite(BUILTIN).load(m).run) for m in modules if "jax" in m)

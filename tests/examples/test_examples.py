@@ -63,9 +63,8 @@ def test_conv_jacobian_pixel_gradient_is_the_flipped_kernel():
 
 def test_cnf_diffrax_exact_matches_a_dense_trace_and_hutchinson_is_reproducible():
     import diffrax
-    import jax.numpy as jnp
-
     import jax
+    import jax.numpy as jnp
 
     example = load("cnf_diffrax")
     out = example.main(small=True)
@@ -141,9 +140,8 @@ def test_cnf_torchdiffeq_exact_matches_a_dense_trace_and_hutchinson_is_reproduci
 
 
 def test_pinn_derivatives_match_jacfwd_and_training_lowers_the_loss():
-    import jax.numpy as jnp
-
     import jax
+    import jax.numpy as jnp
 
     out = load("pinn_flax").main(small=True)
     net, params, x, t = out["net"], out["params"], out["x"], out["t"]
@@ -163,9 +161,8 @@ def test_pinn_derivatives_match_jacfwd_and_training_lowers_the_loss():
 
 
 def test_sliced_score_matching_loss_and_gradient():
-    import jax.numpy as jnp
-
     import jax
+    import jax.numpy as jnp
 
     example = load("score_matching")
     out = example.main(small=True)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import divjac
-import jax
 from divjac.jax import divergence
 from tests.reference import jax_diagonal_blocks, traces
 

@@ -11,6 +11,7 @@ import gc
 import weakref
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -18,7 +19,6 @@ import pytest
 from flax import nnx
 
 import divjac
-import jax
 from divjac import _core
 from divjac.jax import (
     _detect,

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 import divjac
-import jax
 from divjac.jax import divergence, jacobian, sparsity
 from divjac.models import jax as models
-from jax import lax
 from tests.reference import jax_diagonal_blocks, traces
 
 B, N = 4, 5

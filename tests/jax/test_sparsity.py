@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 import divjac
-import jax
 from divjac._core import coloring
 from divjac.jax import divergence, jacobian, sparse_jacobian, sparsity
 from divjac.models import jax as models
-from jax import lax
 
 KEY = jax.random.key(0)
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import divjac
-import jax
 from divjac.jax import divergence, value_and_divergence
 from divjac.models import jax as models
 from tests.reference import jax_diagonal_blocks, traces

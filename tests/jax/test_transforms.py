@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
 import divjac
-import jax
 from divjac.jax import (
     divergence,
     divergence_from_pattern,

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
 import divjac
-import torch
 from divjac.torch import divergence, sparse_jacobian, sparsity
 from tests.reference import torch_diagonal_blocks, traces
-from torch import nn
 
 
 def test_bad_layout():

@@ -14,13 +14,13 @@ import weakref
 
 import numpy as np
 import pytest
-
 import torch
+from torch import nn
+
 from divjac import BatchCouplingError
 from divjac.models import torch as models
 from divjac.torch import _detect, _reach, divergence, jacobian, value_and_divergence
 from tests.reference import torch_diagonal_blocks, traces
-from torch import nn
 
 D = torch.float64
 

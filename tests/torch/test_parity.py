@@ -7,12 +7,12 @@ import pytest
 
 pytest.importorskip("jax")
 
+import jax
 import jax.numpy as jnp
+import torch
 
 import divjac.jax as dj
 import divjac.torch as dt
-import jax
-import torch
 from divjac.models import jax as jmodels, torch as tmodels, unet_layers
 
 RTOL, ATOL = 1e-10, 1e-12

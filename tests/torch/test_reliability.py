@@ -10,14 +10,14 @@ import copy
 
 import numpy as np
 import pytest
-import torch.nn.functional as F
-
 import torch
+import torch.nn.functional as F
+from torch import nn
+
 from divjac import BatchCouplingError, RetraceWarning
 from divjac.torch import _detect, _reach, divergence, jacobian, laplacian, sparsity
 from divjac.torch._backend import BACKEND
 from tests.reference import torch_diagonal_blocks, traces
-from torch import nn
 
 D = torch.float64
 

@@ -6,14 +6,14 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
+from torch import nn
 
-import torch
 from divjac.models import torch as models
 from divjac.torch import divergence, jacobian, sparse_jacobian, sparsity
 from tests.reference import torch_diagonal_blocks, traces
-from torch import nn
 
 D = torch.float64
 

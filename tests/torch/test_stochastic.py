@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import torch
+from torch import nn
+
 from divjac.models import torch as models
 from divjac.torch import divergence, sparsity
 from tests.reference import torch_diagonal_blocks, traces
-from torch import nn
 
 D = torch.float64
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, strategies as st
+from torch import nn
 
 import divjac
-import torch
 from divjac.models import torch as models
 from divjac.torch import (
     divergence,
@@ -21,7 +22,6 @@ from divjac.torch import (
     value_and_divergence,
 )
 from tests.reference import torch_diagonal_blocks, traces
-from torch import nn
 
 D = torch.float64
 

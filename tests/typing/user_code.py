@@ -10,13 +10,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import torch
 
 import divjac
 import divjac.jax as dj
 import divjac.torch as dt
-import jax
-import torch
 
 if sys.version_info >= (3, 11):
     from typing import assert_type

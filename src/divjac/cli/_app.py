@@ -145,7 +145,7 @@ def bench(
     suite: Annotated[
         Path | None,
         typer.Option(
-            "--suite", help="The benchmarks/ folder (default: ./benchmarks, then the checkout's)."
+            "--suite", help="A folder of bench_*.py modules to run instead of the built-in suite."
         ),
     ] = None,
     only: Annotated[
@@ -153,7 +153,10 @@ def bench(
         typer.Option("--only", help="Run only modules whose name contains this (repeatable)."),
     ] = None,
 ) -> None:
-    """Run the side-by-side benchmarks: ratio table, results.json, results.md and a PNG chart."""
+    """Run the side-by-side benchmarks: ratio table, results.json, results.md and a PNG chart.
+
+    The built-in suite (divjac.cli.bench) compares divjac with hand-written vmap(jacfwd), full-batch jacfwd, torch.func, asdex and FFJORD's code; a module whose framework or alternative is not installed is skipped, with the reason.
+    """
 
     def body() -> Any:
         from ._bench import run_bench

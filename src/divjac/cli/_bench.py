@@ -1,71 +1,162 @@
-"""``divjac bench``: run the ``benchmarks/`` suite with a progress bar, print and save the table.
+"""``divjac bench``: run a benchmark suite with a progress bar, print and save the table.
 
-The suite is a folder holding ``run.py`` (the runner: ``discover``, ``run_all``, ``table``,
-``save``) and the ``bench_*.py`` modules; ``divjac bench`` imports ``run.py`` by path and calls it.
+A suite is a folder of ``bench_*.py`` modules, each defining ``run(quick: bool) -> list[Result]``
+(:class:`divjac.cli.bench.Result`). The default suite is :mod:`divjac.cli.bench`, installed
+with the package; ``--suite DIR`` runs another folder's modules (the folder is put on
+``sys.path``, so its modules can import each other).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import json
+import pkgutil
+import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from . import bench
 from ._common import UsageError
+from .bench import Result
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.table import Table
 
-__all__ = ["find_suite", "load_runner", "run_bench"]
+__all__ = ["BUILTIN", "Suite", "find_suite", "markdown", "run_bench", "save", "table"]
 
-_RUNNER_FUNCTIONS = ("discover", "run_all", "table", "save")
+BUILTIN = Path(bench.__file__).resolve().parent
+
+
+@dataclass
+class Suite:
+    """The benchmark modules of one folder, and what running them gave."""
+
+    folder: Path
+    results: list[Result] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # module: the import that failed
+
+    def modules(self, names: Sequence[str] | None = None) -> list[str]:
+        """The ``bench_*`` modules, only those whose name contains one of ``names`` if given."""
+        found = sorted(
+            m.name
+            for m in pkgutil.iter_modules([str(self.folder)])
+            if m.name.startswith("bench_") and not m.ispkg
+        )
+        return [m for m in found if any(n in m for n in names)] if names else found
+
+    def load(self, name: str) -> ModuleType:
+        if self.folder == BUILTIN:
+            return importlib.import_module(f"{bench.__name__}.{name}")
+        if str(self.folder) not in sys.path:
+            sys.path.insert(0, str(self.folder))
+        spec = importlib.util.spec_from_file_location(name, self.folder / f"{name}.py")
+        if spec is None or spec.loader is None:
+            raise UsageError(f"cannot import {name!r} from {str(self.folder)!r}.")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    def run(
+        self,
+        names: Sequence[str],
+        *,
+        quick: bool,
+        on_start: Callable[[str], object] = lambda _: None,
+        on_done: Callable[[str, Sequence[Result] | None], object] = lambda _n, _r: None,
+    ) -> None:
+        """Run the modules ``names``; one that needs a package not installed is skipped."""
+        for name in names:
+            on_start(name)
+            try:
+                found = list(self.load(name).run(quick=quick))
+            except ImportError as err:  # a framework or an alternative is not installed
+                self.skipped[name] = f"{type(err).__name__}: {err}"
+                on_done(name, None)
+                continue
+            self.results.extend(found)
+            on_done(name, found)
 
 
 def find_suite(suite: Path | None) -> Path:
-    """``suite``, else ``./benchmarks``, else the ``benchmarks/`` of the source checkout."""
-    if suite is not None:
-        if not (suite / "run.py").is_file():
-            raise UsageError(
-                f"--suite {str(suite)!r} is not a benchmark suite: it has no run.py. Pass the "
-                "benchmarks/ folder of a divjac checkout."
-            )
-        return suite
-    import divjac
+    """``suite`` (a folder of ``bench_*.py`` modules), else the built-in suite."""
+    if suite is None:
+        return BUILTIN
+    if not suite.is_dir():
+        raise UsageError(f"--suite {str(suite)!r} is not a folder of bench_*.py modules.")
+    return suite.resolve()
 
-    candidates = [
-        Path.cwd() / "benchmarks",
-        Path(divjac.__file__).resolve().parents[2] / "benchmarks",
-    ]
-    for candidate in candidates:
-        if (candidate / "run.py").is_file():
-            return candidate
-    tried = ", ".join(str(c) for c in candidates)
-    raise UsageError(
-        f"no benchmark suite found (tried {tried}). The benchmarks live in the divjac source "
-        "checkout: run `divjac bench` from its root, or pass --suite path/to/benchmarks."
+
+def _measured(r: Result, value: float) -> str:
+    """A measurement with its unit (times in ms)."""
+    return f"{value * 1e3:.3g} ms" if r.unit == "s" else f"{value:.3g} {r.unit}"
+
+
+def _cells(r: Result) -> tuple[str, ...]:
+    return (
+        r.id,
+        r.case,
+        r.ours,
+        r.baseline,
+        _measured(r, r.ours_value),
+        _measured(r, r.baseline_value),
+        f"{r.value:.3g}x",
+        r.target_text,
     )
 
 
-def load_runner(suite: Path) -> ModuleType:
-    """The suite's ``run.py`` as a module (it puts its folder on ``sys.path`` itself)."""
-    path = suite / "run.py"
-    spec = importlib.util.spec_from_file_location("_divjac_bench_runner", path)
-    if spec is None or spec.loader is None:
-        raise UsageError(f"cannot import {str(path)!r}.")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        raise UsageError(f"importing {str(path)!r} raised {type(err).__name__}: {err}") from None
-    missing = [name for name in _RUNNER_FUNCTIONS if not hasattr(module, name)]
-    if missing:
-        raise UsageError(
-            f"{str(path)!r} is not a divjac benchmark runner: no {', '.join(missing)}."
-        )
-    return module
+def table(results: Sequence[Result]) -> Table:
+    """The results as a rich table: both measurements, the ratio or gain, its target."""
+    from rich.table import Table
+
+    t = Table(title="divjac benchmarks (ratios measured side by side in one run)")
+    for col in ("id", "case", "divjac", "alternative", "ours", "theirs", "value", "target", "ok"):
+        t.add_column(col)
+    for r in results:
+        t.add_row(*_cells(r), {True: "[green]yes", False: "[red]no", None: "-"}[r.passed])
+    return t
+
+
+def markdown(results: Sequence[Result]) -> str:
+    """The table as Markdown: times in ms, the ratio or gain, the target and whether it is met."""
+    lines = [
+        "| id | case | divjac | alternative | divjac | alternative | value | target | met |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        cells = list(_cells(r))
+        cells[3] = f"`{r.baseline}`"
+        cells.append({True: "yes", False: "**no**", None: "-"}[r.passed])
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def save(suite: Suite, out: Path, seconds: float) -> list[Path]:
+    """Write ``results.json``, ``results.md`` and (when a result has a target) ``results.png``."""
+    from ._plots import bench_chart
+
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "seconds": seconds,
+        "suite": str(suite.folder),
+        "skipped": suite.skipped,
+    }
+    results = [r.to_json() for r in suite.results]
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    (out / "results.md").write_text(markdown(suite.results))
+    written = [out / "results.json", out / "results.md"]
+    if bench_chart(suite.results, out / "results.png"):
+        written.append(out / "results.png")
+    return written
 
 
 def run_bench(
@@ -75,8 +166,8 @@ def run_bench(
     out: Path,
     only: Sequence[str] | None,
     console: Console,
-) -> list[Any]:
-    """Run the suite, print the table of ratios, write ``results.json``, ``results.md`` and ``results.png``."""
+) -> Suite:
+    """Run the suite, print the table of ratios, write ``results.json``, ``.md`` and ``.png``."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -86,14 +177,12 @@ def run_bench(
         TimeElapsedColumn,
     )
 
-    folder = find_suite(suite)
-    runner = load_runner(folder)
-    names = list(only) if only else None
-    modules = runner.discover(names)
-    if not modules:
-        which = f" matching {', '.join(names)}" if names else ""
-        raise UsageError(f"no benchmark modules bench_*.py{which} in {str(folder)!r}.")
-    console.print(f"benchmarks from {folder} ({'quick' if quick else 'full'} sizes)")
+    ran = Suite(find_suite(suite))
+    names = ran.modules(only)
+    if not names:
+        which = f" matching {', '.join(only)}" if only else ""
+        raise UsageError(f"no benchmark modules bench_*.py{which} in {str(ran.folder)!r}.")
+    console.print(f"benchmarks from {ran.folder} ({'quick' if quick else 'full'} sizes)")
     start = time.perf_counter()
     columns = (
         SpinnerColumn(),
@@ -103,32 +192,28 @@ def run_bench(
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("benchmarks", total=len(modules))
-        started: list[str] = []
+        task = progress.add_task("benchmarks", total=len(names))
 
         def on_start(name: str) -> None:
-            progress.update(task, description=f"running {name}", completed=len(started))
-            started.append(name)
+            progress.update(task, description=f"running {name}")
 
-        def on_done(name: str, results: Sequence[Any]) -> None:
-            progress.update(task, completed=len(started))
-            progress.console.print(f"  {name}: {len(results)} result(s)")
+        def on_done(name: str, results: Sequence[Result] | None) -> None:
+            progress.advance(task)
+            if results is None:
+                progress.console.print(f"  {name}: skipped ({ran.skipped[name]})", markup=False)
+            else:
+                progress.console.print(f"  {name}: {len(results)} result(s)")
 
-        results = runner.run_all(quick=quick, names=names, on_start=on_start, on_done=on_done)
-        progress.update(task, description="done", completed=len(modules))
+        ran.run(names, quick=quick, on_start=on_start, on_done=on_done)
+        progress.update(task, description="done")
     seconds = time.perf_counter() - start
-    sys.stdout.flush()
-    console.print(runner.table(results))
-    runner.save(results, out, seconds)
-    missed = [r for r in results if getattr(r, "passed", None) is False]
-    written = [
-        str(p)
-        for p in (out / "results.json", out / "results.md", out / "results.png")
-        if p.is_file()
-    ]
+    console.print(table(ran.results))
+    written = save(ran, out, seconds)
+    missed = [r for r in ran.results if r.passed is False]
     console.print(
-        f"{len(results)} results in {seconds:.1f} s"
+        f"{len(ran.results)} results in {seconds:.1f} s"
         + (f", {len(missed)} below target" if missed else "")
-        + f"; wrote {', '.join(written) or 'nothing'}"
+        + (f", {len(ran.skipped)} module(s) skipped" if ran.skipped else "")
+        + f"; wrote {', '.join(str(p) for p in written)}"
     )
-    return list(results)
+    return ran

@@ -6,6 +6,8 @@ import importlib
 import math
 from types import ModuleType
 
+from .._errors import DivjacError
+
 __all__ = [
     "FRAMEWORKS",
     "UsageError",
@@ -19,7 +21,7 @@ __all__ = [
 FRAMEWORKS = ("jax", "torch")
 
 
-class UsageError(Exception):
+class UsageError(DivjacError, ValueError):
     """Bad input on the command line: reported as a message with exit code 2, no traceback."""
 
 

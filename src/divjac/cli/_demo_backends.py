@@ -12,12 +12,11 @@ import math
 import time
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from ._demo import Case, Sizes
+from ._demo_report import Case, Sizes, make_data
 
 __all__ = ["Backend", "JaxBackend", "TorchBackend", "make_backend"]
 
@@ -93,7 +92,6 @@ class JaxBackend:
         import jax.numpy as jnp
 
         from ..models import jax as models
-        from ._demo import Case, make_data
 
         data = make_data(sizes)
 
@@ -155,9 +153,8 @@ class JaxBackend:
         return np.asarray(jax.jit(jax.vmap(jax.jacfwd(one, argnum), axes))(*case.args))
 
     def ref_grad_div(self, case: Case) -> np.ndarray:
-        import jax.numpy as jnp
-
         import jax
+        import jax.numpy as jnp
 
         one, axes = _per_sample(case, case.fn)
 
@@ -167,9 +164,8 @@ class JaxBackend:
         return np.asarray(jax.jit(jax.vmap(jax.grad(div, case.argnum), axes))(*case.args))
 
     def ref_laplacian(self, case: Case, u: Callable[..., Any]) -> np.ndarray:
-        import jax.numpy as jnp
-
         import jax
+        import jax.numpy as jnp
 
         one, axes = _per_sample(case, u)
 
@@ -194,7 +190,6 @@ class TorchBackend:
         import torch
 
         from ..models import torch as models
-        from ._demo import Case, make_data
 
         data = make_data(sizes)
         kernel = models.gaussian_kernel(sizes.blur_kernel, sizes.blur_sigma)
@@ -263,9 +258,8 @@ class TorchBackend:
         return self.numpy(vmap(jacfwd(one, argnums=argnum), in_dims=axes)(*case.args))
 
     def ref_grad_div(self, case: Case) -> np.ndarray:
-        from torch.func import grad, jacfwd, vmap
-
         import torch
+        from torch.func import grad, jacfwd, vmap
 
         one, axes = _per_sample(case, case.fn)
 
@@ -275,9 +269,8 @@ class TorchBackend:
         return self.numpy(vmap(grad(div, argnums=case.argnum), in_dims=axes)(*case.args))
 
     def ref_laplacian(self, case: Case, u: Callable[..., Any]) -> np.ndarray:
-        from torch.func import hessian, vmap
-
         import torch
+        from torch.func import hessian, vmap
 
         one, axes = _per_sample(case, u)
 

@@ -8,15 +8,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from ._common import format_count, format_error, format_seconds
+from ._demo_report import METHODS, Measure, Report, Row, method_rank
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from ._demo import Measure, Report, Row
+__all__ = ["render"]
 
-__all__ = ["ORDER", "render"]
-
-METHODS = {
+DESCRIPTIONS = {
     "exact": ("dense: one batched JVP per input element", "n is small (the MLP: n = 2)"),
     "sparse": (
         "exact: one batched JVP per diagonal color of the detected pattern",
@@ -34,7 +33,6 @@ METHODS = {
         "a sparse Jacobian, budget below its colors",
     ),
 }
-ORDER = list(METHODS)
 
 
 def _time_cell(m: Measure | None) -> str:
@@ -77,16 +75,14 @@ def methods_table() -> Table:
     table.add_column("method")
     table.add_column("computes")
     table.add_column("use it when")
-    for name, (what, when) in METHODS.items():
+    for name in METHODS:
+        what, when = DESCRIPTIONS[name]
         table.add_row(name, what, when)
     return table
 
 
 def divergence_table(report: Report, case: str) -> Table:
-    rows = sorted(
-        (r for (c, _), r in report.divergence.items() if c == case),
-        key=lambda r: ORDER.index(r.label) if r.label in ORDER else len(ORDER),
-    )
+    rows = sorted((r for (c, _), r in report.divergence.items() if c == case), key=method_rank)
     table = _table(f"divergence of {report.titles[case]}, n = {format_count(report.n[case])}")
     table.add_column("method", no_wrap=True)
     table.add_column("passes", justify="right")

@@ -189,9 +189,8 @@ def _make_input(framework: str, shape: tuple[int, ...], dtype: str) -> Any:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}; got {dtype!r}.")
     data = np.random.default_rng(0).standard_normal(shape)
     if framework == "jax":
-        import jax.numpy as jnp
-
         import jax
+        import jax.numpy as jnp
 
         if dtype == "float64" and not jax.config.read("jax_enable_x64"):
             jax.config.update("jax_enable_x64", True)
@@ -247,7 +246,7 @@ def inspect_function(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            pattern: SparsityPattern = api.sparsity(fn, x)
+            pattern: SparsityPattern = api.sparsity(fn)(x)
             colors = (pattern.n_colors, pattern.n_row_colors)
             diagonal = pattern.n_diagonal_colors if pattern.is_square else None
         except DivjacError as err:

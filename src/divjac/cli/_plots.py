@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._demo_report import method_rank
+
 if TYPE_CHECKING:
     import scipy.sparse as sp
 
-    from ._demo import Report
+    from ._demo_report import Report
+    from .bench import Result
 
-__all__ = ["demo_plots", "spy"]
+__all__ = ["bench_chart", "demo_plots", "spy"]
 
 _BACKEND_COLORS = {"jax": "tab:blue", "torch": "tab:orange"}
 _METHOD_COLORS = {
@@ -40,13 +44,11 @@ def _save(fig: Any, path: Path) -> Path:
 
 def draw_times(ax: Any, report: Report) -> bool:
     """Horizontal bars: time of each divergence method of each model, one bar per backend."""
-    from ._demo_render import ORDER
-
     labels: list[str] = []
     bars: list[tuple[int, str, float]] = []
     for case in report.titles:
         rows = [r for (c, _), r in report.divergence.items() if c == case]
-        rows.sort(key=lambda r: ORDER.index(r.label) if r.label in ORDER else len(ORDER))
+        rows.sort(key=method_rank)
         for row in rows:
             timed = {
                 b: m.seconds
@@ -189,3 +191,26 @@ def demo_plots(report: Report, out: Path) -> list[Path]:
     if drew:
         written.append(_save(fig, out / "summary.png"))
     return written
+
+
+def bench_chart(results: Sequence[Result], path: Path) -> bool:
+    """``divjac bench``'s chart: each result with a target, as its margin over the target."""
+    rows = [r for r in results if r.target is not None]
+    if not rows:
+        return False
+    fig = _figure(9, 0.45 * len(rows) + 1.5)
+    ax = fig.add_subplot()
+    # Normalized so that 1 is the target and larger is better, whatever the kind.
+    score = [
+        (r.target / r.value if r.kind == "ratio" else r.value / r.target) if r.value else 0.0
+        for r in rows
+        if r.target is not None
+    ]
+    ax.barh([f"{r.id} {r.case}" for r in rows], score,
+            color=["tab:green" if r.passed else "tab:red" for r in rows])  # fmt: skip
+    ax.axvline(1.0, color="black", lw=1, ls="--")
+    ax.set_xscale("log")
+    ax.set_xlabel("margin over target (>1 meets the target)")
+    ax.invert_yaxis()
+    _save(fig, path)
+    return True

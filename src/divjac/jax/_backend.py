@@ -13,12 +13,11 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import sparse as jsparse
-
-import jax
 from jax import lax
+from jax.experimental import sparse as jsparse
 
 from .._backend import Array, Backend, Finish, Linear, Point, Seed
 from .._core import plan

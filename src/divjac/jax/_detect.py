@@ -8,11 +8,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
-
-import jax
 
 from .._core import deps as D, detection
 from .._core.detection import LRU, EntryLimit, Propagated

@@ -13,12 +13,11 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jcore
-
-import jax
 from jax import lax
+from jax.extend import core as jcore
 
 from .._core import deps as D, detection
 from .._core.deps import Deps

@@ -20,11 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import jax.numpy as jnp
-from jax.extend import core as jcore
-
 import jax
+import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jcore
 
 __all__ = ["shared_push"]
 

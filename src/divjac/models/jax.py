@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.scipy.signal import convolve2d
-
-import jax
 
 from . import unet_layers
 

@@ -15,9 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch.nn.functional as F
-
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .._errors import InternalError

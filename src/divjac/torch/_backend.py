@@ -21,10 +21,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from torch.utils import _pytree as pytree
-
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .._backend import Backend, Finish, Linear, Point, Seed
 from .._core.detection import LRU

@@ -43,12 +43,11 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
 import torch.fx
+from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
-
-import torch
-from torch import nn
 
 from .._core import deps as D, detection
 from .._core.detection import LRU, EntryLimit, Propagated

@@ -35,10 +35,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 import torch.fx
 from torch.utils import _pytree as pytree
-
-import torch
 
 from .._core import deps as D, detection
 from .._core.deps import Deps

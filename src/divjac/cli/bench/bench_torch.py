@@ -14,12 +14,16 @@ columns, as PyTorch's batched convolution backward is the slower direction).
 
 from __future__ import annotations
 
-from torch.func import jacfwd, jacrev, vmap
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from _harness import ESTIMATOR_BUDGET, Result, best_time, cost_rows, interleaved_best_times
-from divjac.models import torch as models
-from divjac.torch import divergence, jacobian, sparsity
+from torch.func import jacfwd, jacrev, vmap
+
+from ...models import torch as models
+from ...torch import divergence, jacobian, sparsity
+from ._harness import ESTIMATOR_BUDGET, Result, best_time, cost_rows, interleaved_best_times
 
 
 def run(quick: bool) -> list[Result]:
@@ -35,7 +39,7 @@ def run(quick: bool) -> list[Result]:
 
 def _estimator_costs(quick: bool) -> dict[str, dict[str, float]]:
     """Hutch++ and XTrace against Hutchinson at the same matvecs (see bench_estimators)."""
-    cases = {
+    cases: dict[str, tuple[Callable[..., Any], Any]] = {
         "CNN 3x3 16ch [8,3,32,32], n=3072": (models.cnn, models.init_cnn(11, channels=16)),
         "U-Net 8ch [8,3,32,32], n=3072": (models.unet, models.init_unet(12)),
     }
@@ -74,10 +78,14 @@ def _mlp_case(d: int, repeat: int) -> list[Result]:
 
     ours = jacobian(f, 1)
     div = divergence(f, 1, method="exact")
-    fns = {}
+
+    def traced(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda p, x: torch.diagonal(fn(p, x), 0, 1, 2).sum(1)
+
+    fns: dict[str, Callable[[], Any]] = {}
     for name, fn in hand.items():
-        fns[name] = lambda fn=fn: fn(params, x)
-        fns[name + "+trace"] = lambda fn=fn: torch.diagonal(fn(params, x), 0, 1, 2).sum(1)
+        fns[name] = functools.partial(fn, params, x)
+        fns[name + "+trace"] = functools.partial(traced(fn), params, x)
     fns["ours"] = lambda: ours(params, x)
     fns["div"] = lambda: div(params, x)
     reference = hand["vmap(jacrev)"](params, x)
@@ -168,8 +176,3 @@ def _blur_case(repeat: int) -> list[Result]:
             extra={"max_abs_diff": max_err, "all": {k: t[k] for k in fns if k != "ours"}},
         )
     ]  # fmt: skip
-
-
-if __name__ == "__main__":
-    for r in run(quick=True):
-        print(r.id, r.case, r.ours, "vs", r.baseline, f"{r.value:.3g}", r.passed, r.extra)

@@ -1,15 +1,14 @@
 """Shared helpers of the side-by-side benchmarks: timing and result records.
 
-Every benchmark module ``bench_*.py`` in this folder defines ``run(quick: bool) -> list[Result]``
-and measures divjac and the alternatives in the same process, one after the other, so the ratios
-compare like with like. Absolute times depend on the machine; the targets are on ratios.
+Absolute times depend on the machine; the targets are on ratios.
 """
 
 from __future__ import annotations
 
 import gc
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -69,20 +68,16 @@ class Result:
 
 
 def block(value: Any) -> Any:
-    """Wait for asynchronous computations (JAX dispatch, CUDA kernels) to finish."""
-    try:
-        import jax
+    """Wait for asynchronous computations (JAX dispatch, CUDA kernels) to finish.
 
+    Only a framework the benchmark already imported is asked.
+    """
+    jax = sys.modules.get("jax")
+    if jax is not None:
         value = jax.block_until_ready(value)
-    except ImportError:  # pragma: no cover - jax not installed
-        pass
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    except ImportError:  # pragma: no cover - torch not installed
-        pass
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.synchronize()
     return value
 
 
@@ -113,7 +108,11 @@ def best_time(
 
 
 def interleaved_best_times(
-    fns: dict[str, Callable[[], Any]], *, repeat: int = 7, warmup: int = 1, min_time: float = 0.05
+    fns: Mapping[str, Callable[[], Any]],
+    *,
+    repeat: int = 7,
+    warmup: int = 1,
+    min_time: float = 0.05,
 ) -> dict[str, float]:
     """Best times of several functions measured in alternation (fair under machine noise)."""
     for fn in fns.values():

@@ -5,12 +5,12 @@ MLP ``d -> 256 -> 256 -> d`` (tanh), ``B = 64``, ``d`` in {16, 128}, float32, ev
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-import jax
-from _harness import Result, interleaved_best_times
-from divjac.jax import divergence, jacobian
-from divjac.models import jax as models
+from ...jax import divergence, jacobian
+from ...models import jax as models
+from ._harness import Result, interleaved_best_times
 
 
 def run(quick: bool) -> list[Result]:

@@ -19,13 +19,15 @@ estimates agree to rounding):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from _harness import Result, interleaved_best_times
-from divjac.models import torch as models
-from divjac.torch import value_and_divergence
+
+from ...models import torch as models
+from ...torch import value_and_divergence
+from ._harness import Result, interleaved_best_times
 
 B = 256
 
@@ -203,7 +205,7 @@ def _overhead(repeat: int) -> list[Result]:
     def hand_exact() -> torch.Tensor:
         y = torch.sin(x)
         rows = [torch.autograd.grad(y, x, e.expand(4, 3), create_graph=True)[0] for e in eye]
-        return sum(r[:, i] for i, r in enumerate(rows))
+        return torch.stack([r[:, i] for i, r in enumerate(rows)]).sum(0)
 
     t = interleaved_best_times(
         {
@@ -230,11 +232,11 @@ def _overhead(repeat: int) -> list[Result]:
 
 
 def _jax(d: int, repeat: int) -> Result:
+    import jax
     import jax.numpy as jnp
 
-    import jax
-    from divjac.jax import divergence as jdivergence
-    from divjac.models import jax as jmodels
+    from ...jax import divergence as jdivergence
+    from ...models import jax as jmodels
 
     params = jmodels.init_concat_squash(jax.random.key(0), d)
     x = jax.random.normal(jax.random.key(1), (B, d))
@@ -272,11 +274,11 @@ def _jax_training_step(d: int, repeat: int) -> Result:
     """A jitted CNF training step in diffrax (fixed-step Tsit5, 8 steps, Hutchinson with one
     fixed probe): divjac's ``value_and_divergence`` against a hand-written ``jax.jvp``."""
     import diffrax
+    import jax
     import jax.numpy as jnp
 
-    import jax
-    from divjac.jax import value_and_divergence as jvalue_and_divergence
-    from divjac.models import jax as jmodels
+    from ...jax import value_and_divergence as jvalue_and_divergence
+    from ...models import jax as jmodels
 
     params = jmodels.init_concat_squash(jax.random.key(3), d)
     x = jax.random.normal(jax.random.key(4), (B, d))
@@ -307,9 +309,8 @@ def _jax_training_step(d: int, repeat: int) -> Result:
 
     runs = {"ours": step(ours), "hand": step(hand)}
     err = abs(float(runs["ours"](params)[0]) - float(runs["hand"](params)[0]))
-    t = interleaved_best_times(
-        {k: (lambda fn=fn: fn(params)) for k, fn in runs.items()}, repeat=repeat, min_time=0.0
-    )
+    calls = {k: functools.partial(fn, params) for k, fn in runs.items()}
+    t = interleaved_best_times(calls, repeat=repeat, min_time=0.0)
     return Result(
         "F6",
         f"CNF training step d={d}, B={B}: diffrax Tsit5 (8 steps) + grad, jit (JAX)",

@@ -8,16 +8,20 @@ and hand-written ``vmap(jacfwd)`` + trace. With chunking, memory is ``c`` passes
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-import jax
-from _harness import Result
-from divjac.jax import divergence
-from divjac.models import jax as models
+from ..._errors import InternalError
+from ...jax import divergence
+from ...models import jax as models
+from ._harness import Result
 
 
 def _temp_bytes(fn, *args) -> float:
-    return float(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+    analysis = jax.jit(fn).lower(*args).compile().memory_analysis()
+    if analysis is None:
+        raise InternalError("XLA gave no memory analysis of the compiled divergence")
+    return float(analysis.temp_size_in_bytes)
 
 
 def run(quick: bool) -> list[Result]:
@@ -47,8 +51,3 @@ def run(quick: bool) -> list[Result]:
             )
         )  # fmt: skip
     return results
-
-
-if __name__ == "__main__":
-    for r in run(quick=False):
-        print(r.case, f"{r.ours_value / 1e6:.2f} MB vs {r.baseline_value / 1e6:.2f} MB", r.extra)

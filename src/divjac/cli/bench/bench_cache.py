@@ -9,9 +9,10 @@ the same divergence (exact, detection cached after the first call). Reported, no
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
-from _harness import Result, interleaved_best_times
+from ._harness import Result, interleaved_best_times
 
 SIZES = (64, 2048, 2048, 2048, 64)  # 8.7M parameters
 QUICK_SIZES = (64, 2048, 2048, 64)
@@ -20,7 +21,12 @@ QUICK_SIZES = (64, 2048, 2048, 64)
 def run(quick: bool) -> list[Result]:
     sizes = QUICK_SIZES if quick else SIZES
     repeat = 3 if quick else 7
-    return [_jax(sizes, repeat), _torch(sizes, repeat)]
+    measures = {"jax": _jax, "torch": _torch}
+    return [
+        measure(sizes, repeat)
+        for framework, measure in measures.items()
+        if importlib.util.find_spec(framework) is not None
+    ]
 
 
 def _result(framework: str, n_params: int, t: dict[str, float]) -> Result:
@@ -49,9 +55,10 @@ def _timed(
 
 def _jax(sizes: tuple[int, ...], repeat: int) -> Result:
     import jax
-    from divjac.jax import divergence
-    from divjac.jax._backend import BACKEND
-    from divjac.models import jax as models
+
+    from ...jax import divergence
+    from ...jax._backend import BACKEND
+    from ...models import jax as models
 
     params = models.init_mlp(jax.random.key(0), sizes)
     x = jax.random.normal(jax.random.key(1), (8, sizes[0]))
@@ -61,9 +68,10 @@ def _jax(sizes: tuple[int, ...], repeat: int) -> Result:
 
 def _torch(sizes: tuple[int, ...], repeat: int) -> Result:
     import torch
-    from divjac.models import torch as models
-    from divjac.torch import divergence
-    from divjac.torch._backend import BACKEND
+
+    from ...models import torch as models
+    from ...torch import divergence
+    from ...torch._backend import BACKEND
 
     params = models.init_mlp(0, sizes, torch.float32)
     x = torch.randn(8, sizes[0])

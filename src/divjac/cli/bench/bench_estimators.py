@@ -9,13 +9,13 @@ vs one hand-written batched JVP (target <= 1.2x).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jax
-from _harness import ESTIMATOR_BUDGET, Result, best_time, cost_rows, interleaved_best_times
-from divjac.jax import divergence
-from divjac.models import jax as models
+from ...jax import divergence
+from ...models import jax as models
+from ._harness import ESTIMATOR_BUDGET, Result, best_time, cost_rows, interleaved_best_times
 
 
 def _draws(div, args, keys):
@@ -135,8 +135,3 @@ def _jax_costs(quick: bool) -> dict[str, dict[str, float]]:
             fns[method] = lambda div=div, params=params: div(key, params, x)
         times[case] = interleaved_best_times(fns, repeat=3 if quick else 7, min_time=0.0)
     return times
-
-
-if __name__ == "__main__":
-    for r in run(quick=True):
-        print(r.id, r.case, r.ours, f"{r.value:.3g}", r.passed)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import time
 
+import jax
 import jax.numpy as jnp
 
-import jax
-from _harness import Result, best_time
-from divjac.jax import _detect, divergence, sparsity
-from divjac.models import jax as models
+from ...jax import _detect, divergence, sparsity
+from ...models import jax as models
+from ._harness import Result, best_time
 
 
 def _dense_reference(params, x):
@@ -105,8 +105,3 @@ def _detection(params, quick: bool) -> list[Result]:
         if quick:
             break
     return out
-
-
-if __name__ == "__main__":
-    for r in run(quick=True):
-        print(r.id, r.case, f"{r.value:.3g}", r.passed, r.extra)

@@ -1,0 +1,1 @@
+"""Type-checking tests: mypy checks the files here against the public signatures."""
