@@ -17,8 +17,8 @@ from typing import Any, Generic, TypeVar
 
 from .._errors import DenseFallbackWarning, DetectionMemoryError
 from . import pattern as P
-from .deps import Deps
 from .pattern import BatchLayout, Coupling, SparsityPattern
+from .rules import Deps
 
 __all__ = [
     "AUTO_DETECTION_ENTRIES",

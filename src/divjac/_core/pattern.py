@@ -22,7 +22,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from . import coloring
-from .deps import Deps, from_labels
+from .rules import Deps, from_labels
 
 __all__ = ["BatchLayout", "Coupling", "SparsityPattern", "read_out", "seed"]
 

@@ -14,7 +14,7 @@ from jax.extend import core as jcore
 
 import jax
 
-from .._core import deps as D, detection
+from .._core import detection, rules as D
 from .._core.detection import LRU, EntryLimit, Propagated
 from ._interpret import Interpreter
 

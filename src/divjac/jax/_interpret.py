@@ -1,6 +1,6 @@
 """Sparsity detection for JAX: abstract interpretation of a jaxpr over dependency sets.
 
-Every primitive is mapped onto a backend-neutral rule of :mod:`divjac._core.deps`. Nested programs
+Every primitive is mapped onto a backend-neutral rule of :mod:`divjac._core.rules`. Nested programs
 (``jit``, ``remat``, ``custom_jvp`` / ``custom_vjp``, ``cond``, ``while``, ``scan``) are followed.
 A primitive without a rule never raises and never under-approximates: its outputs depend on
 everything its inputs depend on, with a :class:`~divjac.DenseFallbackWarning` naming it.
@@ -20,9 +20,9 @@ from jax.extend import core as jcore
 import jax
 from jax import lax
 
-from .._core import deps as D, detection
-from .._core.deps import Deps
+from .._core import detection, rules as D
 from .._core.detection import EntryLimit
+from .._core.rules import Deps
 
 __all__ = ["Interpreter"]
 

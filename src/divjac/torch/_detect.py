@@ -50,7 +50,7 @@ from torch.utils import _pytree as pytree
 import torch
 from torch import nn
 
-from .._core import deps as D, detection
+from .._core import detection, rules as D
 from .._core.detection import LRU, EntryLimit, Propagated
 from .._errors import DivjacError, RetraceWarning
 from ._interpret import Interpreter, decompositions, is_convolution

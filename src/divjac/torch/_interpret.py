@@ -1,7 +1,7 @@
 """Sparsity detection for PyTorch: abstract interpretation of an ATen graph over dependency sets.
 
 The graph comes from ``make_fx`` (functionalized, so there is no aliasing or mutation to track).
-Every ATen operation is mapped onto a backend-neutral rule of :mod:`divjac._core.deps`:
+Every ATen operation is mapped onto a backend-neutral rule of :mod:`divjac._core.rules`:
 
 * element-wise operations (every op tagged ``torch.Tag.pointwise``) and the activations;
 * data movement (views, reshapes, permutes, ``cat``, slicing, indexing with known indices,
@@ -40,9 +40,9 @@ from torch.utils import _pytree as pytree
 
 import torch
 
-from .._core import deps as D, detection
-from .._core.deps import Deps
+from .._core import detection, rules as D
 from .._core.detection import EntryLimit
+from .._core.rules import Deps
 
 __all__ = ["Interpreter", "decompositions", "is_convolution"]
 

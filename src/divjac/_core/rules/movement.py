@@ -1,0 +1,114 @@
+"""Data movement: each output element reads at most one input element (index maps).
+
+Reshape, transpose, broadcasting, slicing, reversal, padding, concatenation, tiling, and the
+element-wise rule (the union of the broadcast inputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ._deps import Deps, arange, gather, index_map, union
+
+__all__ = [
+    "broadcast_in_dim",
+    "broadcast_to",
+    "concatenate",
+    "elementwise",
+    "pad",
+    "reshape",
+    "rev",
+    "slice_",
+    "stack",
+    "transpose",
+]
+
+
+def reshape(deps: Deps, shape: Sequence[int]) -> Deps:
+    """Reshape (row-major): the dependency rows are unchanged."""
+    return Deps(tuple(int(s) for s in shape), deps.n_labels, deps.csr)
+
+
+def transpose(deps: Deps, permutation: Sequence[int]) -> Deps:
+    """``transpose(x, permutation)``."""
+    return gather(deps, np.transpose(arange(deps.shape), tuple(permutation)))
+
+
+def broadcast_to(deps: Deps, shape: Sequence[int]) -> Deps:
+    """NumPy broadcasting of ``deps.shape`` (right-aligned) to ``shape``."""
+    shape = tuple(int(s) for s in shape)
+    if deps.shape == shape:
+        return deps
+    return gather(deps, np.broadcast_to(arange(deps.shape), shape))
+
+
+def broadcast_in_dim(deps: Deps, shape: Sequence[int], broadcast_dimensions: Sequence[int]) -> Deps:
+    """XLA ``broadcast_in_dim``: operand axis ``i`` becomes output axis ``broadcast_dimensions[i]``."""
+    expanded = [1] * len(shape)
+    for axis, size in zip(broadcast_dimensions, deps.shape, strict=True):
+        expanded[axis] = size
+    return broadcast_to(reshape(deps, expanded), shape)
+
+
+def slice_(
+    deps: Deps,
+    start: Sequence[int],
+    limit: Sequence[int],
+    strides: Sequence[int] | None = None,
+) -> Deps:
+    """``x[start:limit:strides]`` on every axis."""
+    steps = strides if strides is not None else [1] * len(start)
+    index = tuple(slice(a, b, s) for a, b, s in zip(start, limit, steps, strict=True))
+    return gather(deps, arange(deps.shape)[index])
+
+
+def rev(deps: Deps, axes: Sequence[int]) -> Deps:
+    """Reverse the order of elements along ``axes``."""
+    return gather(deps, np.flip(arange(deps.shape), tuple(axes)))
+
+
+def concatenate(deps: Sequence[Deps], axis: int) -> Deps:
+    """Concatenation along ``axis``."""
+    offsets = np.cumsum([0] + [d.size for d in deps])
+    src = np.concatenate(
+        [arange(d.shape) + off for d, off in zip(deps, offsets, strict=False)], axis
+    )
+    return index_map(src.shape, deps, src)
+
+
+def stack(deps: Sequence[Deps], axis: int) -> Deps:
+    """Stacking along a new axis ``axis`` (of the output)."""
+    axis = axis % (len(deps[0].shape) + 1)
+    expanded = [reshape(d, (*d.shape[:axis], 1, *d.shape[axis:])) for d in deps]
+    return concatenate(expanded, axis)
+
+
+def pad(deps: Deps, value: Deps, config: Sequence[tuple[int, int, int]]) -> Deps:
+    """XLA ``pad``: ``config[i] = (low, high, interior)``, low/high may be negative (cropping).
+
+    Padded elements depend on the (scalar) padding ``value``.
+    """
+    n = deps.size
+    grown = []
+    for size, (lo, hi, interior) in zip(deps.shape, config, strict=True):
+        grown.append(max(lo, 0) + size + max(size - 1, 0) * interior + max(hi, 0))
+    src = np.full(grown, n, dtype=np.int64)
+    placed = tuple(
+        slice(max(lo, 0), max(lo, 0) + max(size - 1, 0) * (interior + 1) + 1, interior + 1)
+        for size, (lo, _, interior) in zip(deps.shape, config, strict=True)
+    )
+    if n:
+        src[placed] = arange(deps.shape)
+    crop = tuple(
+        slice(max(-lo, 0), length - max(-hi, 0))
+        for length, (lo, hi, _) in zip(grown, config, strict=True)
+    )
+    src = src[crop]
+    return index_map(src.shape, [deps, reshape(value, (1,))], src)
+
+
+def elementwise(out_shape: Sequence[int], *deps: Deps) -> Deps:
+    """Element-wise operation with NumPy broadcasting: union of the broadcast inputs."""
+    return union(*(broadcast_to(d, out_shape) for d in deps))
