@@ -8,10 +8,21 @@ from collections.abc import Sequence
 import numpy as np
 
 from ._deps import Deps, Shape, arange, compose, empty, gather, union
+from ._op import Op
 from .movement import transpose
 from .reductions import reduce
 
-__all__ = ["axis_map", "conv", "window", "window_pairs", "window_transposed"]
+__all__ = [
+    "axis_map",
+    "axis_maps_rule",
+    "conv",
+    "conv_rule",
+    "window",
+    "window_pairs",
+    "window_rule",
+    "window_transposed",
+    "window_transposed_rule",
+]
 
 
 def window_pairs(
@@ -171,3 +182,37 @@ def axis_map(deps: Deps, axis: int, size: int, rows: np.ndarray, cols: np.ndarra
     out_idx = ((p * size + rows[None, :, None]) * post + q).ravel()
     in_idx = ((p * n + cols[None, :, None]) * post + q).ravel()
     return compose(out_shape, out_idx, in_idx, deps)
+
+
+# --- rules over an operation ---------------------------------------------------------------------
+
+
+def conv_rule(op: Op) -> list[Deps]:
+    """Convolution of the inputs (lhs, rhs) with the keyword arguments of :func:`conv` as params
+    (``out_shape`` is the output's)."""
+    return [conv(op.ins[0], op.ins[1], out_shape=op.out_shapes[0], **op.params)]
+
+
+def window_rule(op: Op) -> list[Deps]:
+    """Windowed reduction of the first input (the arguments of :func:`window` as params)."""
+    return [window(op.ins[0], **op.params)]
+
+
+def window_transposed_rule(op: Op) -> list[Deps]:
+    """Window outputs (the first input) scattered back over the windows of the output."""
+    p = op.params
+    out = op.out_shapes[0]
+    return [
+        window_transposed(op.ins[0], out, p["window_dimensions"], p["window_strides"], p["padding"])
+    ]
+
+
+def axis_maps_rule(op: Op) -> list[Deps]:
+    """Separable windows: :func:`axis_map` applied to the first input along each axis in turn.
+
+    Params: ``maps``, a list of ``(axis, size, rows, cols)``. Other outputs (indices): nothing.
+    """
+    x = op.ins[0]
+    for axis, size, rows, cols in op.params["maps"]:
+        x = axis_map(x, axis, size, rows, cols)
+    return [x] + [op.empty(k) for k in range(1, len(op.out_shapes))]

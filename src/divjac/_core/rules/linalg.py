@@ -1,17 +1,32 @@
-"""Contractions (``dot_general``) and batched linear algebra."""
+"""Contractions (``dot_general``), batched linear algebra and solves, FFTs.
+
+Batched linear algebra (factorizations, inverses, eigen-decompositions, FFTs) is independent
+along its leading (batch) axes and dense within one batch entry; solves and triangular solves
+keep the columns of their right-hand side apart.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ._deps import Deps, arange, compose, empty, gather, union
-from .movement import reshape, transpose
-from .reductions import reduce
+from ._deps import Deps, arange, compose, dense, empty, gather, union
+from ._op import Op
+from .movement import broadcast_to, reshape, transpose
+from .reductions import cumulative, reduce
 
-__all__ = ["batched_dense", "dot_general"]
+__all__ = [
+    "batched_dense",
+    "batched_rule",
+    "dot_general",
+    "dot_rule",
+    "fft_rule",
+    "linear_solve_rule",
+    "solve_rule",
+    "triangular_solve_rule",
+]
 
 
 def batched_dense(deps: Deps, n_core: int, out_shape: Sequence[int], n_core_out: int) -> Deps:
@@ -129,3 +144,116 @@ def _dot_with_constant(
     else:  # output (b, k, i): the constant's free axes come first
         rows = (bb * nk + kk) * ni + ii
     return compose(out_shape, rows, cols, canon)
+
+
+# --- rules over an operation ---------------------------------------------------------------------
+
+
+def dot_rule(op: Op) -> list[Deps]:
+    """``dot_general`` of the two inputs (params ``contracting``, ``batch``); the zeros of a
+    constant operand are used."""
+    lhs, rhs = op.ins[0], op.ins[1]
+    out = dot_general(
+        lhs,
+        rhs,
+        contracting=op.params["contracting"],
+        batch=op.params["batch"],
+        lhs_value=op.value(0),
+        rhs_value=op.value(1),
+    )
+    return [reshape(out, s) for s in op.out_shapes]
+
+
+def batched_rule(op: Op) -> list[Deps]:
+    """Independent along the ``lead`` leading axes (a batch, heads); within one entry of them,
+    every output element depends on every input element.
+
+    Params: ``lead`` (default: all but the last two axes of the first input, the matrix axes).
+    An input or output whose leading axes differ is handled by the dense fallback.
+    """
+    present = [d for d in op.ins if not d.is_empty]
+    lead = op.params.get("lead")
+    if lead is None:
+        lead = len(op.ins[0].shape) - 2
+    if lead < 0:
+        return op.dense()
+    results = []
+    for s in op.out_shapes:
+        batch = tuple(s[:lead])
+        if len(s) < lead or any(len(d.shape) < lead or d.shape[:lead] != batch for d in present):
+            if math.prod(s):
+                op.fallbacks.add(op.name)
+            results.append(dense(s, *op.ins))
+            continue
+        parts = [batched_dense(d, len(d.shape) - lead, s, len(s) - lead) for d in present]
+        results.append(union(empty(s, op.n_labels), *parts))
+    return results
+
+
+def fft_rule(op: Op) -> list[Deps]:
+    """A discrete Fourier transform over ``axes``: dense along them, independent elsewhere
+    (the output may have another length on them: real transforms)."""
+    x = op.ins[0]
+    line = reduce(x, op.params["axes"], keepdims=True)
+    return [broadcast_to(line, s) for s in op.out_shapes]
+
+
+def triangular_solve_rule(op: Op) -> list[Deps]:
+    """``op(a) x = b`` (``left``) or ``x op(a) = b`` with a triangular ``op(a)`` (``lower``
+    after any transposition): substitution.
+
+    Solving with a lower triangular matrix from the left, ``x[i, j]`` depends on ``b[k, j]``
+    for ``k <= i`` (a prefix along the rows); the other cases are the suffix or the columns.
+    Every element depends on its batch entry's whole matrix. Inputs: ``a``, ``b``.
+    """
+    a, b = op.ins[0], op.ins[1]
+    lower = op.params["lower"]
+    if op.params["left"]:
+        solved = cumulative(b, -2, reverse=not lower)
+    else:
+        solved = cumulative(b, -1, reverse=lower)
+    out = op.out_shapes[0]
+    return [union(solved, batched_dense(a, 2, out, 2))]
+
+
+def solve_rule(op: Op) -> list[Deps]:
+    """``A X = B`` (``left``; ``X A = B`` otherwise): a column (row) of ``X`` reads the same
+    column (row) of ``B`` and all of ``A`` of its batch entry; the other outputs
+    (factorizations, a copy of ``A``) read ``A`` alone.
+
+    Inputs: ``A``, ``B``. Params: ``left``, ``vector`` (``B`` is a (batch of) vector(s)).
+    """
+    a, rhs = op.ins[0], op.ins[1]
+    n_a = len(a.shape)
+    vector = op.params.get("vector", False)
+    axis = len(rhs.shape) - 1 if vector else len(rhs.shape) - (2 if op.params["left"] else 1)
+    whole_a = reduce(a, [n_a - 2, n_a - 1], keepdims=True)
+    solution = [broadcast_to(reduce(rhs, [axis], keepdims=True), op.out_shapes[0])]
+    if not a.is_empty:
+        reduced = reshape(whole_a, whole_a.shape[:-1]) if vector else whole_a
+        solution.append(broadcast_to(reduced, op.out_shapes[0]))
+    results = [union(*solution)]
+    for k, s in enumerate(op.out_shapes[1:], 1):
+        results.append(op.empty(k) if a.is_empty else broadcast_to(whole_a, s))
+    return results
+
+
+Program = Callable[[Sequence[Deps]], list[Deps]]
+
+
+def linear_solve_rule(op: Op) -> list[Deps]:
+    """A solve given by programs (JAX ``custom_linear_solve``).
+
+    Inputs: the programs' constants (``n_consts`` of them), then the right-hand sides. Params:
+    ``solve`` (right-hand sides -> solutions) and ``matvec`` (solutions -> products), both
+    closed over their constants, ``n_consts`` and ``matrix_moves`` (the matvec's constants depend on
+    the labels). ``x = A^{-1} b`` gives ``dx = A^{-1} (db - dA x)``: the matrix's dependencies
+    go through the matvec (``dA x``) and the solve, which keeps batched solves per entry.
+    """
+    solve: Program = op.params["solve"]
+    matvec: Program = op.params["matvec"]
+    solved = solve(op.ins[op.params["n_consts"] :])
+    if op.params["matrix_moves"]:
+        moved = solve(matvec(solved))
+        solved = [union(s, m) for s, m in zip(solved, moved, strict=True)]
+    return solved

@@ -6,23 +6,40 @@ element-wise rule (the union of the broadcast inputs).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
 
 from ._deps import Deps, arange, gather, index_map, union
+from ._op import Op
 
 __all__ = [
     "broadcast_in_dim",
+    "broadcast_in_dim_rule",
     "broadcast_to",
     "concatenate",
+    "concatenate_rule",
     "elementwise",
+    "elementwise_rule",
+    "identity_rule",
+    "nothing_rule",
     "pad",
+    "pad_rule",
     "reshape",
+    "reshape_rule",
     "rev",
+    "rev_rule",
     "slice_",
+    "slice_rule",
+    "split",
+    "split_rule",
     "stack",
+    "stack_rule",
+    "tile",
+    "tile_rule",
     "transpose",
+    "transpose_rule",
 ]
 
 
@@ -112,3 +129,95 @@ def pad(deps: Deps, value: Deps, config: Sequence[tuple[int, int, int]]) -> Deps
 def elementwise(out_shape: Sequence[int], *deps: Deps) -> Deps:
     """Element-wise operation with NumPy broadcasting: union of the broadcast inputs."""
     return union(*(broadcast_to(d, out_shape) for d in deps))
+
+
+def tile(deps: Deps, reps: Sequence[int]) -> Deps:
+    """``np.tile(x, reps)``."""
+    return gather(deps, np.tile(arange(deps.shape), tuple(reps)))
+
+
+def split(deps: Deps, axis: int, sizes: Sequence[int]) -> list[Deps]:
+    """Consecutive pieces of ``sizes`` along ``axis``."""
+    bounds = np.cumsum([0, *sizes])
+    pieces = []
+    for lo, hi in itertools.pairwise(bounds):
+        start = [0] * len(deps.shape)
+        limit = list(deps.shape)
+        start[axis], limit[axis] = int(lo), int(hi)
+        pieces.append(slice_(deps, start, limit))
+    return pieces
+
+
+# --- rules over an operation ---------------------------------------------------------------------
+
+
+def elementwise_rule(op: Op) -> list[Deps]:
+    """Element-wise (with broadcasting): every output is the union of the broadcast inputs."""
+    return [elementwise(s, *op.ins) for s in op.out_shapes]
+
+
+def nothing_rule(op: Op) -> list[Deps]:
+    """Outputs whose derivative is zero wherever it exists (comparisons, rounding, ...)."""
+    return [op.empty(k) for k in range(len(op.out_shapes))]
+
+
+def identity_rule(op: Op) -> list[Deps]:
+    """Output ``k`` is input ``k`` (broadcast to its shape); outputs past the inputs: nothing."""
+    return [
+        broadcast_to(op.ins[k], s) if k < len(op.ins) else op.empty(k)
+        for k, s in enumerate(op.out_shapes)
+    ]
+
+
+def reshape_rule(op: Op) -> list[Deps]:
+    """Row-major reshape, after a ``permutation`` of the input (if given)."""
+    x = op.ins[0]
+    if op.params.get("permutation"):
+        x = transpose(x, op.params["permutation"])
+    return [reshape(x, op.out_shapes[0])]
+
+
+def transpose_rule(op: Op) -> list[Deps]:
+    """Params: ``permutation``."""
+    return [transpose(op.ins[0], op.params["permutation"])]
+
+
+def broadcast_in_dim_rule(op: Op) -> list[Deps]:
+    """Params: ``dimensions`` (the output axis of every input axis)."""
+    return [broadcast_in_dim(op.ins[0], op.out_shapes[0], op.params["dimensions"])]
+
+
+def rev_rule(op: Op) -> list[Deps]:
+    """Params: ``axes`` (reversed)."""
+    return [rev(op.ins[0], op.params["axes"])]
+
+
+def slice_rule(op: Op) -> list[Deps]:
+    """Params: ``start``, ``limit``, ``strides`` (or ``None``)."""
+    p = op.params
+    return [slice_(op.ins[0], p["start"], p["limit"], p.get("strides"))]
+
+
+def pad_rule(op: Op) -> list[Deps]:
+    """Inputs: operand, padding value. Params: ``config`` (``(low, high, interior)`` per axis)."""
+    return [pad(op.ins[0], op.ins[1], op.params["config"])]
+
+
+def concatenate_rule(op: Op) -> list[Deps]:
+    """Params: ``axis``."""
+    return [concatenate(op.ins, op.params["axis"])]
+
+
+def stack_rule(op: Op) -> list[Deps]:
+    """Params: ``axis`` (of the output)."""
+    return [stack(op.ins, op.params["axis"])]
+
+
+def tile_rule(op: Op) -> list[Deps]:
+    """Params: ``reps``."""
+    return [tile(op.ins[0], op.params["reps"])]
+
+
+def split_rule(op: Op) -> list[Deps]:
+    """Params: ``axis``, ``sizes``."""
+    return split(op.ins[0], op.params["axis"], op.params["sizes"])

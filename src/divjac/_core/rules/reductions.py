@@ -7,9 +7,18 @@ from collections.abc import Sequence
 import numpy as np
 
 from ._deps import Deps, arange, compose, empty, gather, union
-from .movement import broadcast_to
+from ._op import Op
+from .movement import broadcast_to, reshape
 
-__all__ = ["cumulative", "reduce", "sort_along", "spread"]
+__all__ = [
+    "cumulative",
+    "cumulative_rule",
+    "reduce",
+    "reduce_rule",
+    "sort_along",
+    "sort_rule",
+    "spread",
+]
 
 
 def reduce(deps: Deps, axes: Sequence[int], *, keepdims: bool = False) -> Deps:
@@ -30,9 +39,12 @@ def spread(deps: Deps, axes: Sequence[int]) -> Deps:
     return broadcast_to(reduce(deps, axes, keepdims=True), deps.shape)
 
 
-def sort_along(deps: Deps, axis: int) -> Deps:
-    """Sorting-like operations: each element depends on its whole line along ``axis``."""
-    return spread(deps, [axis])
+def sort_along(deps: Deps, axis: int, out_shape: Sequence[int] | None = None) -> Deps:
+    """Sorting-like operations (sort, top-k, softmax): each element depends on its whole line
+    along ``axis``; ``out_shape`` may have another length on ``axis`` (the ``k`` of top-k)."""
+    if out_shape is None:
+        return spread(deps, [axis])
+    return broadcast_to(reduce(deps, [axis], keepdims=True), out_shape)
 
 
 def cumulative(deps: Deps, axis: int, *, reverse: bool = False) -> Deps:
@@ -55,3 +67,31 @@ def cumulative(deps: Deps, axis: int, *, reverse: bool = False) -> Deps:
         out = union(out, gather(out, shifted))
         shift *= 2
     return out
+
+
+# --- rules over an operation ---------------------------------------------------------------------
+
+
+def reduce_rule(op: Op) -> list[Deps]:
+    """Reduction of the first input over ``axes`` (every output: values, indices, ...).
+
+    Params: ``axes``. Each output is the reduction reshaped to its shape (kept axes or not).
+    """
+    reduced = reduce(op.ins[0], op.params["axes"], keepdims=True)
+    return [reshape(reduced, s) for s in op.out_shapes]
+
+
+def cumulative_rule(op: Op) -> list[Deps]:
+    """Cumulative operation along ``axis`` (``reverse``: from the end); other outputs (indices)
+    have the same dependencies."""
+    out = cumulative(op.ins[0], op.params["axis"], reverse=op.params.get("reverse", False))
+    return [out for _ in op.out_shapes]
+
+
+def sort_rule(op: Op) -> list[Deps]:
+    """Sorting-like along ``axis``: output ``k`` reads the whole line of input ``k`` (operands
+    sorted together; a single input for every output: values and indices of a top-k)."""
+    axis = op.params["axis"]
+    return [
+        sort_along(op.ins[min(k, len(op.ins) - 1)], axis, s) for k, s in enumerate(op.out_shapes)
+    ]
