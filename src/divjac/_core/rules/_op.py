@@ -30,6 +30,7 @@ __all__ = [
     "Registry",
     "Rule",
     "RuleError",
+    "dense_rule",
     "foldable",
     "generation",
     "warn_fallbacks",
@@ -56,6 +57,8 @@ class Op:
         values: the constant value of input ``i`` (folded when first asked), ``None`` if unknown;
             read it through :meth:`value`.
         fallbacks: where the names of operations handled by the dense fallback are recorded.
+        wanted: which outputs need dependency sets (default: all); the others (integer
+            results: indices, seeds) may be returned empty; read it through :meth:`wants`.
     """
 
     name: str
@@ -65,6 +68,11 @@ class Op:
     params: Mapping[str, Any] = field(default_factory=dict)
     values: Callable[[int], np.ndarray | None] = _unknown
     fallbacks: set[str] = field(default_factory=set)
+    wanted: Sequence[bool] | None = None
+
+    def wants(self, k: int) -> bool:
+        """Whether output ``k`` needs its dependency sets (it has a derivative)."""
+        return self.wanted is None or self.wanted[k]
 
     def value(self, i: int) -> np.ndarray | None:
         """The value of input ``i`` if it is a constant known at detection time, else ``None``.
@@ -78,7 +86,10 @@ class Op:
     def dense(self) -> list[Deps]:
         """The fallback: every output depends on everything any input depends on (recorded)."""
         self.fallbacks.add(self.name)
-        return [dense(s, *self.ins) for s in self.out_shapes]
+        return [
+            dense(s, *self.ins) if self.wants(k) else self.empty(k)
+            for k, s in enumerate(self.out_shapes)
+        ]
 
     def empty(self, k: int = 0) -> Deps:
         """Empty dependency sets of output ``k`` (an output without derivative)."""
@@ -91,6 +102,11 @@ class Op:
 
 Rule = Callable[[Op], Sequence[Deps]]
 """A sparsity rule: the dependency sets of every output of an operation, in order."""
+
+
+def dense_rule(op: Op) -> list[Deps]:
+    """The fallback of an operation without a rule (see :meth:`Op.dense`)."""
+    return op.dense()
 
 
 K = TypeVar("K", bound=Hashable)

@@ -24,7 +24,8 @@ __all__ = ["gather_rule", "route", "scatter_rule", "select_rule"]
 def gather_rule(op: Op) -> list[Deps]:
     """Output element ``r`` of output ``k`` is row ``src[k][r]`` of the inputs stacked in order.
 
-    Params: ``src``: one flat index array per output (its shape; ``-1``: depends on nothing);
+    Params: ``src``: one flat index array per output (its shape; ``-1``: depends on nothing;
+    ``None``: an output without derivative);
     ``unknown``: optional ``{input: axes}``, axes of an input its unknown indices may point
     along (the input is smeared along them first); ``n_sources``: how many leading inputs
     are read (default: all; the others are indices).
@@ -33,7 +34,8 @@ def gather_rule(op: Op) -> list[Deps]:
     ins = op.ins[: op.params.get("n_sources", len(op.ins))]
     sources = [spread(d, unknown.get(i, ())) for i, d in enumerate(ins)]
     return [
-        index_map(s, sources, src) for s, src in zip(op.out_shapes, op.params["src"], strict=True)
+        op.empty(k) if src is None else index_map(s, sources, src)
+        for k, (s, src) in enumerate(zip(op.out_shapes, op.params["src"], strict=True))
     ]
 
 

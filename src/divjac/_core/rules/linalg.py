@@ -150,8 +150,8 @@ def _dot_with_constant(
 
 
 def dot_rule(op: Op) -> list[Deps]:
-    """``dot_general`` of the two inputs (params ``contracting``, ``batch``); the zeros of a
-    constant operand are used."""
+    """``dot_general`` of the first two inputs (params ``contracting``, ``batch``), plus the
+    third input if there is one (a bias, broadcast); the zeros of a constant operand are used."""
     lhs, rhs = op.ins[0], op.ins[1]
     out = dot_general(
         lhs,
@@ -161,6 +161,8 @@ def dot_rule(op: Op) -> list[Deps]:
         lhs_value=op.value(0),
         rhs_value=op.value(1),
     )
+    if len(op.ins) > 2:
+        out = union(out, broadcast_to(op.ins[2], out.shape))
     return [reshape(out, s) for s in op.out_shapes]
 
 
@@ -178,7 +180,10 @@ def batched_rule(op: Op) -> list[Deps]:
     if lead < 0:
         return op.dense()
     results = []
-    for s in op.out_shapes:
+    for k, s in enumerate(op.out_shapes):
+        if not op.wants(k):
+            results.append(op.empty(k))
+            continue
         batch = tuple(s[:lead])
         if len(s) < lead or any(len(d.shape) < lead or d.shape[:lead] != batch for d in present):
             if math.prod(s):
@@ -234,7 +239,7 @@ def solve_rule(op: Op) -> list[Deps]:
         solution.append(broadcast_to(reduced, op.out_shapes[0]))
     results = [union(*solution)]
     for k, s in enumerate(op.out_shapes[1:], 1):
-        results.append(op.empty(k) if a.is_empty else broadcast_to(whole_a, s))
+        results.append(broadcast_to(whole_a, s) if op.wants(k) and not a.is_empty else op.empty(k))
     return results
 
 
