@@ -14,6 +14,7 @@ from ._api import (
     sparsity as sparsity,
     value_and_divergence as value_and_divergence,
 )
+from ._table import register_rule as register_rule
 
 __all__ = [
     "SparsityPattern",
@@ -22,6 +23,7 @@ __all__ = [
     "grad_divergence",
     "jacobian",
     "laplacian",
+    "register_rule",
     "sparse_jacobian",
     "sparsity",
     "value_and_divergence",

@@ -525,13 +525,11 @@ def register_rule(primitive: jcore.Primitive | str, rule: Rule) -> None:
     Example:
         >>> import jax.numpy as jnp
         >>> from jax.extend.core import Primitive
-        >>> from jax.interpreters import ad
         >>> import divjac.jax as dj
         >>> from divjac import rules
-        >>> flip_p = Primitive("example_flip")
-        >>> flip_p.def_impl(lambda x: jnp.flip(x, -1))
-        >>> flip_p.def_abstract_eval(lambda x: x)
-        >>> ad.deflinear2(flip_p, lambda ct, x: [flip_p.bind(ct)])
+        >>> flip_p = Primitive("example_flip")  # reverses the last axis
+        >>> _ = flip_p.def_impl(lambda x: jnp.flip(x, -1))
+        >>> _ = flip_p.def_abstract_eval(lambda x: x)
         >>> dj.register_rule(flip_p, lambda op: [rules.rev(op.ins[0], [len(op.ins[0].shape) - 1])])
         >>> pattern = dj.sparsity(lambda x: jnp.sin(flip_p.bind(x)), jnp.ones((2, 3)))
         >>> pattern.csr.toarray().astype(int)

@@ -15,6 +15,7 @@ from ._api import (
     sparsity as sparsity,
     value_and_divergence as value_and_divergence,
 )
+from ._detect import register_rule as register_rule
 
 __all__ = [
     "SparsityPattern",
@@ -23,6 +24,7 @@ __all__ = [
     "grad_divergence",
     "jacobian",
     "laplacian",
+    "register_rule",
     "sparse_jacobian",
     "sparsity",
     "value_and_divergence",

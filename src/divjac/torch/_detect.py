@@ -53,7 +53,7 @@ from torch import nn
 from .._core import detection, rules as D
 from .._core.detection import LRU, EntryLimit, Propagated
 from .._errors import DivjacError, RetraceWarning
-from ._interpret import Interpreter, decompositions, is_convolution
+from ._interpret import REGISTRY, Interpreter, decompositions, is_convolution
 from ._reach import Checks, Reached, library, module_signature, reach
 
 __all__ = [
@@ -64,6 +64,7 @@ __all__ = [
     "plain_kernels",
     "quiet_batch_norm",
     "reach",
+    "register_rule",
     "trace",
 ]
 
@@ -198,6 +199,54 @@ class Traced(detection.Traced):
 
 _SOFTMAXES = (torch.ops.aten._softmax.default, torch.ops.aten._safe_softmax.default)
 _SOLVES_EX = (torch.ops.aten._linalg_solve_ex.default, torch.ops.aten.linalg_solve_ex.default)
+
+
+def register_rule(op: Any, rule: D.Rule) -> None:
+    """Give an ATen operation (or a custom operator of ``torch.library``) a sparsity rule.
+
+    The rule receives an :class:`divjac.rules.Op`: the dependency sets of the operation's tensor
+    arguments in the order of its schema (``op.ins``), the shapes of its outputs
+    (``op.out_shapes``), its other arguments by schema name (``op.params``) and the constant
+    values of its tensor arguments (``op.value(i)``); it returns the dependency sets of every
+    output, built with the functions of :mod:`divjac.rules`. It replaces any built-in rule and
+    keeps the operation from being decomposed while tracing; the traces and detections made
+    before are dropped.
+
+    Args:
+        op: the operator (``torch.ops.mylib.myop`` or one of its overloads) or its name
+            (``"mylib::myop"``; a bare name is an ATen operation).
+        rule: ``Op -> list[Deps]``; it may over-approximate, it must never miss a dependency.
+
+    Raises:
+        RuleError: ``rule`` is not callable (later: it returned what does not fit).
+
+    Example:
+        >>> import torch
+        >>> import divjac.torch as dt
+        >>> from divjac import rules
+        >>> @torch.library.custom_op("divjac_example::flip", mutates_args=())
+        ... def flip(x: torch.Tensor) -> torch.Tensor:
+        ...     return torch.flip(x, [-1])
+        >>> @flip.register_fake
+        ... def _(x):
+        ...     return torch.empty_like(x)
+        >>> dt.register_rule(flip, lambda op: [rules.rev(op.ins[0], [len(op.ins[0].shape) - 1])])
+        >>> pattern = dt.sparsity(lambda x: torch.sin(flip(x)), torch.ones(2, 3))
+        >>> pattern.csr.toarray().astype(int)
+        array([[0, 0, 1],
+               [0, 1, 0],
+               [1, 0, 0]])
+    """
+    if isinstance(op, str):
+        name = op if "::" in op else f"aten::{op}"
+    elif isinstance(op, torch._ops.OpOverload):
+        name = op._schema.name
+    else:
+        name = str(getattr(op, "_qualified_op_name", op))
+    REGISTRY.register(name, rule)
+    decompositions.cache_clear()
+    CACHE.clear()
+    clear_memos()
 
 
 # --- running modules ---------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from ._graph import Graph
 from ._table import TABLE, tensor_args
 from ._table_nn import is_convolution
 
-__all__ = ["REGISTRY", "Interpreter", "decompositions", "is_convolution", "register_rule"]
+__all__ = ["REGISTRY", "Interpreter", "decompositions", "is_convolution"]
 
 REGISTRY = D.Registry("ATen operation")
 
@@ -62,35 +62,6 @@ def decompositions() -> dict[Any, Callable[..., Any]]:
         and REGISTRY.get(op._schema.name) is None
         and torch.Tag.pointwise not in op.tags
     }
-
-
-def register_rule(op: Any, rule: Rule) -> None:
-    """Give an ATen operation (or a custom operator of ``torch.library``) a sparsity rule.
-
-    The rule receives an :class:`divjac.rules.Op`: the dependency sets of the operation's tensor
-    arguments in the order of its schema (``op.ins``), the shapes of its outputs
-    (``op.out_shapes``), its other arguments by schema name (``op.params``) and the constant
-    values of its tensor arguments (``op.value(i)``); it returns the dependency sets of every
-    output, built with the functions of :mod:`divjac.rules`. It replaces any built-in rule and
-    keeps the operation from being decomposed while tracing; traces and detections made before
-    are not reused.
-
-    Args:
-        op: the operator (``torch.ops.mylib.myop`` or one of its overloads) or its name
-            (``"mylib::myop"``; a bare name is an ATen operation).
-        rule: ``Op -> list[Deps]``; it may over-approximate, it must never miss a dependency.
-
-    Raises:
-        RuleError: ``rule`` is not callable (later: it returned what does not fit).
-    """
-    if isinstance(op, str):
-        name = op if "::" in op else f"aten::{op}"
-    elif isinstance(op, torch._ops.OpOverload):
-        name = op._schema.name
-    else:
-        name = str(getattr(op, "_qualified_op_name", op))
-    REGISTRY.register(name, rule)
-    decompositions.cache_clear()
 
 
 def _user_args(g: Graph, node: torch.fx.Node) -> tuple[list[Any], dict[str, Any]]:
