@@ -9,6 +9,7 @@ import pytest
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
+import divjac
 import torch
 from divjac.models import torch as models
 from divjac.torch import divergence, jacobian, sparse_jacobian, sparsity
@@ -324,3 +325,33 @@ def test_detection_is_cached_per_shape():
     assert len(calls) - traced == 2 * 1  # one forward each, no new trace
     div(_randn(5, 4))
     assert len(calls) > traced + 3  # a new shape is traced again
+
+
+@torch.library.custom_op("divjac_test::flipadd", mutates_args=())
+def _flipadd(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.flip(x, [-1])
+
+
+@_flipadd.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_registered_rule_makes_the_pattern_exact_and_replaces_cached_ones():
+    from divjac import rules
+    from divjac.torch import register_rule
+
+    f = lambda x: torch.tanh(_flipadd(x))  # noqa: E731
+    x = _randn(3, 5)
+    with pytest.warns(divjac.DenseFallbackWarning, match="divjac_test.flipadd"):
+        assert sparsity(f, x).nnz == 25  # no rule: dense within each sample
+
+    def flip_add(op: rules.Op) -> list[rules.Deps]:
+        (x,) = op.ins
+        return [rules.union(x, rules.rev(x, [len(x.shape) - 1]))]
+
+    register_rule(torch.ops.divjac_test.flipadd, flip_add)
+    pattern = sparsity(f, x)  # the cached dense pattern is not reused
+    assert pattern.dense_fallbacks == frozenset()
+    eye = np.eye(5, dtype=bool)
+    np.testing.assert_array_equal(pattern.csr.toarray(), eye | eye[::-1])
