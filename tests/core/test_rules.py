@@ -153,6 +153,7 @@ def test_concatenate_stack_split(shape, n, axis):
     sizes = [shape[axis]] * n
     check(R.split_rule, lambda a: tuple(np.split(a, np.cumsum(sizes)[:-1], axis)), [big],
           params={"axis": axis, "sizes": sizes})  # fmt: skip
+    check(R.unstack_rule, lambda a: tuple(np.moveaxis(a, axis, 0)), [big], params={"axis": axis})
 
 
 @SETTINGS

@@ -60,6 +60,11 @@ X3 = (2, 4, 6)
 X4 = (2, 3, 6, 6)
 
 CASES: dict[str, tuple[Callable[[], Callable], tuple[int, ...], bool]] = {
+    "unbind_reversed": (
+        lambda: lambda x: torch.sin(torch.stack(torch.unbind(x, 2)[::-1], 1)),
+        X3,
+        True,
+    ),
     "conv_stride_dilation_groups": (
         lambda: _m(nn.Conv2d(3, 6, 3, stride=2, dilation=2, padding=1, groups=3)),
         X4,

@@ -93,6 +93,7 @@ _add(["concatenate"], D.concatenate_rule, _p(axis="dimension"))
 _add(["stack"], D.stack_rule, _p(axis="axis"))
 _add(["tile"], D.tile_rule, _p(reps="reps"))
 _add(["split"], D.split_rule, _p(axis="axis", sizes="sizes"))
+_add(["unstack"], D.unstack_rule, _p(axis="axis"))
 
 
 def _select_n(it: Runner, scope: Scope, eqn: Any) -> Mapping[str, Any]:

@@ -89,13 +89,13 @@ add(
      "expand", "unsqueeze", "squeeze", "cat", "concat", "stack", "slice", "select", "narrow",
      "flip", "roll", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d",
      "reflection_pad3d", "replication_pad1d", "replication_pad2d", "replication_pad3d",
-     "split", "split_with_sizes", "unbind", "chunk", "tensor_split", "diagonal", "diag_embed",
+     "split", "split_with_sizes", "chunk", "tensor_split", "diagonal", "diag_embed",
      "diag", "repeat", "repeat_interleave", "unfold", "im2col", "movedim", "pixel_shuffle",
      "pixel_unshuffle", "channel_shuffle", "native_channel_shuffle", "rot90", "tril", "triu",
      "slice_scatter", "select_scatter", "diagonal_scatter", "copy", "copy_", "masked_select",
      "view_copy", "_unsafe_view_copy", "reshape_copy", "permute_copy", "transpose_copy",
      "t_copy", "expand_copy", "unsqueeze_copy", "squeeze_copy", "slice_copy", "select_copy",
-     "split_copy", "split_with_sizes_copy", "unbind_copy", "diagonal_copy", "unfold_copy",
+     "split_copy", "split_with_sizes_copy", "diagonal_copy", "unfold_copy",
      "alias_copy", "as_strided", "as_strided_copy", "as_strided_scatter", "expand_as",
      "view_as", "swapaxes", "swapdims"],
     D.gather_rule,
@@ -203,6 +203,7 @@ def _along(default: int | None = None) -> Extract:
 add(["cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"], D.cumulative_rule, _along())
 add(["sort", "topk", "argsort"], D.sort_rule, _along())
 add(["msort"], D.sort_rule, _along(0))
+add(["unbind", "unbind_copy"], D.unstack_rule, _along())
 add(["_softmax", "_log_softmax", "_safe_softmax", "softmax", "log_softmax"], D.sort_rule, _along())
 
 

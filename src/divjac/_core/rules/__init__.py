@@ -103,6 +103,8 @@ from .movement import (
     tile_rule as tile_rule,
     transpose as transpose,
     transpose_rule as transpose_rule,
+    unstack as unstack,
+    unstack_rule as unstack_rule,
 )
 from .reductions import (
     cumulative as cumulative,
@@ -190,6 +192,8 @@ __all__ = [
     "transpose_rule",
     "triangular_solve_rule",
     "union",
+    "unstack",
+    "unstack_rule",
     "warn_fallbacks",
     "while_rule",
     "window",

@@ -40,6 +40,8 @@ __all__ = [
     "tile_rule",
     "transpose",
     "transpose_rule",
+    "unstack",
+    "unstack_rule",
 ]
 
 
@@ -148,6 +150,12 @@ def split(deps: Deps, axis: int, sizes: Sequence[int]) -> list[Deps]:
     return pieces
 
 
+def unstack(deps: Deps, axis: int) -> list[Deps]:
+    """The slices along ``axis``, each without it (``jnp.unstack``, ``torch.unbind``)."""
+    positions = arange(deps.shape)
+    return [gather(deps, np.take(positions, k, axis)) for k in range(deps.shape[axis])]
+
+
 # --- rules over an operation ---------------------------------------------------------------------
 
 
@@ -221,3 +229,8 @@ def tile_rule(op: Op) -> list[Deps]:
 def split_rule(op: Op) -> list[Deps]:
     """Params: ``axis``, ``sizes``."""
     return split(op.ins[0], op.params["axis"], op.params["sizes"])
+
+
+def unstack_rule(op: Op) -> list[Deps]:
+    """Params: ``axis``; output ``k`` is the slice ``k`` along it."""
+    return unstack(op.ins[0], op.params["axis"])
