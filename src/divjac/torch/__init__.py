@@ -15,7 +15,7 @@ from ._api import (
     sparsity as sparsity,
     value_and_divergence as value_and_divergence,
 )
-from ._detect import register_rule as register_rule
+from ._rules import register_rule as register_rule
 
 __all__ = [
     "SparsityPattern",
