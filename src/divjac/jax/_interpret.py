@@ -2,7 +2,7 @@
 
 The walker of this module follows a jaxpr equation by equation; each primitive is one lookup in
 the table of :mod:`divjac.jax._table` (a rule of :mod:`divjac._core.rules` and its parameter
-extractor), or in the rules users registered. Nested programs (``jit``, ``remat``,
+extractor; the rules users register are entries of it). Nested programs (``jit``, ``remat``,
 ``custom_jvp`` / ``custom_vjp``, ``cond``, ``while``, ``scan``) are followed. A primitive
 without a rule never raises and never under-approximates: its pattern is derived from its own
 JVP or VJP rule (:mod:`divjac.jax._derive`), else its outputs depend on everything its inputs
@@ -21,7 +21,7 @@ from .._core.detection import EntryLimit
 from .._core.rules import Deps, Op
 from ._derive import per_slice, via_jvp, via_vjp
 from ._jaxpr import Scope, concrete, is_inexact, open_jaxpr, shape
-from ._table import REGISTRY, TABLE
+from ._table import TABLE
 
 __all__ = ["Interpreter"]
 
@@ -115,9 +115,6 @@ class Interpreter:
             values=lambda i: scope.value(eqn.invars[i]),
             fallbacks=self.fallbacks,
         )
-        user = REGISTRY.get(name)
-        if user is not None:
-            return REGISTRY.apply(user, op)
         entry = TABLE.get(name)
         if entry is not None:
             rule, extract = entry

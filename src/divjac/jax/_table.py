@@ -3,7 +3,7 @@
 Every rule is one of :mod:`divjac._core.rules` (a few that only JAX has are written here with the
 same signature); an extractor turns an equation's parameters (and, for gathers and scatters, its
 constant indices; for nested programs, functions that run them) into the rule's parameters.
-Users add entries with :func:`register_rule`.
+Users add (or replace) entries with :func:`register_rule`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from jax import lax
 
 from .._core import rules as D
 from .._core.rules import Deps, Op, Rule
+from .._errors import InternalError
 from ._derive import via_jvp, via_vjp
 from ._jaxpr import Runner, Scope, shape
 
@@ -30,6 +31,11 @@ Extract = Callable[[Runner, Scope, Any], Mapping[str, Any]]
 
 def _none(it: Runner, scope: Scope, eqn: Any) -> Mapping[str, Any]:
     return {}
+
+
+def _params(it: Runner, scope: Scope, eqn: Any) -> Mapping[str, Any]:
+    """The equation's parameters as JAX holds them (for the rules users register)."""
+    return eqn.params
 
 
 def _p(**names: str) -> Extract:
@@ -540,3 +546,7 @@ def register_rule(primitive: jcore.Primitive | str, rule: Rule) -> None:
     """
     name = primitive if isinstance(primitive, str) else primitive.name
     REGISTRY.register(name, rule)
+    checked = REGISTRY.get(name)
+    if checked is None:
+        raise InternalError(f"the rule registered for {name} is not found")
+    TABLE[name] = (checked, _params)

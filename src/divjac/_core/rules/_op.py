@@ -198,7 +198,11 @@ class Registry:
         _current = next(_GENERATION)
 
     def get(self, name: str) -> Rule | None:
-        return self._rules.get(name)
+        """The rule registered for ``name``, checked (:meth:`apply`) when it runs."""
+        rule = self._rules.get(name)
+        if rule is None:
+            return None
+        return lambda op: self.apply(rule, op)
 
     def apply(self, rule: Rule, op: Op) -> list[Deps]:
         """Run a registered rule, checking that it returned one fitting result per output."""
