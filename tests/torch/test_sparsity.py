@@ -332,7 +332,8 @@ def test_detection_is_cached_per_shape():
     assert len(calls) > traced + 3  # a new shape is traced again
 
 
-@torch.library.custom_op("divjac_test::flipadd", mutates_args=())
+# Named like an ATen operation (flip) that it is not: the ATen rule must not be used for it.
+@torch.library.custom_op("divjac_test::flip", mutates_args=())
 def _flipadd(x: torch.Tensor) -> torch.Tensor:
     return x + torch.flip(x, [-1])
 
@@ -348,14 +349,16 @@ def test_registered_rule_makes_the_pattern_exact_and_replaces_cached_ones():
 
     f = lambda x: torch.tanh(_flipadd(x))  # noqa: E731
     x = _randn(3, 5)
-    with pytest.warns(divjac.DenseFallbackWarning, match="divjac_test.flipadd"):
+    with pytest.warns(divjac.DenseFallbackWarning, match="divjac_test.flip"):
         assert sparsity(f, x).nnz == 25  # no rule: dense within each sample
 
     def flip_add(op: rules.Op) -> list[rules.Deps]:
         (x,) = op.ins
         return [rules.union(x, rules.rev(x, [len(x.shape) - 1]))]
 
-    register_rule(torch.ops.divjac_test.flipadd, flip_add)
+    with pytest.raises(rules.RuleError, match="torch operator"):
+        register_rule(3, flip_add)
+    register_rule(_flipadd, flip_add)
     pattern = sparsity(f, x)  # the cached dense pattern is not reused
     assert pattern.dense_fallbacks == frozenset()
     eye = np.eye(5, dtype=bool)

@@ -58,7 +58,7 @@ def decompositions() -> dict[Any, Callable[..., Any]]:
         op: fn
         for op, fn in decomposition_table.items()
         if isinstance(op, torch._ops.OpOverload)
-        and packet(op) not in TABLE
+        and not (op.namespace == "aten" and packet(op) in TABLE)
         and REGISTRY.get(op._schema.name) is None
         and torch.Tag.pointwise not in op.tags
     }
@@ -135,8 +135,10 @@ class Interpreter(Graph):
         """The dependency sets of every output: a registered rule, the table's, element-wise
         (pointwise operations), else the dense fallback over every argument."""
         target = node.target
-        aten = isinstance(target, torch._ops.OpOverload)
-        user = REGISTRY.get(target._schema.name) if aten else None  # type: ignore[union-attr]
+        overload = isinstance(target, torch._ops.OpOverload)
+        user = REGISTRY.get(target._schema.name) if overload else None  # type: ignore[union-attr]
+        # The table holds ATen operations (a custom operator may have an ATen one's name).
+        aten = overload and target.namespace == "aten"  # type: ignore[union-attr]
         entry = TABLE.get(packet(target)) if aten else None
         found: tuple[Rule, tuple[list[Any], Mapping[str, Any]]] | None = None
         if user is not None:
@@ -144,7 +146,7 @@ class Interpreter(Graph):
         elif entry is not None:
             extracted = entry[1](self, node)
             found = None if extracted is None else (entry[0], extracted)
-        elif aten and torch.Tag.pointwise in target.tags:  # type: ignore[union-attr]
+        elif overload and torch.Tag.pointwise in target.tags:  # type: ignore[union-attr]
             found = (D.elementwise_rule, tensor_args(self, node))
         if found is None:  # no rule (or a subgraph: cond, ...; not followed)
             args = pytree.tree_leaves((node.args, node.kwargs))

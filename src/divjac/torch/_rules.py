@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from .._core.rules import Rule
+from .._core.rules import Rule, RuleError
 from ._detect import CACHE, clear_memos
 from ._interpret import REGISTRY, decompositions
 
 __all__ = ["register_rule"]
 
 
-def register_rule(op: Any, rule: Rule) -> None:
+def register_rule(op: object, rule: Rule) -> None:
     """Give an ATen operation (or a custom operator of ``torch.library``) a sparsity rule.
 
     The rule receives an :class:`divjac.rules.Op`: the dependency sets of the operation's tensor
@@ -25,12 +23,14 @@ def register_rule(op: Any, rule: Rule) -> None:
     before are dropped.
 
     Args:
-        op: the operator (``torch.ops.mylib.myop`` or one of its overloads) or its name
-            (``"mylib::myop"``; a bare name is an ATen operation).
+        op: the operator (``torch.ops.mylib.myop``, one of its overloads, or what
+            ``torch.library.custom_op`` returns) or its name (``"mylib::myop"``; a bare name
+            is an ATen operation).
         rule: ``Op -> list[Deps]``; it may over-approximate, it must never miss a dependency.
 
     Raises:
-        RuleError: ``rule`` is not callable (later: it returned what does not fit).
+        RuleError: ``op`` is not an operator, or ``rule`` is not callable (later: it returned
+            what does not fit).
 
     Example:
         >>> import torch
@@ -49,12 +49,18 @@ def register_rule(op: Any, rule: Rule) -> None:
                [0, 1, 0],
                [1, 0, 0]])
     """
+    name: object
     if isinstance(op, str):
         name = op if "::" in op else f"aten::{op}"
     elif isinstance(op, torch._ops.OpOverload):
         name = op._schema.name
-    else:
-        name = str(getattr(op, "_qualified_op_name", op))
+    else:  # an OpOverloadPacket, or what torch.library.custom_op returns
+        name = getattr(op, "_qualified_op_name", None) or getattr(op, "_qualname", None)
+    if not isinstance(name, str):
+        raise RuleError(
+            f"register_rule: op must be a torch operator (torch.ops.mylib.myop, an overload of "
+            f"it, a torch.library.custom_op) or its name 'mylib::myop', got {op!r}"
+        )
     REGISTRY.register(name, rule)
     decompositions.cache_clear()
     CACHE.clear()
