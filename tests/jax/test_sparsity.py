@@ -207,6 +207,7 @@ ARCHITECTURES = {
         VEC,
         False,
     ),
+    "approx_max_k": (lambda x: lax.approx_max_k(jnp.sin(x), 2)[0], VEC, False),
     "unstack_reversed": (
         lambda x: jnp.sin(jnp.stack(jnp.unstack(x, axis=1)[::-1], axis=1)),
         VEC,

@@ -133,6 +133,7 @@ def _top_k(it: Runner, scope: Scope, eqn: Any) -> Mapping[str, Any]:
 
 
 _add(["top_k"], D.sort_rule, _top_k)
+_add(["approx_top_k"], D.sort_rule, _p(axis="reduction_dimension"))
 
 
 def _collective(op: Op) -> list[Deps]:
