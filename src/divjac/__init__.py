@@ -14,6 +14,7 @@ from ._errors import (
     DivjacError as DivjacError,
     InputDtypeError as InputDtypeError,
     InternalError as InternalError,
+    MissingExtraError as MissingExtraError,
     MissingKeyError as MissingKeyError,
     NonSquareJacobianError as NonSquareJacobianError,
     NumProbesError as NumProbesError,
@@ -22,6 +23,7 @@ from ._errors import (
     PatternError as PatternError,
     PatternTypeError as PatternTypeError,
     RetraceWarning as RetraceWarning,
+    RuleError as RuleError,
 )
 
 __version__ = "0.1.0"
@@ -50,6 +52,7 @@ __all__ = [
     "DivjacError",
     "InputDtypeError",
     "InternalError",
+    "MissingExtraError",
     "MissingKeyError",
     "NonSquareJacobianError",
     "NumProbesError",
@@ -58,6 +61,7 @@ __all__ = [
     "PatternError",
     "PatternTypeError",
     "RetraceWarning",
+    "RuleError",
     "__version__",
     "clear_caches",
 ]

@@ -76,6 +76,14 @@ class DetectionMemoryError(DivjacError, MemoryError):
     """Sparsity detection (or the passes) would need more memory than its budget allows."""
 
 
+class RuleError(DivjacError, ValueError):
+    """A registered sparsity rule is not a callable, or returned what does not fit the outputs."""
+
+
+class MissingExtraError(DivjacError, ImportError):
+    """A package of an optional extra (``divjac[cli]``) is not installed."""
+
+
 class RetraceWarning(UserWarning):
     """A function is traced again at every call (results stay correct, calls are slow)."""
 

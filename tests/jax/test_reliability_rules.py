@@ -330,6 +330,30 @@ def test_dense_fallback_of_a_primitive_mixing_its_leading_axis_stays_coupled():
     assert not pattern.is_batch_independent
 
 
+def test_registered_rule_makes_the_pattern_exact_and_replaces_cached_ones():
+    from divjac import rules
+    from divjac.jax import register_rule
+
+    flipadd_p = _linear_primitive("divjac_test_registered_flipadd", _flip_add)
+    f = lambda x: jnp.tanh(flipadd_p.bind(x))  # noqa: E731
+    with pytest.warns(divjac.DenseFallbackWarning, match="divjac_test_registered_flipadd"):
+        assert sparsity(f)(X).nnz == N * N  # no rule: dense within each sample
+    with pytest.raises(rules.RuleError, match="callable"):
+        register_rule(flipadd_p, "not a rule")  # type: ignore[arg-type]
+
+    def flip_add(op: rules.Op) -> list[rules.Deps]:
+        (x,) = op.ins
+        return [rules.union(x, rules.rev(x, [len(x.shape) - 1]))]
+
+    register_rule(flipadd_p, flip_add)
+    pattern = check_pattern(f, X, exact=True)  # the cached dense pattern is not reused
+    assert pattern.nnz == 2 * N - 1
+    check_values(f, X)
+    register_rule("divjac_test_registered_flipadd", lambda op: [op.ins[0], op.ins[0]])
+    with pytest.raises(rules.RuleError, match="divjac_test_registered_flipadd"):
+        sparsity(f)(X)  # a rule that returns two results for one output
+
+
 # --- 4. the first call under jax.jit -------------------------------------------------------------
 
 A = 4.0 * jnp.eye(N) + 0.1 * _normal(7, (N, N))

@@ -207,6 +207,12 @@ ARCHITECTURES = {
         VEC,
         False,
     ),
+    "approx_max_k": (lambda x: lax.approx_max_k(jnp.sin(x), 2)[0], VEC, False),
+    "unstack_reversed": (
+        lambda x: jnp.sin(jnp.stack(jnp.unstack(x, axis=1)[::-1], axis=1)),
+        VEC,
+        False,
+    ),
     "where_mask": (lambda x: jnp.where(x > 0, x, jnp.roll(x, 1, 1)), VEC, False),
     "batch_norm_train": (lambda x: (x - x.mean(0)) / jnp.std(x, 0), VEC, False),
     "batch_attention": (lambda x: jax.nn.softmax(x @ x.T, axis=0) @ x, VEC, False),
@@ -233,6 +239,7 @@ def test_pattern_never_misses_a_nonzero(name):
         "conv_groups_layouts",
         "upsample_bilinear",
         "gather_static",
+        "unstack_reversed",
     ],
 )
 def test_precise_patterns_are_exact(name):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
+import divjac
 from divjac.models import torch as models
 from divjac.torch import divergence, jacobian, sparse_jacobian, sparsity
 from tests.reference import torch_diagonal_blocks, traces
@@ -59,6 +60,11 @@ X3 = (2, 4, 6)
 X4 = (2, 3, 6, 6)
 
 CASES: dict[str, tuple[Callable[[], Callable], tuple[int, ...], bool]] = {
+    "unbind_reversed": (
+        lambda: lambda x: torch.sin(torch.stack(torch.unbind(x, 2)[::-1], 1)),
+        X3,
+        True,
+    ),
     "conv_stride_dilation_groups": (
         lambda: _m(nn.Conv2d(3, 6, 3, stride=2, dilation=2, padding=1, groups=3)),
         X4,
@@ -324,3 +330,36 @@ def test_detection_is_cached_per_shape():
     assert len(calls) - traced == 2 * 1  # one forward each, no new trace
     div(_randn(5, 4))
     assert len(calls) > traced + 3  # a new shape is traced again
+
+
+# Named like an ATen operation (flip) that it is not: the ATen rule must not be used for it.
+@torch.library.custom_op("divjac_test::flip", mutates_args=())
+def _flipadd(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.flip(x, [-1])
+
+
+@_flipadd.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_registered_rule_makes_the_pattern_exact_and_replaces_cached_ones():
+    from divjac import rules
+    from divjac.torch import register_rule
+
+    f = lambda x: torch.tanh(_flipadd(x))  # noqa: E731
+    x = _randn(3, 5)
+    with pytest.warns(divjac.DenseFallbackWarning, match="divjac_test.flip"):
+        assert sparsity(f)(x).nnz == 25  # no rule: dense within each sample
+
+    def flip_add(op: rules.Op) -> list[rules.Deps]:
+        (x,) = op.ins
+        return [rules.union(x, rules.rev(x, [len(x.shape) - 1]))]
+
+    with pytest.raises(rules.RuleError, match="torch operator"):
+        register_rule(3, flip_add)
+    register_rule(_flipadd, flip_add)
+    pattern = sparsity(f)(x)  # the cached dense pattern is not reused
+    assert pattern.dense_fallbacks == frozenset()
+    eye = np.eye(5, dtype=bool)
+    np.testing.assert_array_equal(pattern.csr.toarray(), eye | eye[::-1])

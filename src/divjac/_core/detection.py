@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from .._errors import DenseFallbackWarning, DetectionMemoryError
-from . import pattern as P
-from .deps import Deps
+from .._errors import DetectionMemoryError
+from . import pattern as P, rules
 from .pattern import BatchLayout, Coupling, SparsityPattern
+from .rules import Deps
 
 __all__ = [
     "AUTO_DETECTION_ENTRIES",
@@ -32,8 +31,6 @@ __all__ = [
     "detect",
     "detection_memory_budget",
     "physical_memory",
-    "rule_registry",
-    "warn_fallbacks",
 ]
 
 AUTO_DETECTION_ENTRIES = 20_000_000
@@ -125,41 +122,6 @@ def batch_first_shape(shape: Sequence[int], axis: int | None) -> tuple[int, ...]
     if axis is None:
         return (1, *shape)
     return (shape[axis], *shape[:axis], *shape[axis + 1 :])
-
-
-R = TypeVar("R", bound=Callable[..., Any])
-
-
-def rule_registry(table: dict[str, R]) -> Callable[..., Callable[[R], R]]:
-    """The decorator ``@rule(*names)`` that registers an interpreter's rule in ``table``."""
-
-    def rule(*names: str) -> Callable[[R], R]:
-        def register(fn: R) -> R:
-            for n in names:
-                table[n] = fn
-            return fn
-
-        return register
-
-    return rule
-
-
-def warn_fallbacks(fallbacks: Iterable[str], *, kind: str, stacklevel: int) -> None:
-    """Emit one :class:`~divjac.DenseFallbackWarning` naming every operation without a rule.
-
-    ``kind`` names the operations (``"JAX primitive"``); ``stacklevel`` counts from the caller.
-    """
-    names = ", ".join(sorted(fallbacks))
-    if names:
-        noun = kind.split()[-1]
-        warnings.warn(
-            f"divjac has no sparsity rule for the {kind}(s) {names}; their outputs were assumed "
-            "to depend on all of their inputs. Results stay correct, but the pattern may be "
-            "denser than the truth (and a batch may look coupled). Please report the "
-            f"{noun} name to the divjac issue tracker.",
-            DenseFallbackWarning,
-            stacklevel=stacklevel + 1,
-        )
 
 
 @dataclass(frozen=True)
@@ -271,10 +233,11 @@ class Traced:
     out_shape: tuple[int, ...]
     out_tree: Any
     pass_elements: int
-    detections: dict[tuple[bool, bool, int | None], Detection | None] = field(
+    detections: dict[tuple[int, bool, bool, int | None], Detection | None] = field(
         default_factory=dict, repr=False, kw_only=True
     )
-    """What was detected, by ``(per_sample, whole_batch, max_entries)``; a backend whose
+    """What was detected, by ``(rules, per_sample, whole_batch, max_entries)`` where ``rules``
+    is the :func:`~divjac._core.rules.generation` of the registered rules; a backend whose
     traces are made anew at every call shares one dict between the traces of the same
     program (see :mod:`divjac.jax._detect`)."""
 
@@ -286,11 +249,17 @@ class Traced:
         With ``whole_batch=True`` the whole batch is one sample: the pattern is the full
         ``(B*n_out, B*n_in)`` one (used to compute exact diagonal blocks of coupled functions).
         """
-        key = (per_sample, whole_batch, max_entries)
+        generation = rules.generation()
+        key = (generation, per_sample, whole_batch, max_entries)
         # A completed detection holds whatever its limit was; a per-sample one also decided
         # coupling. Reuse it rather than detecting again.
-        for (ps, wb, _), found in self.detections.items():
-            if found is not None and wb == whole_batch and (ps or not per_sample):
+        for (gen, ps, wb, _), found in self.detections.items():
+            if (
+                found is not None
+                and gen == generation
+                and wb == whole_batch
+                and (ps or not per_sample)
+            ):
                 return found
         if key not in self.detections:
             self.detections[key] = detect(

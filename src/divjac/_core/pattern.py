@@ -23,7 +23,7 @@ import scipy.sparse as sp
 
 from .._errors import NonSquareJacobianError
 from . import coloring
-from .deps import Deps, from_labels
+from .rules import Deps, from_labels
 
 __all__ = ["BatchLayout", "Coupling", "SparsityPattern", "read_out", "seed"]
 

@@ -9,14 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 
-from .._errors import DivjacError
+from .._errors import MissingExtraError
 
 EXTRA = ("typer", "rich", "matplotlib")
-
-
-class MissingExtraError(DivjacError, ImportError):
-    """A package of the ``cli`` extra is not installed."""
-
 
 _missing = [name for name in EXTRA if importlib.util.find_spec(name) is None]
 if _missing:

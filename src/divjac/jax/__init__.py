@@ -16,6 +16,7 @@ from ._api import (
     sparsity as sparsity,
     value_and_divergence as value_and_divergence,
 )
+from ._table import register_rule as register_rule
 
 __all__ = [
     "SparsityPattern",
@@ -26,6 +27,7 @@ __all__ = [
     "jacobian",
     "jacobian_from_pattern",
     "laplacian",
+    "register_rule",
     "sparse_jacobian",
     "sparsity",
     "value_and_divergence",

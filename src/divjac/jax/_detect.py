@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from .._core import deps as D, detection
+from .._core import detection, rules as D
 from .._core.detection import LRU, EntryLimit, Propagated
 from ._interpret import Interpreter
 

@@ -17,6 +17,7 @@ from ._api import (
     sparsity as sparsity,
     value_and_divergence as value_and_divergence,
 )
+from ._rules import register_rule as register_rule
 
 __all__ = [
     "SparsityPattern",
@@ -27,6 +28,7 @@ __all__ = [
     "jacobian",
     "jacobian_from_pattern",
     "laplacian",
+    "register_rule",
     "sparse_jacobian",
     "sparsity",
     "value_and_divergence",

@@ -35,11 +35,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import threading
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -49,11 +48,24 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from .._core import deps as D, detection
+from .._core import detection, rules as D
 from .._core.detection import LRU, EntryLimit, Propagated
 from .._errors import DivjacError, RetraceWarning
+from ._branches import (
+    MAX_BRANCHES as _MAX_BRANCHES,  # noqa: F401 (tests read it here)
+    Branches,
+    branch,
+)
+from ._constants import (
+    captured_floats,
+    check_static,
+    drop_constants,
+    drop_effect_tokens,
+    readable_constants,
+)
 from ._interpret import Interpreter, decompositions, is_convolution
 from ._reach import Checks, Reached, library, module_signature, reach
+from ._running import BatchNorm, outside_transforms, plain_kernels, quiet_batch_norm
 
 __all__ = [
     "CACHE",
@@ -199,73 +211,11 @@ _SOFTMAXES = (torch.ops.aten._softmax.default, torch.ops.aten._safe_softmax.defa
 _SOLVES_EX = (torch.ops.aten._linalg_solve_ex.default, torch.ops.aten.linalg_solve_ex.default)
 
 
-# --- running modules ---------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def outside_transforms() -> Iterator[None]:
-    """Leave any active ``torch.func`` transforms for a while (tracing works on plain tensors)."""
-    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
-
-    with temporarily_clear_interpreter_stack():
-        yield
-
-
-_BatchNorm = nn.modules.batchnorm._BatchNorm
-
-
-def _updates_running_stats(m: nn.Module) -> bool:
-    return isinstance(m, _BatchNorm) and m.training and m.track_running_stats
-
-
-@contextlib.contextmanager
-def quiet_batch_norm(
-    modules: Sequence[nn.Module], ran: list[nn.Module] | None = None
-) -> Iterator[None]:
-    """Batch normalization in training mode, without updating the running statistics.
-
-    Training-mode outputs use the batch statistics either way; the in-place update of the
-    running statistics would be repeated by every pass (and ``torch.func`` transforms refuse
-    in-place updates of captured buffers). Applies to ``modules`` (not their submodules: give
-    them all); with ``ran``, also to every module this thread calls inside the block, however
-    the function reaches it (found by a global forward pre-hook, which slows every module
-    call: passes give the modules their trace ran instead), and those are appended to ``ran``.
-    """
-    thread = threading.get_ident()
-    changed: list[_BatchNorm] = []
-
-    def quiet(m: nn.Module) -> None:
-        if isinstance(m, _BatchNorm) and _updates_running_stats(m):
-            m.track_running_stats = False
-            changed.append(m)
-
-    found = ran if ran is not None else []
-
-    def pre_hook(m: nn.Module, args: Any) -> None:
-        if threading.get_ident() == thread:
-            quiet(m)
-            found.append(m)
-
-    for m in modules:
-        quiet(m)
-    handle = None if ran is None else nn.modules.module.register_module_forward_pre_hook(pre_hook)
-    try:
-        yield
-    finally:
-        if handle is not None:
-            handle.remove()
-        for bn in changed:
-            bn.track_running_stats = True
-
-
 # --- tracing --------------------------------------------------------------------------------
 
 
-CACHE: LRU[Traced | _Branches] = LRU(64)
+CACHE: LRU[Traced | Branches] = LRU(64)
 """Traced functions, shared by all transforms (weights are not kept alive by it)."""
-
-# Traces on values kept per function and shapes (one per branch taken).
-_MAX_BRANCHES = 8
 
 
 def _key(
@@ -363,8 +313,8 @@ def trace(
     x_pos = sum(dynamic[:x_leaf])
     tensors = [leaf for leaf, d in zip(leaves, dynamic, strict=True) if d]
     actual = _actual_inputs(tensors, x_pos, batch_axis)
-    needs_values = isinstance(cached, _Branches) and actual is not None
-    if isinstance(cached, _Branches) and actual is not None:
+    needs_values = isinstance(cached, Branches) and actual is not None
+    if isinstance(cached, Branches) and actual is not None:
         with outside_transforms():
             found = cached.select(actual, reached)
         if found is not None:
@@ -397,11 +347,11 @@ def trace(
             gm, on_values = _trace_graph(
                 batch_first, tensors, x_pos, batch_axis, out_tree, actual, values=needs_values
             )
-        branch = _branch(gm, reached, actual) if on_values and actual is not None else None
+        taken = branch(gm, reached, actual) if on_values and actual is not None else None
     _check_own_changes(fun, reached, reach(fun, static))
-    readable, versioned = _readable_constants(gm, reached)
-    captured = _captured_floats(gm)
-    _drop_constants(gm, keep=readable)
+    readable, versioned = readable_constants(gm, reached)
+    captured = captured_floats(gm)
+    drop_constants(gm, keep=readable)
     found_ids = {id(m) for m in reached.modules}
     unreached = {id(m): m for m in ran if id(m) not in found_ids}
     out_val = next(n for n in gm.graph.nodes if n.op == "output").args[0].meta["val"]
@@ -424,7 +374,7 @@ def trace(
         identified=tuple(weakref.ref(obj) for obj in reached.identified),
         unreached=tuple((weakref.ref(m), module_signature(m)) for m in unreached.values()),
         batch_norms=tuple(
-            weakref.ref(m) for m in {id(m): m for m in ran}.values() if isinstance(m, _BatchNorm)
+            weakref.ref(m) for m in {id(m): m for m in ran}.values() if isinstance(m, BatchNorm)
         ),
         captured=tuple(weakref.ref(t) for t in captured),
     )
@@ -433,8 +383,8 @@ def trace(
             CACHE.put(key, traced)
             _remember(fun, call, reached, key, traced)
         else:
-            branches = cached if isinstance(cached, _Branches) else _Branches(fun)
-            branches.add(branch, traced)
+            branches = cached if isinstance(cached, Branches) else Branches(fun)
+            branches.add(taken, traced)
             CACHE.put(key, branches)
     return traced
 
@@ -585,13 +535,8 @@ def _trace_graph(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
 
-    def shape(t: torch.Tensor, i: int) -> tuple[int, ...]:
-        return (
-            detection.batch_first_shape(tuple(t.shape), batch_axis)
-            if i == x_pos
-            else tuple(t.shape)
-        )
-
+    shapes = [tuple(t.shape) for t in tensors]
+    shapes[x_pos] = detection.batch_first_shape(shapes[x_pos], batch_axis)
     devices = sorted({t.device for t in tensors if t.device.type not in ("cpu", "meta")}, key=str)
     rng_devices = [d.index or 0 for d in devices[:1]]
     device_type = devices[0].type if devices else "cuda"
@@ -613,8 +558,8 @@ def _trace_graph(
                     if mode == "fake":
                         with FakeTensorMode(allow_non_fake_inputs=True):
                             inputs = [
-                                torch.empty(shape(t, i), dtype=t.dtype, device=t.device)
-                                for i, t in enumerate(tensors)
+                                torch.empty(s, dtype=t.dtype, device=t.device)
+                                for s, t in zip(shapes, tensors, strict=True)
                             ]
                     gm = make_fx(
                         dispatch_functionalize(
@@ -625,289 +570,11 @@ def _trace_graph(
                         _allow_non_fake_inputs=True,
                         _error_on_data_dependent_ops=False,
                     )(*inputs)
-                _drop_effect_tokens(gm)
-                _check_static(gm)
+                drop_effect_tokens(gm)
+                check_static(gm)
                 return gm, mode == "real"
             except DivjacError:
                 raise
             except Exception as err:
                 errors.append(err)
     raise errors[-1] if len(errors) > 2 else errors[0]
-
-
-@contextlib.contextmanager
-def plain_kernels(*, cudnn: bool = False) -> Iterator[None]:
-    """oneDNN off, and cuDNN with ``cudnn`` (only these flags: ``torch.backends.*.flags`` also
-    reset others)."""
-    flags = [(torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled)]
-    if cudnn:
-        flags.append((torch._C._get_cudnn_enabled, torch._C._set_cudnn_enabled))
-    before = [get() for get, _ in flags]
-    for _, set_flag in flags:
-        set_flag(False)
-    try:
-        yield
-    finally:
-        for (_, set_flag), value in zip(flags, before, strict=True):
-            set_flag(value)
-
-
-def _drop_effect_tokens(gm: torch.fx.GraphModule) -> None:
-    """Remove the effect tokens functionalization threads through side-effect-only operations
-    (``_linalg_check_errors``): they return nothing, and their token is a graph input."""
-    effects = [
-        n
-        for n in gm.graph.nodes
-        if n.op == "call_function" and n.target is torch.ops.higher_order.with_effects
-    ]
-    if not effects:
-        return
-    for node in reversed(effects):
-        for use in list(node.users):
-            if use.args[1] == 0:  # the new token: the one it was given
-                use.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(use)
-        gm.graph.erase_node(node)
-    for node in list(gm.graph.nodes):
-        if node.op == "placeholder" and not node.users and "token" in node.name:
-            gm.graph.erase_node(node)
-    gm.recompile()
-
-
-def _mutated_constants(gm: torch.fx.GraphModule) -> set[str]:
-    """The constants (``get_attr`` targets) the graph writes to, directly or through a view."""
-    roots: dict[torch.fx.Node, str] = {}
-    written: set[str] = set()
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            roots[node] = str(node.target)
-        elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            schema = node.target._schema
-            views = any(r.alias_info is not None for r in schema.returns)
-            bound = zip(schema.arguments, node.args, strict=False)
-            named = ((a, node.kwargs[a.name]) for a in schema.arguments if a.name in node.kwargs)
-            for arg, value in (*bound, *named):
-                if not isinstance(value, torch.fx.Node) or value not in roots:
-                    continue
-                if arg.alias_info is not None and arg.alias_info.is_write:
-                    written.add(roots[value])
-                elif arg.alias_info is not None and views:
-                    roots[node] = roots[value]
-    return written
-
-
-def _readable_constants(
-    gm: torch.fx.GraphModule, reached: Reached
-) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
-    """The constants detection may read, and those that are the caller's own tensors.
-
-    Readable: the literals of the program (``torch.tensor([...])``: only lifted), and captured
-    integer and boolean tensors that are the very objects the cache key identifies, with a
-    version counter, that the graph does not modify. Never floating-point captured tensors,
-    nor a constant the key does not identify (a copy, a tensor reached some other way).
-    """
-    lifted = {torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default}
-    uses: dict[str, list[torch.fx.Node]] = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            uses.setdefault(str(node.target), []).extend(node.users)
-    written = _mutated_constants(gm)
-    readable: dict[str, torch.Tensor] = {}
-    versioned: set[str] = set()
-    for name, users in uses.items():
-        const = getattr(gm, name, None)
-        if not isinstance(const, torch.Tensor) or name in written:
-            continue
-        if reached.tensors.get(id(const)) is const:
-            if const.is_floating_point() or const.is_complex() or const.is_inference():
-                continue
-            readable[name] = const
-            versioned.add(name)
-        elif users and all(u.target in lifted for u in users):
-            readable[name] = const
-    return readable, frozenset(versioned)
-
-
-def _captured_floats(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
-    """The floating-point tensors (not fake, not meta) that the graph holds as constants."""
-    found = {}
-    for node in gm.graph.nodes:
-        const = getattr(gm, str(node.target), None) if node.op == "get_attr" else None
-        if (
-            isinstance(const, torch.Tensor)
-            and (const.is_floating_point() or const.is_complex())
-            and const.device.type != "meta"
-        ):
-            found[id(const)] = const
-    return list(found.values())
-
-
-def _drop_constants(gm: torch.fx.GraphModule, keep: dict[str, torch.Tensor]) -> None:
-    """Replace the constants detection does not read by meta tensors: the cache must not keep
-    a model's weights alive."""
-    for node in gm.graph.nodes:
-        name = str(node.target)
-        if node.op != "get_attr" or name in keep:
-            continue
-        const = getattr(gm, name, None)
-        if isinstance(const, torch.Tensor) and const.device.type != "meta":
-            delattr(gm, name)
-            setattr(gm, name, torch.empty(const.shape, dtype=const.dtype, device="meta"))
-
-
-def _check_static(gm: torch.fx.GraphModule) -> None:
-    """Refuse graphs with data-dependent (symbolic) shapes; they are traced on values instead."""
-    for node in gm.graph.nodes:
-        for v in pytree.tree_leaves(node.meta.get("val")):
-            if isinstance(v, torch.SymInt) or (
-                isinstance(v, torch.Tensor) and not all(isinstance(s, int) for s in v.shape)
-            ):
-                raise ValueError("data-dependent shape")
-
-
-# --- traces on values, one per branch ---------------------------------------------------------
-
-
-@dataclass(eq=False)
-class _Branch:
-    """What a trace on values depended on: the graph (pruned) that computes the scalars the
-    function took from tensors and the shapes of data-dependent results, with their values.
-
-    Its constants are the tensors the cache key found (held weakly: their values are read
-    here, so every found tensor must be the same object, at the same place) or literals.
-    """
-
-    graph: torch.fx.GraphModule
-    constants: dict[str, Callable[[], torch.Tensor | None]]
-    ids: tuple[int, ...]
-    expected: tuple[Any, ...]
-
-    def holds(self, inputs: Sequence[torch.Tensor], reached: Reached) -> bool:
-        if reached.ids != self.ids:
-            return False
-        constants = {}
-        for name, get in self.constants.items():
-            const = get()
-            if const is None:  # freed: not the tensor the function reaches
-                return False
-            constants[name] = const
-        try:
-            return _decisions(self.graph, constants, inputs) == self.expected
-        except Exception:  # another branch's values (a slice too long, ...)
-            return False
-
-
-class _Branches:
-    """The traces on values of one function and shapes, most recent first."""
-
-    def __init__(self, fun: Callable[..., Any]) -> None:
-        self.entries: list[tuple[_Branch, Traced]] = []
-        self.traces = 0
-        self.name = getattr(fun, "__qualname__", type(fun).__qualname__)
-
-    def select(self, inputs: list[torch.Tensor], reached: Reached) -> Traced | None:
-        for i, (branch, traced) in enumerate(self.entries):
-            if traced.current() and branch.holds(inputs, reached):
-                self.entries.insert(0, self.entries.pop(i))
-                return traced
-        return None
-
-    def add(self, branch: _Branch | None, traced: Traced) -> None:
-        self.traces += 1
-        if branch is not None:
-            self.entries.insert(0, (branch, traced))
-            del self.entries[_MAX_BRANCHES:]
-        if self.traces == 2 * _MAX_BRANCHES:
-            warnings.warn(
-                f"divjac traced {self.name} {self.traces} times: its control flow depends on "
-                "values of its inputs (Python `if` on a tensor, `.item()`, data-dependent "
-                "shapes) that differ from call to call, so every call traces it again and "
-                "detects its sparsity again (slow). Write value-dependent choices with "
-                "torch.where, or keep the values the function takes from tensors fixed.",
-                RetraceWarning,
-                stacklevel=4,
-            )
-
-
-def _decides(node: torch.fx.Node) -> bool:
-    """Whether a node takes a value out of the tensors (``.item()``, ``bool``, ``equal``) or
-    has a data-dependent shape (``nonzero``, boolean masks)."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    if target is torch.ops.aten.index.Tensor:  # data-dependent with a boolean index only
-        indices = node.args[1]
-        assert isinstance(indices, list | tuple)
-        masks = (i.meta["val"].dtype for i in indices if isinstance(i, torch.fx.Node))
-        return any(dtype in (torch.bool, torch.uint8) for dtype in masks)
-    if torch.Tag.dynamic_output_shape in target.tags:
-        return True
-    returns = target._schema.returns
-    return bool(returns) and not any("Tensor" in str(r.type) for r in returns)
-
-
-def _branch(
-    gm: torch.fx.GraphModule, reached: Reached, inputs: list[torch.Tensor]
-) -> _Branch | None:
-    """The branch a trace on values took (``None`` if it cannot be recomputed safely: random
-    or in-place operations, constants the cache key does not identify)."""
-    nodes = list(gm.graph.nodes)
-    decisions = [n for n in nodes if _decides(n)]
-    needed: set[torch.fx.Node] = set()
-    stack = list(decisions)
-    while stack:
-        node = stack.pop()
-        if node not in needed:
-            needed.add(node)
-            stack.extend(node.all_input_nodes)
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    constants: dict[str, Callable[[], torch.Tensor | None]] = {}
-    for node in nodes:
-        if node.op == "placeholder" or node in needed:
-            target = node.target
-            if (
-                node.op == "call_function"
-                and isinstance(target, torch._ops.OpOverload)
-                and (torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable)
-            ):
-                return None
-            if node.op == "get_attr":
-                const = getattr(gm, str(target))
-                if reached.tensors.get(id(const)) is const:
-                    constants[str(target)] = weakref.ref(const)
-                elif all(u.target is torch.ops.aten.lift_fresh_copy.default for u in node.users):
-                    constants[str(target)] = functools.partial(_same, const)
-                else:
-                    return None
-            env[node] = graph.node_copy(node, env.__getitem__)
-    graph.output(tuple(env[n] for n in decisions))
-    pruned = torch.fx.GraphModule(
-        {name: torch.empty(0, device="meta") for name in constants}, graph
-    )
-    values = {name: get() for name, get in constants.items()}
-    expected = _decisions(pruned, values, inputs)  # type: ignore[arg-type]
-    return _Branch(pruned, constants, reached.ids, expected)
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-class _Values(torch.fx.Interpreter):
-    """Runs a pruned graph with its constants given."""
-
-    def __init__(self, gm: torch.fx.GraphModule, constants: dict[str, torch.Tensor]) -> None:
-        super().__init__(gm)
-        self._constants = constants
-
-    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
-        return self._constants[str(target)]
-
-
-def _decisions(
-    graph: torch.fx.GraphModule, constants: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor]
-) -> tuple[Any, ...]:
-    with torch.no_grad():
-        out = _Values(graph, constants).run(*inputs)
-    return tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else v for v in out)

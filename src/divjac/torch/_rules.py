@@ -1,0 +1,67 @@
+"""Sparsity rules users give their own operations (``divjac.torch.register_rule``)."""
+
+from __future__ import annotations
+
+import torch
+
+from .._core.rules import Rule, RuleError
+from ._detect import CACHE, clear_memos
+from ._interpret import REGISTRY, decompositions
+
+__all__ = ["register_rule"]
+
+
+def register_rule(op: object, rule: Rule) -> None:
+    """Give an ATen operation (or a custom operator of ``torch.library``) a sparsity rule.
+
+    The rule receives an :class:`divjac.rules.Op`: the dependency sets of the operation's tensor
+    arguments in the order of its schema (``op.ins``), the shapes of its outputs
+    (``op.out_shapes``), its other arguments by schema name (``op.params``) and the constant
+    values of its tensor arguments (``op.value(i)``); it returns the dependency sets of every
+    output, built with the functions of :mod:`divjac.rules`. It replaces any built-in rule and
+    keeps the operation from being decomposed while tracing; the traces and detections made
+    before are dropped.
+
+    Args:
+        op: the operator (``torch.ops.mylib.myop``, one of its overloads, or what
+            ``torch.library.custom_op`` returns) or its name (``"mylib::myop"``; a bare name
+            is an ATen operation).
+        rule: ``Op -> list[Deps]``; it may over-approximate, it must never miss a dependency.
+
+    Raises:
+        RuleError: ``op`` is not an operator, or ``rule`` is not callable (later: it returned
+            what does not fit).
+
+    Example:
+        >>> import torch
+        >>> import divjac.torch as dt
+        >>> from divjac import rules
+        >>> @torch.library.custom_op("divjac_example::flip", mutates_args=())
+        ... def flip(x: torch.Tensor) -> torch.Tensor:
+        ...     return torch.flip(x, [-1])
+        >>> @flip.register_fake
+        ... def _(x):
+        ...     return torch.empty_like(x)
+        >>> dt.register_rule(flip, lambda op: [rules.rev(op.ins[0], [len(op.ins[0].shape) - 1])])
+        >>> pattern = dt.sparsity(lambda x: torch.sin(flip(x)))(torch.ones(2, 3))
+        >>> pattern.csr.toarray().astype(int)
+        array([[0, 0, 1],
+               [0, 1, 0],
+               [1, 0, 0]])
+    """
+    name: object
+    if isinstance(op, str):
+        name = op if "::" in op else f"aten::{op}"
+    elif isinstance(op, torch._ops.OpOverload):
+        name = op._schema.name
+    else:  # an OpOverloadPacket, or what torch.library.custom_op returns
+        name = getattr(op, "_qualified_op_name", None) or getattr(op, "_qualname", None)
+    if not isinstance(name, str):
+        raise RuleError(
+            f"register_rule: op must be a torch operator (torch.ops.mylib.myop, an overload of "
+            f"it, a torch.library.custom_op) or its name 'mylib::myop', got {op!r}"
+        )
+    REGISTRY.register(name, rule)
+    decompositions.cache_clear()
+    CACHE.clear()
+    clear_memos()

@@ -1,0 +1,87 @@
+"""Running a traced function's modules: outside ``torch.func`` transforms, with batch
+normalization kept from updating its running statistics, without oneDNN."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["BatchNorm", "outside_transforms", "plain_kernels", "quiet_batch_norm"]
+
+
+@contextlib.contextmanager
+def outside_transforms() -> Iterator[None]:
+    """Leave any active ``torch.func`` transforms for a while (tracing works on plain tensors)."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    with temporarily_clear_interpreter_stack():
+        yield
+
+
+BatchNorm = nn.modules.batchnorm._BatchNorm
+
+
+def _updates_running_stats(m: nn.Module) -> bool:
+    return isinstance(m, BatchNorm) and m.training and m.track_running_stats
+
+
+@contextlib.contextmanager
+def quiet_batch_norm(
+    modules: Sequence[nn.Module], ran: list[nn.Module] | None = None
+) -> Iterator[None]:
+    """Batch normalization in training mode, without updating the running statistics.
+
+    Training-mode outputs use the batch statistics either way; the in-place update of the
+    running statistics would be repeated by every pass (and ``torch.func`` transforms refuse
+    in-place updates of captured buffers). Applies to ``modules`` (not their submodules: give
+    them all); with ``ran``, also to every module this thread calls inside the block, however
+    the function reaches it (found by a global forward pre-hook, which slows every module
+    call: passes give the modules their trace ran instead), and those are appended to ``ran``.
+    """
+    thread = threading.get_ident()
+    changed: list[BatchNorm] = []
+
+    def quiet(m: nn.Module) -> None:
+        if isinstance(m, BatchNorm) and _updates_running_stats(m):
+            m.track_running_stats = False
+            changed.append(m)
+
+    found = ran if ran is not None else []
+
+    def pre_hook(m: nn.Module, args: Any) -> None:
+        if threading.get_ident() == thread:
+            quiet(m)
+            found.append(m)
+
+    for m in modules:
+        quiet(m)
+    handle = None if ran is None else nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
+        for bn in changed:
+            bn.track_running_stats = True
+
+
+@contextlib.contextmanager
+def plain_kernels(*, cudnn: bool = False) -> Iterator[None]:
+    """oneDNN off, and cuDNN with ``cudnn`` (only these flags: ``torch.backends.*.flags`` also
+    reset others)."""
+    flags = [(torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled)]
+    if cudnn:
+        flags.append((torch._C._get_cudnn_enabled, torch._C._set_cudnn_enabled))
+    before = [get() for get, _ in flags]
+    for _, set_flag in flags:
+        set_flag(False)
+    try:
+        yield
+    finally:
+        for (_, set_flag), value in zip(flags, before, strict=True):
+            set_flag(value)
