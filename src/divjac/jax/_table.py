@@ -513,8 +513,8 @@ _add(["custom_vjp_call", "custom_vjp_call_jaxpr"], D.custom_rule, _custom_vjp)
 REGISTRY = D.Registry("JAX primitive")
 
 
-def register_rule(primitive: jcore.Primitive | str, rule: Rule) -> None:
-    """Give the JAX primitive ``primitive`` (or its name) a sparsity rule.
+def register_rule(op: jcore.Primitive | str, rule: Rule, /) -> None:
+    """Give the JAX primitive ``op`` (or its name) a sparsity rule.
 
     The rule receives an :class:`divjac.rules.Op`: the dependency sets of the equation's inputs
     (``op.ins``), the shapes of its outputs (``op.out_shapes``), its parameters as JAX holds
@@ -523,8 +523,11 @@ def register_rule(primitive: jcore.Primitive | str, rule: Rule) -> None:
     replaces any built-in rule of that primitive; detections cached before are not reused.
 
     Args:
-        primitive: the primitive (``jax.extend.core.Primitive``) or its name.
+        op: the primitive (``jax.extend.core.Primitive``) or its name.
         rule: ``Op -> list[Deps]``; it may over-approximate, it must never miss a dependency.
+
+    Returns:
+        Nothing; every later detection uses the rule.
 
     Raises:
         RuleError: ``rule`` is not callable (later: it returned what does not fit).
@@ -544,7 +547,7 @@ def register_rule(primitive: jcore.Primitive | str, rule: Rule) -> None:
                [0, 1, 0],
                [1, 0, 0]])
     """
-    name = primitive if isinstance(primitive, str) else primitive.name
+    name = op if isinstance(op, str) else op.name
     REGISTRY.register(name, rule)
     checked = REGISTRY.get(name)
     if checked is None:

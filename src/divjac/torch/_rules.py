@@ -11,7 +11,7 @@ from ._interpret import REGISTRY, decompositions
 __all__ = ["register_rule"]
 
 
-def register_rule(op: object, rule: Rule) -> None:
+def register_rule(op: object, rule: Rule, /) -> None:
     """Give an ATen operation (or a custom operator of ``torch.library``) a sparsity rule.
 
     The rule receives an :class:`divjac.rules.Op`: the dependency sets of the operation's tensor
@@ -27,6 +27,9 @@ def register_rule(op: object, rule: Rule) -> None:
             ``torch.library.custom_op`` returns) or its name (``"mylib::myop"``; a bare name
             is an ATen operation).
         rule: ``Op -> list[Deps]``; it may over-approximate, it must never miss a dependency.
+
+    Returns:
+        Nothing; every later detection uses the rule.
 
     Raises:
         RuleError: ``op`` is not an operator, or ``rule`` is not callable (later: it returned
