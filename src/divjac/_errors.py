@@ -90,3 +90,8 @@ class RetraceWarning(UserWarning):
 
 class DenseFallbackWarning(UserWarning):
     """Sparsity detection met an operation it has no rule for and assumed it dense (still correct)."""
+
+
+class CompileError(DivjacError, RuntimeError):
+    """A transform was called under a framework's compiler (``torch.compile``) on a function
+    its compiled passes do not support."""
