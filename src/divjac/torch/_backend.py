@@ -471,8 +471,11 @@ def _check_compilable(traced: Traced) -> None:
         what = "draws random numbers (dropout in training mode, randn)"
     elif traced.batch_norms:
         what = "runs batch normalization (its running statistics are kept still in the passes)"
-    elif traced.reads:
-        what = "has a sparsity pattern read from the values of captured integer tensors"
+    elif traced.versioned:
+        what = (
+            "captures integer or boolean tensors (indices, masks) whose values sparsity "
+            "detection reads, and dynamo does not guard on values"
+        )
     else:
         return
     raise CompileError(
