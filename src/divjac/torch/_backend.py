@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from torch.utils import _pytree as pytree
 
 from .._backend import Backend, Finish, Linear, Point, Seed
 from .._core.detection import LRU
-from .._errors import CompileError, InternalError, OptionError
+from .._errors import CompileError, OptionError
 from ._detect import TensorSpec, Traced, plain_kernels, trace
 
 __all__ = ["BACKEND", "TorchBackend"]
@@ -354,7 +355,14 @@ def _constant(fn: Callable[..., R], *args: Any) -> R:
     return cast(R, pytree.tree_map(_dataclass, objects, is_leaf=_is_fields)[0])
 
 
-@torch._dynamo.assume_constant_result
+def _constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` marked as ``torch._dynamo.assume_constant_result`` marks it (dynamo evaluates its
+    calls as constants), without importing dynamo (seconds) with divjac."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@_constant_result
 def _evaluate(fn: Callable[..., Any], positions: tuple[Any, ...], *leaves: Any) -> Any:
     parts = pytree.tree_map(lambda i: leaves[i], positions)
     args = pytree.tree_map(_dataclass, parts, is_leaf=_is_fields)
@@ -379,15 +387,12 @@ def _taker(slot: int) -> Callable[[], Any]:
     name, as dynamo names a tensor constant after the function that made it."""
 
     def take() -> Any:
-        found, _SLOTS[slot] = _SLOTS[slot], None
-        if found is None:
-            raise InternalError("an object of a setup's result was taken twice")
-        return found
+        return _SLOTS[slot]
 
     name = f"_divjac_setup_object_{slot}"
     take.__name__ = take.__qualname__ = name
     take.__code__ = take.__code__.replace(co_name=name)
-    return cast(Callable[[], Any], torch._dynamo.assume_constant_result(take))
+    return _constant_result(take)
 
 
 def _unsourced(a: Any) -> Any:
@@ -428,7 +433,8 @@ def _dataclass(a: Any) -> Any:
 # Marks a dataclass as its class and fields, and an object kept apart (in _constant).
 _FIELDS = "divjac:dataclass"
 _KEPT = "divjac:kept"
-# The objects of setups' results (tensors, classes) on their way to dynamo, each in its slot.
+# The objects of setups' results (tensors, classes) on their way to dynamo, each in its slot
+# (a ring: a slot is reused 1024 setups later, long after dynamo took its object).
 _SLOTS: list[Any] = [None] * 1024
 _NEXT_SLOT = itertools.count()
 _TAKE = tuple(_taker(slot) for slot in range(len(_SLOTS)))
@@ -522,7 +528,8 @@ class TorchBackend(Backend[Traced]):
 
     def functional(self, fun: Callable[..., Any]) -> Callable[..., Any]:
         """A ``torch.compile``d module (an ``OptimizedModule``) is its original module."""
-        if isinstance(fun, torch._dynamo.eval_frame.OptimizedModule):
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # none before torch.compile
+        if eval_frame is not None and isinstance(fun, eval_frame.OptimizedModule):
             return cast(Callable[..., Any], fun._orig_mod)
         return fun
 
