@@ -5,7 +5,7 @@ A training step (the divergence loss and its ``backward``) of a small MLP (``16 
 float32, for ``method`` in exact, sparse and hutchinson (8 probes given as a tensor, the
 compile-friendly randomness). The loss is compiled (inductor); its ``backward`` runs the
 compiled backward graph. Median times after warm-up (the first call compiles); the ratio is
-compiled / eager (goal: <= 1). Quick mode: the MLP only, with the ``aot_eager`` backend (what
+compiled / eager, measured in alternation (goal: <= 1). Quick mode: the MLP only, with the ``aot_eager`` backend (what
 dynamo and the ahead-of-trace setup cost, without inductor's minutes of compilation).
 """
 
@@ -67,8 +67,7 @@ def _compare(
     step(compiled, x)
     compile_s = time.perf_counter() - start
     eager_value, compiled_value = loss(x), compiled(x)
-    t_eager = _median_time(lambda: step(loss, x), repeat)
-    t_compiled = _median_time(lambda: step(compiled, x), repeat)
+    t_eager, t_compiled = _median_times([lambda: step(loss, x), lambda: step(compiled, x)], repeat)
     net.zero_grad()
     return Result(
         "-",
@@ -89,12 +88,15 @@ def step(loss: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
     loss(x).backward()
 
 
-def _median_time(fn: Callable[[], None], repeat: int) -> float:
-    for _ in range(3):  # warm-up
-        fn()
-    times = []
+def _median_times(fns: list[Callable[[], None]], repeat: int) -> list[float]:
+    """Median times of ``fns``, measured in alternation (fair under machine noise)."""
+    for fn in fns:
+        for _ in range(3):  # warm-up
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, kept in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            kept.append(time.perf_counter() - start)
+    return [statistics.median(kept) for kept in times]
