@@ -97,6 +97,7 @@ def _syncs(ddp: DDP) -> bool:
     return (
         torch.is_grad_enabled()
         and ddp.require_backward_grad_sync
+        and dist.is_initialized()
         and dist.get_world_size(ddp.process_group) > 1
     )
 
@@ -141,14 +142,18 @@ _OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[DDP] | None] = weakref
 
 
 def _owner(module: nn.Module) -> DDP | None:
-    """The live DDP wrapper holding ``module`` (or a module above it), in a process group of
-    several processes. The first time a module is transformed while a process group is up, the
-    live objects are searched once (a few ms); wrappers made later are not seen."""
+    """The live DDP wrapper holding ``module`` (or a module above it). Searched the first time a
+    module is transformed while a process group is up (one pass over the referrers of the DDP
+    classes: an instance refers to its class), then remembered: a wrapper made later is not
+    seen."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     if module not in _OWNERS:
-        owners = (o for o in gc.get_objects() if issubclass(type(o), DDP))
-        found = next((o for o in owners if any(m is module for m in o.module.modules())), None)
+        classes: list[type] = [DDP]
+        for cls in classes:  # DDP and every subclass of it
+            classes.extend(cls.__subclasses__())
+        wrappers = (o for o in gc.get_referrers(*classes) if isinstance(o, DDP))
+        found = next((o for o in wrappers if any(m is module for m in o.module.modules())), None)
         _OWNERS[module] = None if found is None else weakref.ref(found)
     ref = _OWNERS[module]
     return None if ref is None else ref()
