@@ -46,8 +46,8 @@ CHOL = torch.tensor([[1.0, 0.0], [0.6, 0.5]], dtype=D)  # Sigma = CHOL @ CHOL.T
 
 
 def score_model() -> nn.Module:
-    torch.manual_seed(0)  # the same initial weights in every process
-    return nn.Sequential(nn.Linear(2, 32), nn.Softplus(), nn.Linear(32, 2)).to(D)
+    torch.manual_seed(0)  # the same initial weights in every process (whatever its default dtype)
+    return nn.Sequential(nn.Linear(2, 32, dtype=D), nn.Softplus(), nn.Linear(32, 2, dtype=D))
 
 
 def batches(steps: int, batch: int) -> list[torch.Tensor]:
