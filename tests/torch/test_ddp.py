@@ -211,6 +211,8 @@ def _refusals(rank: int) -> dict[str, str]:
     attempts: dict[str, Callable[[], Any]] = {
         "unused-parameter": lambda: divergence(ddp)(x),
         "wrapped-module": lambda: divergence(ddp.module)(x),
+        "closure-over-the-module": lambda: divergence(lambda x: 2.0 * ddp.module(x))(x),
+        "jacobian-of-the-module": lambda: jacobian(ddp.module)(x),
         "forward-then-module": lambda: (ddp(x), divergence(ddp.module)(x)),
     }
     for what, attempt in attempts.items():
@@ -319,7 +321,12 @@ def test_what_would_train_unsynchronized_raises_with_the_fix(results):
     seen = results["refusals"]
     assert "find_unused_parameters=True" in seen["unused-parameter"]
     assert "'2.bias'" in seen["unused-parameter"]
-    for what in ("wrapped-module", "forward-then-module"):
+    for what in (
+        "wrapped-module",
+        "closure-over-the-module",
+        "jacobian-of-the-module",
+        "forward-then-module",
+    ):
         assert "divergence(ddp)(x)" in seen[what], seen[what]
     assert (
         "mixes samples" in seen["train-mode-batchnorm"] or "batch" in seen["train-mode-batchnorm"]

@@ -9,10 +9,12 @@ whole call (every pass of it) inside the wrapper's forward machinery: buffers ar
 and the backward of a loss built on the result all-reduces each gradient exactly once, as after
 ``ddp(x)``; under ``ddp.no_sync()`` gradients accumulate locally, as DDP's do.
 
-A module that a live DDP wrapper owns, transformed directly (``divergence(ddp.module)``), would
-train each rank on its own gradients: its calls raise :class:`~divjac.DDPError` with the fix, except
-inside the wrapper's own forward (a module whose ``forward`` calls divjac, wrapped in DDP) and
-where nothing is synchronized (grad mode off, ``no_sync()``, one process).
+A function that runs a module a live DDP wrapper owns, transformed directly
+(``divergence(ddp.module)``, or a closure calling it), would train each rank on its own
+gradients: every pass of such a call raises :class:`~divjac.DDPError` with the fix
+(:func:`check_synchronized`, from the backend's ``linearize``), except inside the wrapper's own
+forward (a module whose ``forward`` calls divjac, wrapped in DDP) and where nothing is
+synchronized (grad mode off, ``no_sync()``, one process).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +32,7 @@ from torch.utils import _pytree as pytree
 
 from .._errors import DDPError
 
-__all__ = ["transform", "unwrapped"]
+__all__ = ["check_synchronized", "transform", "unwrapped"]
 
 Transform = Callable[..., Any]
 
@@ -54,18 +56,11 @@ def transform(
     make: Callable[..., Transform], backend: Any, f: Any, /, *args: Any, **kwargs: Any
 ) -> Transform:
     """``make(backend, f, *args, **kwargs)`` (a transform of :mod:`divjac._transforms` or
-    :mod:`divjac._divergence`); for a DDP wrapper, that of ``f.module`` called inside the
-    wrapper's forward machinery; for a module a live DDP wrapper owns, guarded against training
-    unsynchronized."""
-    fname = make.__name__
+    :mod:`divjac._divergence`); for a DDP wrapper, that of ``f.module``, each call run inside
+    the wrapper's forward machinery."""
     if isinstance(f, DDP):
-        return _synchronized(f, make(backend, f.module, *args, **kwargs), fname)
-    inner = make(backend, f, *args, **kwargs)
-    if isinstance(f, nn.Module):
-        owner = _owner(f)
-        if owner is not None:
-            return _guarded(owner, f, inner, fname)
-    return inner
+        return _synchronized(f, make(backend, f.module, *args, **kwargs), make.__name__)
+    return make(backend, f, *args, **kwargs)
 
 
 def _synchronized(ddp: DDP, inner: Transform, fname: str) -> Transform:
@@ -137,41 +132,48 @@ def _check_reached(ddp: DDP, out: Any, fname: str) -> None:
         )
 
 
-# The DDP wrapper that owns a module (weakly), or None; found once per module.
+# The DDP wrapper that owns a module (weakly), or None: for every module seen by a search.
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[DDP] | None] = weakref.WeakKeyDictionary()
 
 
-def _owner(module: nn.Module) -> DDP | None:
-    """The live DDP wrapper holding ``module`` (or a module above it). Searched the first time a
-    module is transformed while a process group is up (one pass over the referrers of the DDP
-    classes: an instance refers to its class), then remembered: a wrapper made later is not
-    seen."""
+def check_synchronized(modules: Sequence[nn.Module]) -> None:
+    """Raise :class:`DDPError` if a pass of a function running ``modules`` would leave the
+    gradients of a live DDP wrapper that owns one of them unsynchronized: outside its forward,
+    while a backward would synchronize."""
     if not (dist.is_available() and dist.is_initialized()):
-        return None
-    if module not in _OWNERS:
+        return
+    owner = _owner(modules)
+    if owner is None or not _syncs(owner) or DDP._active_ddp_module is owner:
+        return
+    name = type(owner.module).__name__
+    raise DDPError(
+        f"divjac: the function runs a {name} wrapped in DistributedDataParallel, outside the "
+        "wrapper's forward: gradients of a loss built on this result would never be "
+        "all-reduced (each rank would train on its own). Transform the wrapper: "
+        "divergence(ddp)(x) (or jacobian(ddp), value_and_divergence(ddp), ...) synchronizes "
+        f"them exactly once per step, as ddp(x) does. Or {_PATTERN}."
+    )
+
+
+def _owner(modules: Sequence[nn.Module]) -> DDP | None:
+    """The live DDP wrapper holding one of ``modules`` (or being one). The live wrappers are
+    searched when a module no search has seen comes (one pass over the referrers of the DDP
+    classes: an instance refers to its class), and what they hold is remembered; so a wrapper
+    made after its module was first differentiated in this process group is not seen."""
+    if any(m not in _OWNERS for m in modules):
         classes: list[type] = [DDP]
         for cls in classes:  # DDP and every subclass of it
             classes.extend(cls.__subclasses__())
-        wrappers = (o for o in gc.get_referrers(*classes) if isinstance(o, DDP))
-        found = next((o for o in wrappers if any(m is module for m in o.module.modules())), None)
-        _OWNERS[module] = None if found is None else weakref.ref(found)
-    ref = _OWNERS[module]
-    return None if ref is None else ref()
-
-
-def _guarded(owner: DDP, module: nn.Module, inner: Transform, fname: str) -> Transform:
-    owner_ref = weakref.ref(owner)
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        ddp = owner_ref()
-        if ddp is not None and _syncs(ddp) and DDP._active_ddp_module is not ddp:
-            name = type(module).__name__
-            raise DDPError(
-                f"{fname}: this {name} is wrapped in DistributedDataParallel, and gradients "
-                f"of a loss built on {fname}(module) are never all-reduced (each rank would "
-                f"train on its own). Pass the wrapper: {fname}(ddp)(x) synchronizes them "
-                f"exactly once per step. Or {_PATTERN}."
-            )
-        return inner(*args, **kwargs)
-
-    return call
+        for ddp in (o for o in gc.get_referrers(*classes) if isinstance(o, DDP)):
+            ref = weakref.ref(ddp)
+            _OWNERS[ddp] = ref
+            for m in ddp.module.modules():
+                _OWNERS[m] = ref
+        for m in modules:
+            _OWNERS.setdefault(m, None)
+    for m in modules:
+        held = _OWNERS[m]
+        owner = None if held is None else held()
+        if owner is not None:
+            return owner
+    return None
