@@ -7,7 +7,10 @@ statistics) before each forward. divjac cannot trace the wrapper itself (its for
 collectives), so a transform of ``ddp`` traces and differentiates ``ddp.module`` and runs each
 whole call (every pass of it) inside the wrapper's forward machinery: buffers are broadcast once,
 and the backward of a loss built on the result all-reduces each gradient exactly once, as after
-``ddp(x)``; under ``ddp.no_sync()`` gradients accumulate locally, as DDP's do.
+``ddp(x)``; under ``ddp.no_sync()`` gradients accumulate locally, as DDP's do. With
+``find_unused_parameters=False`` (DDP's default) DDP waits for every parameter's gradient, and a
+divergence never reaches the output layer's bias: such a call raises :class:`~divjac.DDPError`
+(naming the parameters) rather than leave the step unsynchronized.
 
 A function that runs a module a live DDP wrapper owns, transformed directly
 (``divergence(ddp.module)``, or a closure calling it), would train each rank on its own
@@ -128,7 +131,7 @@ def _check_reached(ddp: DDP, out: Any, fname: str) -> None:
             "DistributedDataParallel(find_unused_parameters=False) would wait for their "
             "gradients and leave this step's gradients unsynchronized. Construct it with "
             "find_unused_parameters=True (or static_graph=True), or compute the output too "
-            f"(value_and_divergence(ddp)) if the loss uses it."
+            "(value_and_divergence(ddp)) if the loss uses it."
         )
 
 
