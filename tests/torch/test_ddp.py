@@ -202,36 +202,41 @@ def _wrapped_loss_module(rank: int) -> dict[str, float]:
     return {"grads": _gap(_flat_grads(net), _flat_grads(reference)), "ranks": _across_ranks(net)}
 
 
+def _outcome(attempt: Callable[[], Any]) -> str:
+    """``"ran"``, or the message of the divjac error it raised."""
+    try:
+        attempt()
+    except divjac.DivjacError as err:
+        return str(err)
+    return "ran"
+
+
 def _refusals(rank: int) -> dict[str, str]:
-    """What raises (and the message's first words), and what runs."""
+    """What raises (with its message), and what runs."""
     x = _local(_data((3,), seed=1), rank)
     net = _mlp()
     ddp = DDP(net)  # find_unused_parameters=False: the last bias never reaches a divergence
-    seen: dict[str, str] = {}
-    attempts: dict[str, Callable[[], Any]] = {
-        "unused-parameter": lambda: divergence(ddp)(x),
-        "wrapped-module": lambda: divergence(ddp.module)(x),
-        "closure-over-the-module": lambda: divergence(lambda x: 2.0 * ddp.module(x))(x),
-        "jacobian-of-the-module": lambda: jacobian(ddp.module)(x),
-        "forward-then-module": lambda: (ddp(x), divergence(ddp.module)(x)),
+    seen = {
+        "unused-parameter": _outcome(lambda: divergence(ddp)(x)),
+        "wrapped-module": _outcome(lambda: divergence(ddp.module)(x)),
+        "closure-over-the-module": _outcome(lambda: divergence(lambda x: 2 * ddp.module(x))(x)),
+        "jacobian-of-the-module": _outcome(lambda: jacobian(ddp.module)(x)),
+        "forward-then-module": _outcome(lambda: (ddp(x), divergence(ddp.module)(x))),
+        "sparsity": str(sparsity(ddp)(x).csr.nnz == sparsity(net)(x).csr.nnz),
     }
-    for what, attempt in attempts.items():
-        try:
-            attempt()
-            seen[what] = "ran"
-        except divjac.DDPError as err:
-            seen[what] = str(err)
     with torch.no_grad():  # nothing to synchronize
         divergence(ddp.module)(x)
-    seen["sparsity"] = str(sparsity(ddp)(x).csr.nnz == sparsity(net)(x).csr.nnz)
     with ddp.no_sync():
         divergence(ddp.module)(x).sum().backward()
+    late = _mlp()
+    divergence(late)(x).sum().backward()  # not wrapped yet: nothing to synchronize
+    wrapped_late = DDP(late, find_unused_parameters=True)
+    seen["wrapped-after-a-first-call"] = _outcome(lambda: divergence(late)(x))
+    divergence(wrapped_late)(x).sum().backward()
     bn = DDP(_cnn().train(), find_unused_parameters=True)
-    try:
-        divergence(bn)(_local(_data((1, 5, 5), seed=1), rank))
-        seen["train-mode-batchnorm"] = "ran"
-    except divjac.BatchCouplingError as err:
-        seen["train-mode-batchnorm"] = str(err)
+    seen["train-mode-batchnorm"] = _outcome(
+        lambda: divergence(bn)(_local(_data((1, 5, 5), seed=1), rank))
+    )
     return seen
 
 
@@ -326,6 +331,7 @@ def test_what_would_train_unsynchronized_raises_with_the_fix(results):
         "closure-over-the-module",
         "jacobian-of-the-module",
         "forward-then-module",
+        "wrapped-after-a-first-call",
     ):
         assert "divergence(ddp)(x)" in seen[what], seen[what]
     assert (

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -135,8 +136,10 @@ def _check_reached(ddp: DDP, out: Any, fname: str) -> None:
         )
 
 
-# The DDP wrapper that owns a module (weakly), or None: for every module seen by a search.
+# The DDP wrapper that owns a module (weakly), or None, as the last search of the live
+# wrappers found it; and the reference count of the DDP classes then (every instance holds one).
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[DDP] | None] = weakref.WeakKeyDictionary()
+_SEARCHED = [-1]
 
 
 def check_synchronized(modules: Sequence[nn.Module]) -> None:
@@ -159,24 +162,35 @@ def check_synchronized(modules: Sequence[nn.Module]) -> None:
 
 
 def _owner(modules: Sequence[nn.Module]) -> DDP | None:
-    """The live DDP wrapper holding one of ``modules`` (or being one). The live wrappers are
-    searched when a module no search has seen comes (one pass over the referrers of the DDP
-    classes: an instance refers to its class), and what they hold is remembered; so a wrapper
-    made after its module was first differentiated in this process group is not seen."""
-    if any(m not in _OWNERS for m in modules):
-        classes: list[type] = [DDP]
-        for cls in classes:  # DDP and every subclass of it
-            classes.extend(cls.__subclasses__())
+    """The live DDP wrapper holding one of ``modules`` (or being one).
+
+    The live wrappers are searched again (one pass over the referrers of the DDP classes: an
+    instance refers to its class, tens of ms) only when one may have come: the classes'
+    reference count moved, a module no search has seen comes, or a module's wrapper died."""
+    classes: list[type] = [DDP]
+    for cls in classes:  # DDP and every subclass of it
+        classes.extend(cls.__subclasses__())
+    count = sum(sys.getrefcount(cls) for cls in classes)
+    if count != _SEARCHED[0] or any(_stale(m) for m in modules):
+        for m in modules:
+            _OWNERS[m] = None
         for ddp in (o for o in gc.get_referrers(*classes) if isinstance(o, DDP)):
             ref = weakref.ref(ddp)
             _OWNERS[ddp] = ref
             for m in ddp.module.modules():
                 _OWNERS[m] = ref
-        for m in modules:
-            _OWNERS.setdefault(m, None)
+        _SEARCHED[0] = count
     for m in modules:
         held = _OWNERS[m]
         owner = None if held is None else held()
         if owner is not None:
             return owner
     return None
+
+
+def _stale(module: nn.Module) -> bool:
+    """Whether no search has seen ``module``, or its wrapper died since."""
+    if module not in _OWNERS:
+        return True
+    held = _OWNERS[module]
+    return held is not None and held() is None
