@@ -90,3 +90,8 @@ class RetraceWarning(UserWarning):
 
 class DenseFallbackWarning(UserWarning):
     """Sparsity detection met an operation it has no rule for and assumed it dense (still correct)."""
+
+
+class DDPError(DivjacError, ValueError):
+    """A transform of a ``DistributedDataParallel`` model (or of the module it wraps) would leave
+    gradients unsynchronized across processes."""

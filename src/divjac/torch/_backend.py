@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 from .._backend import Backend, Finish, Linear, Point, Seed
 from .._core.detection import LRU
 from .._errors import OptionError
+from . import _ddp
 from ._detect import TensorSpec, Traced, plain_kernels, trace
 
 __all__ = ["BACKEND", "TorchBackend"]
@@ -354,6 +355,7 @@ class TorchBackend(Backend[Traced]):
     def linearize(self, point: Point[Traced], reverse: bool) -> Linear:
         """Rows on the autograd tape outside ``torch.func`` transforms, else (and columns) by
         ``torch.func`` passes."""
+        _ddp.check_synchronized(point.traced.modules())
         if reverse and torch._C._functorch.peek_interpreter_stack() is None:
             return _Tape(point)
         return _Passes(point, reverse)
