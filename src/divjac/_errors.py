@@ -92,6 +92,11 @@ class DenseFallbackWarning(UserWarning):
     """Sparsity detection met an operation it has no rule for and assumed it dense (still correct)."""
 
 
+class DDPError(DivjacError, ValueError):
+    """A transform of a ``DistributedDataParallel`` model (or of the module it wraps) would leave
+    gradients unsynchronized across processes."""
+
+
 class CompileError(DivjacError, RuntimeError):
     """A transform was called under a framework's compiler (``torch.compile``) on a function
     its compiled passes do not support."""

@@ -40,7 +40,14 @@ def torch_float64():
 
 
 def test_every_example_has_a_test():
-    tested = {"conv_jacobian", "cnf_diffrax", "cnf_torchdiffeq", "pinn_flax", "score_matching"}
+    tested = {
+        "conv_jacobian",
+        "cnf_diffrax",
+        "cnf_torchdiffeq",
+        "ddp_divergence",
+        "pinn_flax",
+        "score_matching",
+    }
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
     for path in EXAMPLES.glob("*.py"):
         source = path.read_text()
@@ -186,3 +193,10 @@ def test_sliced_score_matching_loss_and_gradient():
     np.testing.assert_array_equal(first, example.sliced_loss(params, batch, key))
     assert float(first) == pytest.approx(float(out["loss"]), rel=1e-12)
     assert all(math.isfinite(v) for v in out["losses"])
+
+
+def test_ddp_divergence_two_gloo_processes_train_as_one_process(torch_float64):
+    out = load("ddp_divergence").main(small=True)
+    assert out["rank_gap"] == 0.0  # the ranks hold the same parameters
+    assert out["one_process_gap"] <= 1e-12  # those of one process on the whole batches
+    assert out["losses"][-1] < out["losses"][0]

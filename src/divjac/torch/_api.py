@@ -20,7 +20,7 @@ from .._call import Coupling, Distribution, Method, Mode
 from .._core import stochastic
 from .._core.pattern import SparsityPattern
 from .._docs import documented
-from . import _detect
+from . import _ddp, _detect
 from ._backend import BACKEND
 
 __all__ = [
@@ -58,7 +58,8 @@ def jacobian(
         >>> jacobian(lambda x: x @ W.T)(torch.ones(5, 2)).shape
         torch.Size([5, 2, 2])
     """
-    return T.jacobian(
+    return _ddp.transform(
+        T.jacobian,
         BACKEND,
         f,
         argnums,
@@ -91,8 +92,15 @@ def jacobian_from_pattern(
         >>> jacobian_from_pattern(f, pattern)(torch.ones(3, 5))[0].tolist()[1]
         [1.0, 1.0, 0.0, 0.0, 0.0]
     """
-    return T.jacobian_from_pattern(
-        BACKEND, f, pattern, argnums, batch_axis=batch_axis, chunk_size=chunk_size, has_aux=has_aux
+    return _ddp.transform(
+        T.jacobian_from_pattern,
+        BACKEND,
+        f,
+        pattern,
+        argnums,
+        batch_axis=batch_axis,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
     )
 
 
@@ -120,7 +128,8 @@ def divergence(
         >>> divergence(torch.sin)(torch.zeros(3, 4)).tolist()
         [4.0, 4.0, 4.0]
     """
-    return D.divergence(
+    return _ddp.transform(
+        D.divergence,
         BACKEND,
         f,
         argnums,
@@ -161,7 +170,8 @@ def value_and_divergence(
         >>> tuple(y.shape), div.tolist()
         ((2, 3), [6.0, 6.0])
     """
-    return D.value_and_divergence(
+    return _ddp.transform(
+        D.value_and_divergence,
         BACKEND,
         f,
         argnums,
@@ -198,8 +208,15 @@ def divergence_from_pattern(
         >>> divergence_from_pattern(f, pattern)(torch.ones(2, 5)).tolist()
         [30.0, 30.0]
     """
-    return D.divergence_from_pattern(
-        BACKEND, f, pattern, argnums, batch_axis=batch_axis, chunk_size=chunk_size, has_aux=has_aux
+    return _ddp.transform(
+        D.divergence_from_pattern,
+        BACKEND,
+        f,
+        pattern,
+        argnums,
+        batch_axis=batch_axis,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
     )
 
 
@@ -226,7 +243,8 @@ def grad_divergence(
         >>> grad_divergence(lambda x: x**3)(torch.ones(2, 3)).tolist()
         [[6.0, 6.0, 6.0], [6.0, 6.0, 6.0]]
     """
-    return D.grad_divergence(
+    return _ddp.transform(
+        D.grad_divergence,
         BACKEND,
         f,
         argnums,
@@ -264,7 +282,8 @@ def laplacian(
         >>> laplacian(lambda x: torch.sum(x**2, dim=1))(torch.ones(2, 3)).tolist()
         [6.0, 6.0]
     """
-    return D.laplacian(
+    return _ddp.transform(
+        D.laplacian,
         BACKEND,
         u,
         argnums,
@@ -314,7 +333,7 @@ def sparsity(
         >>> p.nnz, p.n_diagonal_colors
         (15, 5)
     """
-    return T.sparsity(BACKEND, f, argnums, batch_axis=batch_axis, has_aux=has_aux)
+    return T.sparsity(BACKEND, _ddp.unwrapped(f), argnums, batch_axis=batch_axis, has_aux=has_aux)
 
 
 @documented(
@@ -341,7 +360,8 @@ def sparse_jacobian(
         >>> tuple(J.shape), J._nnz()
         ((2, 3, 3), 6)
     """
-    return T.sparse_jacobian(
+    return _ddp.transform(
+        T.sparse_jacobian,
         BACKEND,
         f,
         argnums,

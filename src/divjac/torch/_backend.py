@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from .._backend import Backend, Finish, Linear, Point, Seed
 from .._core.detection import LRU
 from .._errors import CompileError, OptionError
+from . import _ddp
 from ._detect import TensorSpec, Traced, plain_kernels, trace
 
 __all__ = ["BACKEND", "TorchBackend"]
@@ -469,9 +470,11 @@ def _trace(
 
 
 def _check_compilable(traced: Traced) -> None:
-    """Raise :class:`CompileError` for what the passes cannot do under ``torch.compile``. The
-    facts the compiled passes read of the trace are computed here (dynamo reads them as
-    constants, and calls no method of the trace)."""
+    """Raise :class:`CompileError` for what the passes cannot do under ``torch.compile`` (and
+    :class:`DDPError` for modules that would train unsynchronized). The facts the compiled
+    passes read of the trace are computed here (dynamo reads them as constants, and calls no
+    method of the trace)."""
+    _ddp.check_synchronized(traced.modules())
     _differentiable_kernels(traced)
     if traced.draws_random:
         what = "draws random numbers (dropout in training mode, randn)"
@@ -565,8 +568,12 @@ class TorchBackend(Backend[Traced]):
 
     def linearize(self, point: Point[Traced], reverse: bool) -> Linear:
         """Rows on the autograd tape outside ``torch.func`` transforms and ``torch.compile``,
-        else (and columns) by ``torch.func`` passes."""
-        if reverse and not _compiling() and torch._C._functorch.peek_interpreter_stack() is None:
+        else (and columns) by ``torch.func`` passes. Under ``torch.compile`` the modules were
+        checked synchronized when the setup traced the function (:func:`_check_compilable`)."""
+        if _compiling():
+            return _Passes(point, reverse)
+        _ddp.check_synchronized(point.traced.modules())
+        if reverse and torch._C._functorch.peek_interpreter_stack() is None:
             return _Tape(point)
         return _Passes(point, reverse)
 
