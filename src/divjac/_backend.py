@@ -38,6 +38,8 @@ Finish: TypeAlias = Callable[[Array, Array, Array], Array]
 TracedT = TypeVar("TracedT", bound=Traced)
 """The traced program of a backend (a subclass of :class:`~divjac._core.detection.Traced`)."""
 
+R = TypeVar("R")
+
 
 @dataclass(frozen=True)
 class Point(Generic[TracedT]):
@@ -155,6 +157,15 @@ class Backend(abc.ABC, Generic[TracedT]):
         """Zeros of the shape, dtype (and device) of ``x``."""
 
     # --- tracing and differentiating ----------------------------------------------------------
+
+    def ahead(self, setup: Callable[..., R], point: Point[TracedT], *static: Any) -> R:
+        """``setup(point, *static)``: the part of a call that depends only on its shapes and
+        static arguments (detection, planning, seeds), never on the values of its arrays.
+
+        A compiler that traces the call (``torch.compile``) evaluates it once per compilation,
+        as a constant, rather than tracing it; ``jax.jit`` runs Python at trace time anyway.
+        """
+        return setup(point, *static)
 
     def functional(self, fun: Callable[..., Any]) -> Callable[..., Any]:
         """``fun`` as divjac calls it, once per call of a transform: the same function, made

@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._backend import Array, Backend, Linear
+import numpy as np
+
+from ._backend import Array, Backend, Finish, Linear
 from ._call import (
     Call,
     Coupling,
@@ -30,7 +32,7 @@ from ._core import checks, estimators as est, plan, stochastic
 from ._core.detection import AUTO_DETECTION_ENTRIES
 from ._core.pattern import SparsityPattern
 from ._errors import InternalError, OutputError
-from ._transforms import check_pattern, per_argnum, shaped, tuple_of
+from ._transforms import Seeds, check_pattern, per_argnum, seeds, shaped, tuple_of
 
 __all__ = [
     "divergence",
@@ -66,52 +68,63 @@ class _DivSpec:
 def _exact_divergence(call: Call, ds: _DivSpec) -> tuple[Array, Array, Any]:
     """Exact per-sample divergence: (batch-first value, divergence (B,), aux)."""
     checks.check_square(call.in_sample, call.out_sample, fname=call.spec.fname)
+    planned = call.backend.ahead(_exact_plan, call, ds)
+    backend, B = call.backend, call.batch_size
+    seed = shaped(
+        planned.seeds.indicator, call.in_sample if planned.batched else (B, *call.in_sample)
+    )
+    linear = backend.linearize(call, planned.seeds.reverse)
+    contributions = linear.passes(
+        planned.seeds.inputs, seed, planned.finish, planned.seeds.chunk, shared=planned.batched
+    )
+    return linear.value, contributions.sum(0), linear.aux
+
+
+@dataclass(frozen=True)
+class _Diagonal:
+    """The passes of an exact divergence, planned ahead of them.
+
+    Attributes:
+        seeds: their seeds.
+        finish: what a pass keeps: per sample, the pushed entries of its own elements summed.
+        batched: the seeds are one sample's, shared by all; otherwise they span the whole
+            batch (the diagonal blocks of a coupled function).
+    """
+
+    seeds: Seeds
+    finish: Finish
+    batched: bool
+
+
+def _exact_plan(call: Call, ds: _DivSpec) -> _Diagonal:
     B, n = call.batch_size, call.n_in
+    batched = True
     if ds.pattern is not None:
         check_pattern(call, ds.pattern)
         reverse = call.prefer_reverse(None)
-        return _diagonal_passes(
-            call, plan.divergence_plan("sparse", n, ds.pattern, prefer_reverse=reverse), ds, True
-        )
-    per_sample = ds.method in ("sparse", "auto")
-    found = call.detect(per_sample=per_sample, auto=ds.method == "auto")
-    reverse = call.prefer_reverse(found)
-    if found.coupling is None:
-        the_plan = plan.divergence_plan(ds.method, n, found.pattern, prefer_reverse=reverse)
-        batched = True
+        the_plan = plan.divergence_plan("sparse", n, ds.pattern, prefer_reverse=reverse)
     else:
-        whole = (
-            call.traced.detect(
-                per_sample=True, whole_batch=True, max_entries=AUTO_DETECTION_ENTRIES
+        per_sample = ds.method in ("sparse", "auto")
+        found = call.detect(per_sample=per_sample, auto=ds.method == "auto")
+        reverse = call.prefer_reverse(found)
+        if found.coupling is None:
+            the_plan = plan.divergence_plan(ds.method, n, found.pattern, prefer_reverse=reverse)
+        else:
+            whole = (
+                call.traced.detect(
+                    per_sample=True, whole_batch=True, max_entries=AUTO_DETECTION_ENTRIES
+                )
+                if per_sample
+                else None
+            )  # None: dense, or past the memory budget (one pass per sample and element then)
+            pattern = whole.pattern if whole is not None else None
+            the_plan = plan.divergence_plan(
+                "exact" if pattern is None else ds.method, B * n, pattern, prefer_reverse=reverse
             )
-            if per_sample
-            else None
-        )  # None: dense, or past the memory budget (one pass per sample and element then)
-        pattern = whole.pattern if whole is not None else None
-        the_plan = plan.divergence_plan(
-            "exact" if pattern is None else ds.method, B * n, pattern, prefer_reverse=reverse
-        )
-        batched = False
-    return _diagonal_passes(call, the_plan, ds, batched)
-
-
-def _diagonal_passes(
-    call: Call, the_plan: plan.Plan, ds: _DivSpec, batched: bool
-) -> tuple[Array, Array, Any]:
-    """The passes of an exact divergence: (batch-first value, divergence (B,), aux).
-
-    ``batched``: the seeds are one sample's, shared by all; otherwise they span the whole batch
-    (the diagonal blocks of a coupled function).
-    """
-    backend, B = call.backend, call.batch_size
-    n_seed = call.n_in if batched else B * call.n_in
-    inputs, indicator = backend.indicators(the_plan.colors, n_seed, the_plan.n_passes, call.xb)
-    seed = shaped(indicator, call.in_sample if batched else (B, *call.in_sample))
-    finish = backend.diagonal_sums(the_plan.colors, n_seed, B, batched)
-    chunk = call.chunk(the_plan.n_passes, ds.chunk_size)
-    linear = backend.linearize(call, the_plan.reverse)
-    contributions = linear.passes(inputs, seed, finish, chunk, shared=batched)
-    return linear.value, contributions.sum(0), linear.aux
+            batched = False
+    n_seed = n if batched else B * n
+    finish = call.backend.diagonal_sums(the_plan.colors, n_seed, B, batched)
+    return _Diagonal(seeds(call, the_plan, n_seed, ds.chunk_size), finish, batched)
 
 
 def _stochastic_divergence(
@@ -119,27 +132,13 @@ def _stochastic_divergence(
 ) -> tuple[Array, Array, Array | None, Any]:
     """(batch-first value, estimate (B,), stderr (B,) or ``None`` when not asked for, aux) of a
     stochastic method."""
-    fname = call.spec.fname
-    checks.check_square(call.in_sample, call.out_sample, fname=fname)
-    found = call.detect(per_sample=ds.method == "probing", auto=True)
-    if found.coupling is not None and ds.method in ("hutch++", "xtrace"):  # coupling="exact"
-        raise checks.coupling_error(
-            found.coupling, fname=fname, fallbacks=found.fallbacks, method=ds.method
-        )
+    checks.check_square(call.in_sample, call.out_sample, fname=call.spec.fname)
     backend, B, n = call.backend, call.batch_size, call.n_in
-    # Rows or columns, as the exact method would choose: every estimator estimates the trace
-    # of J^T (pushed rows) as well as that of J.
-    linear = backend.linearize(call, call.prefer_reverse(found))
-    if ds.method == "probing":
+    reverse, probing = backend.ahead(_stochastic_plan, call, ds)
+    linear = backend.linearize(call, reverse)
+    if probing is not None:
         matvec = _batched_matvec(call, linear, ds.chunk_size)
-        pattern = found.pattern if found.coupling is None else None
-        colors, exact, reps = stochastic.probing_plan(
-            pattern,
-            call.in_sample,
-            num_probes=ds.num_probes,
-            probing_distance=ds.probing_distance,
-            need_stderr=ds.return_stderr,
-        )
+        colors, exact, reps = probing
         signs = backend.moveaxis(
             _draw(call, randomness, reps, "rademacher").reshape(reps, B, n), 0, -1
         )
@@ -160,6 +159,29 @@ def _stochastic_divergence(
     return linear.value, estimate, stderr, linear.aux
 
 
+def _stochastic_plan(call: Call, ds: _DivSpec) -> tuple[bool, tuple[np.ndarray, bool, int] | None]:
+    """Whether a stochastic method's passes pull rows, and the plan of ``"probing"`` (its
+    colors, which of them are exact, and how many probes per color)."""
+    found = call.detect(per_sample=ds.method == "probing", auto=True)
+    if found.coupling is not None and ds.method in ("hutch++", "xtrace"):  # coupling="exact"
+        raise checks.coupling_error(
+            found.coupling, fname=call.spec.fname, fallbacks=found.fallbacks, method=ds.method
+        )
+    # Rows or columns, as the exact method would choose: every estimator estimates the trace
+    # of J^T (pushed rows) as well as that of J.
+    reverse = call.prefer_reverse(found)
+    if ds.method != "probing":
+        return reverse, None
+    probing = stochastic.probing_plan(
+        found.pattern if found.coupling is None else None,
+        call.in_sample,
+        num_probes=ds.num_probes,
+        probing_distance=ds.probing_distance,
+        need_stderr=ds.return_stderr,
+    )
+    return reverse, probing
+
+
 def _probe_terms(call: Call, linear: Linear, columns: Array, chunk_size: int | None) -> Array:
     """Hutchinson's terms ``v^T J_b v`` ``(k, B)`` of the probes ``columns`` ``(k, B, *in)``,
     each from one batched pass, in the layout of the passes (as hand-written code does)."""
@@ -169,7 +191,9 @@ def _probe_terms(call: Call, linear: Linear, columns: Array, chunk_size: int | N
     def dot(c: Array, t: Array, pushed: Array) -> Array:
         return (pushed * t).sum(sample_axes)
 
-    return linear.passes(columns, _itself, dot, call.chunk(k, chunk_size), shared=False)
+    return linear.passes(
+        columns, _itself, dot, call.backend.ahead(Call.chunk, call, k, chunk_size), shared=False
+    )
 
 
 def _batched_matvec(call: Call, linear: Linear, chunk_size: int | None) -> Callable[[Array], Array]:
@@ -180,7 +204,13 @@ def _batched_matvec(call: Call, linear: Linear, chunk_size: int | None) -> Calla
     def matvec(V: Array) -> Array:
         k = V.shape[-1]
         columns = backend.moveaxis(V, -1, 0).reshape(k, B, *shape)
-        out = linear.passes(columns, _itself, _pushed, call.chunk(k, chunk_size), shared=False)
+        out = linear.passes(
+            columns,
+            _itself,
+            _pushed,
+            call.backend.ahead(Call.chunk, call, k, chunk_size),
+            shared=False,
+        )
         return backend.moveaxis(out.reshape(k, B, n), 0, -1)
 
     return matvec

@@ -95,3 +95,8 @@ class DenseFallbackWarning(UserWarning):
 class DDPError(DivjacError, ValueError):
     """A transform of a ``DistributedDataParallel`` model (or of the module it wraps) would leave
     gradients unsynchronized across processes."""
+
+
+class CompileError(DivjacError, RuntimeError):
+    """A transform was called under a framework's compiler (``torch.compile``) on a function
+    its compiled passes do not support."""

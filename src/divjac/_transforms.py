@@ -16,8 +16,8 @@ PyTorch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -108,20 +108,39 @@ def _rows(batch_size: int) -> Callable[[Array, Array, Array], Array]:
     return lambda c, t, pushed: pushed.reshape(batch_size, -1)
 
 
-def compressed(call: Call, the_plan: plan.Plan, chunk_size: int | None) -> tuple[Array, Any]:
+@dataclass(frozen=True)
+class Seeds:
+    """The seeds of a plan's passes, made ahead of them (:meth:`~divjac._backend.Backend.ahead`).
+
+    Attributes:
+        reverse: the passes pull rows (VJPs) rather than push columns (JVPs).
+        inputs: the input of every pass (rows of a seed matrix, or pass indices).
+        indicator: a pass's flat indicator from its input.
+        chunk: how many passes run at once.
+    """
+
+    reverse: bool
+    inputs: Array
+    indicator: Callable[[Array], Array]
+    chunk: int
+
+
+def seeds(call: Call, the_plan: plan.Plan, n_seed: int, chunk_size: int | None) -> Seeds:
+    """The seeds of ``the_plan``'s passes, over ``n_seed`` elements."""
+    inputs, indicator = call.backend.indicators(the_plan.colors, n_seed, the_plan.n_passes, call.xb)
+    return Seeds(the_plan.reverse, inputs, indicator, call.chunk(the_plan.n_passes, chunk_size))
+
+
+def compressed(call: Call, planned: Seeds) -> tuple[Array, Any]:
     """The passes of a plan, each ``J_b S_c`` (or ``S_c^T J_b``) flattened to ``(B, m)``.
 
     Returns the stacked passes ``(k, B, m)`` and the aux.
     """
-    backend = call.backend
-    seed_shape = call.out_sample if the_plan.reverse else call.in_sample
-    inputs, indicator = backend.indicators(
-        the_plan.colors, math.prod(seed_shape), the_plan.n_passes, call.xb
+    seed = shaped(planned.indicator, call.out_sample if planned.reverse else call.in_sample)
+    linear = call.backend.linearize(call, planned.reverse)
+    stacked = linear.passes(
+        planned.inputs, seed, _rows(call.batch_size), planned.chunk, shared=True
     )
-    seed = shaped(indicator, seed_shape)
-    chunk = call.chunk(the_plan.n_passes, chunk_size)
-    linear = backend.linearize(call, the_plan.reverse)
-    stacked = linear.passes(inputs, seed, _rows(call.batch_size), chunk, shared=True)
     return stacked, linear.aux
 
 
@@ -150,8 +169,32 @@ def check_pattern(call: Call, pattern: SparsityPattern) -> None:
 # --- jacobian -----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _JacobianPlan:
+    """How the per-sample Jacobians of a call are computed, planned ahead of the passes.
+
+    Attributes:
+        reverse: rows (VJPs) rather than columns (JVPs).
+        seeds: the compressed passes of a batch-independent call; ``None``: the call couples
+            samples (one pass per sample and element).
+        entries: rows, columns (row-major order) and, per nonzero, the pass and the element of
+            the pass holding it: a sparse plan's decompression; ``None``: dense passes.
+    """
+
+    reverse: bool
+    seeds: Seeds | None
+    entries: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
 def _jacobian_values(call: Call, mode: Mode, chunk_size: int | None) -> tuple[Array, Any]:
     """Per-sample Jacobians ``(B, n_out, n_in)`` and aux."""
+    planned = call.backend.ahead(_jacobian_plan, call, mode, chunk_size)
+    if planned.seeds is None:
+        return _coupled_jacobian(call, planned.reverse, chunk_size)
+    return _planned_jacobian(call, planned)
+
+
+def _jacobian_plan(call: Call, mode: Mode, chunk_size: int | None) -> _JacobianPlan:
     found = call.detect(per_sample=mode in ("sparse", "auto"), auto=mode == "auto")
     reverse = call.prefer_reverse(found)
     if found.coupling is not None:  # one pass per (sample, element), in the cheaper direction
@@ -159,39 +202,41 @@ def _jacobian_values(call: Call, mode: Mode, chunk_size: int | None) -> tuple[Ar
         direction = plan.jacobian_plan(
             dense_mode, call.n_in, call.n_out, None, prefer_reverse=reverse
         )
-        return _coupled_jacobian(call, direction.reverse, chunk_size)
-    return _planned_jacobian(call, found.pattern, mode, reverse, chunk_size)
+        return _JacobianPlan(direction.reverse, None)
+    return _pattern_plan(call, found.pattern, mode, reverse, chunk_size)
 
 
-def _planned_jacobian(
+def _pattern_plan(
     call: Call, pattern: SparsityPattern | None, mode: Mode, reverse: bool, chunk_size: int | None
-) -> tuple[Array, Any]:
-    """Per-sample Jacobians of a batch-independent call, as planned from ``pattern`` (``None``:
-    dense) and ``mode``: ``(B, n_out, n_in)`` and aux."""
-    backend = call.backend
+) -> _JacobianPlan:
+    """The plan of a batch-independent call from ``pattern`` (``None``: dense) and ``mode``."""
     the_plan = plan.jacobian_plan(mode, call.n_in, call.n_out, pattern, prefer_reverse=reverse)
-    passes, aux = compressed(call, the_plan, chunk_size)  # (k, B, n_other)
+    n_seed = call.n_out if the_plan.reverse else call.n_in
+    planned = seeds(call, the_plan, n_seed, chunk_size)
     if not the_plan.is_sparse:
-        return backend.moveaxis(passes, 0, 1 if the_plan.reverse else 2), aux
-    if pattern is None:
+        return _JacobianPlan(the_plan.reverse, planned)
+    if pattern is None or the_plan.colors is None:
         raise InternalError("a sparse plan without its pattern")
-    rows, cols, values = _decompress(backend, pattern, the_plan, passes)
-    shape = (call.batch_size, call.n_out, call.n_in)
-    return backend.densify(values, rows, cols, shape), aux
-
-
-def _decompress(
-    backend: Backend[Any], pattern: SparsityPattern, the_plan: plan.Plan, passes: Array
-) -> tuple[np.ndarray, np.ndarray, Array]:
-    """Rows, columns (row-major order) and per-sample values ``(B, nnz)`` of the nonzeros."""
     rows, cols = _nonzeros(pattern)
-    if the_plan.colors is None:
-        raise InternalError("decompressing the passes of a dense plan")
     if the_plan.reverse:
         which, within = the_plan.colors[rows], cols
     else:
         which, within = the_plan.colors[cols], rows
-    return rows, cols, backend.take_entries(passes, which, within).T
+    return _JacobianPlan(the_plan.reverse, planned, (rows, cols, which, within))
+
+
+def _planned_jacobian(call: Call, planned: _JacobianPlan) -> tuple[Array, Any]:
+    """Per-sample Jacobians of a batch-independent call: ``(B, n_out, n_in)`` and aux."""
+    backend = call.backend
+    if planned.seeds is None:
+        raise InternalError("compressed passes of a coupled call")
+    passes, aux = compressed(call, planned.seeds)  # (k, B, n_other)
+    if planned.entries is None:
+        return backend.moveaxis(passes, 0, 1 if planned.reverse else 2), aux
+    rows, cols, which, within = planned.entries
+    values = backend.take_entries(passes, which, within).T
+    shape = (call.batch_size, call.n_out, call.n_in)
+    return backend.densify(values, rows, cols, shape), aux
 
 
 def _nonzeros(pattern: SparsityPattern) -> tuple[np.ndarray, np.ndarray]:
@@ -272,13 +317,19 @@ def jacobian_from_pattern(
 
     def jac_fn(*args: Any, **kwargs: Any) -> Any:
         call = prepare(spec, args, kwargs)
-        check_pattern(call, pattern)
-        reverse = call.prefer_reverse(None)
-        flat, aux = _planned_jacobian(call, pattern, "sparse", reverse, chunk_size)
+        planned = backend.ahead(_given_pattern_plan, call, pattern, chunk_size)
+        flat, aux = _planned_jacobian(call, planned)
         jac = _shaped_jacobian(call, flat)
         return (jac, aux) if has_aux else jac
 
     return jac_fn
+
+
+def _given_pattern_plan(
+    call: Call, pattern: SparsityPattern, chunk_size: int | None
+) -> _JacobianPlan:
+    check_pattern(call, pattern)
+    return _pattern_plan(call, pattern, "sparse", call.prefer_reverse(None), chunk_size)
 
 
 def sparse_jacobian(
@@ -309,15 +360,14 @@ def sparse_jacobian(
                 rows, cols = _nonzeros(found.pattern)
                 values = backend.take_entries(backend.moveaxis(blocks, 0, 1), rows, cols).T
             else:
-                the_plan = plan.jacobian_plan(
-                    "sparse",
-                    call.n_in,
-                    call.n_out,
-                    found.pattern,
-                    prefer_reverse=call.prefer_reverse(found),
+                planned = _pattern_plan(
+                    call, found.pattern, "sparse", call.prefer_reverse(found), chunk_size
                 )
-                passes, aux = compressed(call, the_plan, chunk_size)
-                rows, cols, values = _decompress(backend, found.pattern, the_plan, passes)
+                if planned.seeds is None or planned.entries is None:
+                    raise InternalError("a sparse plan without its seeds")
+                passes, aux = compressed(call, planned.seeds)
+                rows, cols, which, within = planned.entries
+                values = backend.take_entries(passes, which, within).T
             matrix = backend.sparse_matrix(
                 rows,
                 cols,

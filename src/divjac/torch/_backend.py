@@ -10,15 +10,25 @@ differentiated input. Passes read their own entries with masks.
 Random operations of the function (dropout in training mode) draw once per call, whatever the
 chunking: every evaluation of the function starts from the state torch's global generators had
 when the passes started, so every pass differentiates the same forward pass.
+
+Under ``torch.compile`` the setup of a call (tracing, detection, planning, seeds: what depends
+on shapes and static arguments only) is evaluated once per compilation, eagerly, as a constant
+(:meth:`TorchBackend.ahead`); dynamo traces only the passes, all by ``torch.func``. The constant
+is sound while dynamo's own guards hold: it traces the same function in the passes, so it
+guards on what the setup read of it (shapes, dtypes, modules and their modes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import itertools
+import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -27,11 +37,13 @@ from torch.utils import _pytree as pytree
 
 from .._backend import Backend, Finish, Linear, Point, Seed
 from .._core.detection import LRU
-from .._errors import OptionError
+from .._errors import CompileError, OptionError
 from . import _ddp
 from ._detect import TensorSpec, Traced, plain_kernels, trace
 
 __all__ = ["BACKEND", "TorchBackend"]
+
+R = TypeVar("R")
 
 # Seed matrices (passes x elements) up to this size are built once and sliced by vmap.
 _SEED_MATRIX_ELEMENTS = 1 << 22
@@ -75,7 +87,9 @@ class _Passes(Linear):
             return t.expand(B, *t.shape).contiguous() if shared else t
 
         traced = self._traced
-        with traced.running_stats(), _differentiable_kernels(traced):
+        # Under torch.compile no batch normalization runs (_check_compilable).
+        quiet = contextlib.nullcontext() if _compiling() else traced.running_stats()
+        with quiet, _differentiable_kernels(traced):
             if self._reverse:
                 if self._vjp is None:
                     pulled: Any = torch.func.vjp(g, xb, has_aux=aux_of is not None)
@@ -278,8 +292,28 @@ def _split_aux(
     return tensors_only, rebuild
 
 
-def _identity(row: torch.Tensor) -> torch.Tensor:
-    return row
+@dataclass(frozen=True)
+class _Indicator:
+    """The indicator of a pass from its input: the input itself (a row of the seed matrix),
+    or where the ``labels`` of the elements are the pass's index (a value, not a closure: it
+    goes through :func:`_constant`)."""
+
+    labels: torch.Tensor | None
+    dtype: torch.dtype
+
+    def __call__(self, c: torch.Tensor) -> torch.Tensor:
+        return c if self.labels is None else (self.labels == c).to(self.dtype)
+
+
+@dataclass(frozen=True)
+class _DiagonalSums:
+    """The finish of a divergence pass: the pushed tangent masked by the (indicator) tangent
+    itself, summed per sample."""
+
+    batch_size: int
+
+    def __call__(self, c: torch.Tensor, t: torch.Tensor, pushed: torch.Tensor) -> torch.Tensor:
+        return (pushed * t).reshape(self.batch_size, -1).sum(1)
 
 
 # Argument types that are leaves of torch's pytrees (no flattening needed).
@@ -290,6 +324,174 @@ _LEAVES = frozenset({torch.Tensor, nn.Parameter, int, float, bool, str, type(Non
 def _flat_tree(n: int) -> Any:
     """The tree of ``(args, kwargs)`` for ``n`` leaf arguments and no keywords (one object)."""
     return pytree.tree_structure((tuple(range(n)), {}))
+
+
+class _Ahead:
+    """Whether a setup is being evaluated ahead of a compiler's trace (then not compiling)."""
+
+    active = False
+
+
+def _compiling() -> bool:
+    """Whether dynamo is tracing the call (not evaluating a setup ahead of it)."""
+    return torch.compiler.is_compiling() and not _Ahead.active
+
+
+def _constant(fn: Callable[..., R], *args: Any) -> R:
+    """``fn(*args)`` evaluated when dynamo traces the call, once, as a constant.
+
+    Dynamo passes the leaves of ``args`` one by one (tensors by their values in the example
+    inputs, modules, functions and classes as themselves, the rest as Python constants), with
+    the tree of their positions; frozen dataclasses travel as their class and fields. The
+    result comes back the same way: its plain values as constants, and each of its other
+    objects (tensors, functions, classes) as a constant of its own, which dynamo can use.
+    """
+    parts = pytree.tree_map(_fields, args, is_leaf=_is_dataclass)
+    leaves = pytree.tree_leaves(parts)
+    count = iter(range(len(leaves)))
+    result = _evaluate(fn, pytree.tree_map(lambda _: next(count), parts), *leaves)
+    objects = pytree.tree_map(
+        lambda a: _unsourced(_TAKE[a[1]]()) if _is_kept(a) else a, result, is_leaf=_is_kept
+    )
+    return cast(R, pytree.tree_map(_dataclass, objects, is_leaf=_is_fields)[0])
+
+
+def _constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` marked as ``torch._dynamo.assume_constant_result`` marks it (dynamo evaluates its
+    calls as constants), without importing dynamo (seconds) with divjac."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@_constant_result
+def _evaluate(fn: Callable[..., Any], positions: tuple[Any, ...], *leaves: Any) -> Any:
+    parts = pytree.tree_map(lambda i: leaves[i], positions)
+    args = pytree.tree_map(_dataclass, parts, is_leaf=_is_fields)
+    _Ahead.active = True
+    try:
+        result = fn(*args)
+    finally:
+        _Ahead.active = False
+
+    def keep(a: Any) -> Any:
+        if a is None or type(a) in (bool, int, float, str, torch.dtype, torch.device):
+            return a
+        slot = next(_NEXT_SLOT) % len(_SLOTS)
+        _SLOTS[slot] = a
+        return [_KEPT, slot]
+
+    return pytree.tree_map(keep, pytree.tree_map(_fields, (result,), is_leaf=_is_dataclass))
+
+
+def _taker(slot: int) -> Callable[[], Any]:
+    """The constant function that takes the object in ``slot``: one per slot, each of its own
+    name, as dynamo names a tensor constant after the function that made it."""
+
+    def take() -> Any:
+        return _SLOTS[slot]
+
+    name = f"_divjac_setup_object_{slot}"
+    take.__name__ = take.__qualname__ = name
+    take.__code__ = take.__code__.replace(co_name=name)
+    return _constant_result(take)
+
+
+def _unsourced(a: Any) -> Any:
+    """A tensor constant as an intermediate (an alias): dynamo cannot guard a constant
+    (``torch.func`` transforms check the type of their inputs)."""
+    return a.detach() if isinstance(a, torch.Tensor) else a
+
+
+def _is_dataclass(a: Any) -> bool:
+    """A frozen dataclass (an immutable value, such as a spec or a plan)."""
+    params = getattr(type(a), "__dataclass_params__", None)
+    return params is not None and params.frozen and not isinstance(a, type)
+
+
+def _fields(a: Any) -> Any:
+    if not _is_dataclass(a):
+        return a
+    names = [f.name for f in dataclasses.fields(a)]
+    values = [pytree.tree_map(_fields, getattr(a, n), is_leaf=_is_dataclass) for n in names]
+    return [_FIELDS, type(a), names, values]  # lists: dynamo rebuilds no dict of a constant
+
+
+def _is_fields(a: Any) -> bool:
+    return isinstance(a, list) and len(a) == 4 and a[0] == _FIELDS
+
+
+def _is_kept(a: Any) -> bool:
+    return isinstance(a, list) and len(a) == 2 and a[0] == _KEPT
+
+
+def _dataclass(a: Any) -> Any:
+    if not _is_fields(a):
+        return a
+    values = [pytree.tree_map(_dataclass, v, is_leaf=_is_fields) for v in a[3]]
+    return a[1](**dict(zip(a[2], values, strict=True)))
+
+
+# Marks a dataclass as its class and fields, and an object kept apart (in _constant).
+_FIELDS = "divjac:dataclass"
+_KEPT = "divjac:kept"
+# The objects of setups' results (tensors, classes) on their way to dynamo, each in its slot
+# (a ring: a slot is reused 1024 setups later, long after dynamo took its object).
+_SLOTS: list[Any] = [None] * 1024
+_NEXT_SLOT = itertools.count()
+_TAKE = tuple(_taker(slot) for slot in range(len(_SLOTS)))
+
+
+def _prepared(
+    setup: Callable[..., R], spec: Any, args: tuple[Any, ...], kwargs: dict[str, Any], static: Any
+) -> R:
+    """``setup`` of the call of ``spec`` at ``args`` and ``kwargs``, prepared again."""
+    from .._call import prepare
+
+    return setup(prepare(spec, args, kwargs), *static)
+
+
+def _trace(
+    fun: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    argnum: int,
+    batch_axis: int | None,
+    has_aux: bool,
+) -> Traced:
+    if not kwargs and all(type(a) in _LEAVES for a in args):  # f(t, x): no tree to flatten
+        leaves, treedef, x_leaf = list(args), _flat_tree(len(args)), argnum
+    else:
+        leaves, treedef = pytree.tree_flatten((args, kwargs))
+        x_leaf = len(pytree.tree_leaves(args[:argnum]))
+    traced = trace(fun, leaves, treedef, x_leaf=x_leaf, batch_axis=batch_axis, has_aux=has_aux)
+    if _Ahead.active:
+        _check_compilable(traced)
+    return traced
+
+
+def _check_compilable(traced: Traced) -> None:
+    """Raise :class:`CompileError` for what the passes cannot do under ``torch.compile`` (and
+    :class:`DDPError` for modules that would train unsynchronized). The facts the compiled
+    passes read of the trace are computed here (dynamo reads them as constants, and calls no
+    method of the trace)."""
+    _ddp.check_synchronized(traced.modules())
+    _differentiable_kernels(traced)
+    if traced.draws_random:
+        what = "draws random numbers (dropout in training mode, randn)"
+    elif traced.batch_norms:
+        what = "runs batch normalization (its running statistics are kept still in the passes)"
+    elif traced.versioned:
+        what = (
+            "captures integer or boolean tensors (indices, masks) whose values sparsity "
+            "detection reads, and dynamo does not guard on values"
+        )
+    else:
+        return
+    raise CompileError(
+        f"divjac under torch.compile: the function {what}, which divjac's compiled passes do "
+        "not support. Call the divjac transform outside the compiled region (or under "
+        "torch.compiler.disable), or put the module in eval mode."
+    )
 
 
 class TorchBackend(Backend[Traced]):
@@ -327,6 +529,13 @@ class TorchBackend(Backend[Traced]):
     def zeros_like(self, x: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(x)
 
+    def functional(self, fun: Callable[..., Any]) -> Callable[..., Any]:
+        """A ``torch.compile``d module (an ``OptimizedModule``) is its original module."""
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # none before torch.compile
+        if eval_frame is not None and isinstance(fun, eval_frame.OptimizedModule):
+            return cast(Callable[..., Any], fun._orig_mod)
+        return fun
+
     def trace(
         self,
         fun: Callable[..., Any],
@@ -337,12 +546,17 @@ class TorchBackend(Backend[Traced]):
         batch_axis: int | None,
         has_aux: bool,
     ) -> Traced:
-        if not kwargs and all(type(a) in _LEAVES for a in args):  # f(t, x): no tree to flatten
-            leaves, treedef, x_leaf = list(args), _flat_tree(len(args)), argnum
-        else:
-            leaves, treedef = pytree.tree_flatten((args, kwargs))
-            x_leaf = len(pytree.tree_leaves(args[:argnum]))
-        return trace(fun, leaves, treedef, x_leaf=x_leaf, batch_axis=batch_axis, has_aux=has_aux)
+        if _compiling():
+            return _constant(_trace, fun, args, kwargs, argnum, batch_axis, has_aux)
+        return _trace(fun, args, kwargs, argnum, batch_axis, has_aux)
+
+    def ahead(self, setup: Callable[..., R], point: Point[Traced], *static: Any) -> R:
+        """Under ``torch.compile``: evaluated once, when dynamo traces the call, on the call
+        prepared again from its (example) inputs."""
+        if not _compiling():
+            return setup(point, *static)
+        call: Any = point  # a Call: its spec prepares it again
+        return _constant(_prepared, setup, call.spec, call.args, call.kwargs, static)
 
     def prefer_reverse(self, traced: Traced) -> bool:
         """Rows, but columns for a convolution network: PyTorch's reverse mode runs one
@@ -353,8 +567,11 @@ class TorchBackend(Backend[Traced]):
         return not (traced.has_convolution or traced.solves_broadcast)
 
     def linearize(self, point: Point[Traced], reverse: bool) -> Linear:
-        """Rows on the autograd tape outside ``torch.func`` transforms, else (and columns) by
-        ``torch.func`` passes."""
+        """Rows on the autograd tape outside ``torch.func`` transforms and ``torch.compile``,
+        else (and columns) by ``torch.func`` passes. Under ``torch.compile`` the modules were
+        checked synchronized when the setup traced the function (:func:`_check_compilable`)."""
+        if _compiling():
+            return _Passes(point, reverse)
         _ddp.check_synchronized(point.traced.modules())
         if reverse and torch._C._functorch.peek_interpreter_stack() is None:
             return _Tape(point)
@@ -387,9 +604,9 @@ class TorchBackend(Backend[Traced]):
         passes = torch.arange(n_passes, device=device)
         if n_passes * n <= _SEED_MATRIX_ELEMENTS:
             inputs = (labels_t[None, :] == passes[:, None]).to(dtype)
-            indicator: Callable[[torch.Tensor], torch.Tensor] = _identity
+            indicator = _Indicator(None, dtype)
         else:
-            inputs, indicator = passes, lambda c: (labels_t == c).to(dtype)
+            inputs, indicator = passes, _Indicator(labels_t, dtype)
         _SEEDS.put(key, (colors, inputs, indicator))
         return inputs, indicator
 
@@ -407,11 +624,7 @@ class TorchBackend(Backend[Traced]):
         self, colors: np.ndarray | None, n_seed: int, batch_size: int, batched: bool
     ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
         """Masks the pushed tangent with the (indicator) tangent itself."""
-
-        def read(c: torch.Tensor, t: torch.Tensor, pushed: torch.Tensor) -> torch.Tensor:
-            return (pushed * t).reshape(batch_size, -1).sum(1)
-
-        return read
+        return _DiagonalSums(batch_size)
 
     def take_entries(
         self, compressed: torch.Tensor, which: np.ndarray, within: np.ndarray

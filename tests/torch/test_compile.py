@@ -1,0 +1,144 @@
+"""divjac's torch transforms under ``torch.compile(fullgraph=True)``: the setup (tracing,
+detection, planning) is evaluated ahead of dynamo's trace, the passes are compiled; results and
+parameter gradients equal eager ones (float64)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import divjac.torch as dj
+
+pytestmark = pytest.mark.filterwarnings(
+    # torch's own notice when dynamo traces a training step with autograd ops inside.
+    "ignore::UserWarning:torch._dynamo"
+)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    torch._dynamo.reset()
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+
+
+def _grads(net: nn.Module) -> list[torch.Tensor]:
+    found = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    return found
+
+
+def _x() -> torch.Tensor:
+    return torch.as_tensor(
+        [[0.1, -0.4, 0.3, 0.9], [0.5, 0.2, -0.7, 0.0], [-0.3, 0.8, 0.1, -0.2]], dtype=torch.float64
+    )
+
+
+def _losses(net: nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    probes = torch.linspace(-1.0, 1.0, 24, dtype=torch.float64).reshape(2, 3, 4)
+
+    def value_and_div(x: torch.Tensor) -> torch.Tensor:
+        y, div = dj.value_and_divergence(net)(x)
+        return (y.sum(1) * div).sum()
+
+    return {
+        "exact": lambda x: (dj.divergence(net, method="exact")(x) ** 2).sum(),
+        "sparse": lambda x: (dj.divergence(net, method="sparse")(x) ** 2).sum(),
+        "hutchinson": lambda x: (
+            dj.divergence(net, method="hutchinson", num_probes=2)(probes, x) ** 2
+        ).sum(),
+        "value_and_divergence": value_and_div,
+        "jacobian": lambda x: (dj.jacobian(net)(x) ** 2).sum(),
+        "jacobian_fwd": lambda x: (dj.jacobian(net, mode="fwd")(x) ** 2).sum(),
+    }
+
+
+def _check_compiled(loss: Callable[[torch.Tensor], torch.Tensor], net: nn.Module) -> None:
+    x = _x()
+    expected = loss(x)
+    expected.sum().backward()
+    want = _grads(net)
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got = compiled(x)
+    got.sum().backward()
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    for g, w in zip(_grads(net), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
+    # A second call runs the compiled graph with the weights as they are now.
+    with torch.no_grad():
+        net[0].weight.mul_(0.5)
+    torch.testing.assert_close(compiled(x), loss(x), rtol=1e-12, atol=1e-14)
+
+
+def test_compiled_transforms_equal_eager() -> None:
+    """Every target in one compiled function (one compilation: dynamo is slow)."""
+    net = _mlp()
+    losses = _losses(net)
+    _check_compiled(lambda x: torch.stack([f(x) for f in losses.values()]), net)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(_losses(nn.Identity())))
+def test_each_compiled_transform_equals_eager(name: str) -> None:
+    net = _mlp()
+    _check_compiled(_losses(net)[name], net)
+
+
+@pytest.mark.slow
+def test_training_step_with_backward_inside() -> None:
+    """A whole step (loss and ``backward``) compiled: dynamo traces autograd ops when asked."""
+    net = _mlp()
+    x = _x()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = (dj.divergence(net, method="sparse")(x) ** 2).sum()
+        loss.backward()
+        return loss.detach()
+
+    expected = step(x)
+    want = _grads(net)
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    for g, w in zip(_grads(net), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
+
+
+def test_compiled_module_is_unwrapped() -> None:
+    """A ``torch.compile``d module gives the numbers of its original module."""
+    net = _mlp()
+    x = _x()
+    compiled = torch.compile(net, backend="aot_eager")
+    torch.testing.assert_close(dj.divergence(compiled)(x), dj.divergence(net)(x))
+    torch.testing.assert_close(dj.jacobian(compiled)(x), dj.jacobian(net)(x))
+
+
+def test_train_eval_switch_recompiles() -> None:
+    """Dropout in eval mode compiles; in training mode the compiled passes refuse it."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Tanh()).double().eval()
+    x = _x()
+    loss = torch.compile(lambda x: dj.divergence(net)(x).sum(), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(loss(x), dj.divergence(net)(x).sum())
+    net.train()
+    # dynamo wraps what the setup raised (InternalTorchDynamoError), its message kept
+    with pytest.raises(Exception, match=r"CompileError: divjac under torch\.compile.*random"):
+        loss(x)
+
+
+@pytest.mark.slow  # ~50 s of inductor compilation on a loaded 2-core machine
+# inductor's own import of TorchScript pieces (torch 2.13)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_inductor_matches_eager() -> None:
+    net = _mlp()
+    loss = _losses(net)["sparse"]
+    x = _x()
+    expected = loss(x)
+    got = torch.compile(loss, fullgraph=True, backend="inductor")(x)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
