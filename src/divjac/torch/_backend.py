@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .._backend import Backend, Finish, Linear, Point, Seed
@@ -74,7 +75,7 @@ class _Passes(Linear):
             return t.expand(B, *t.shape).contiguous() if shared else t
 
         traced = self._traced
-        with traced.running_stats(), _differentiable_kernels(traced):
+        with traced.running_stats(), _differentiable_kernels(traced, forward=not self._reverse):
             if self._reverse:
                 if self._vjp is None:
                     pulled: Any = torch.func.vjp(g, xb, has_aux=aux_of is not None)
@@ -229,21 +230,47 @@ class _Tape(Linear):
 _ONE_BY_ONE = 4
 
 
-def _differentiable_kernels(traced: Traced) -> contextlib.AbstractContextManager[Any]:
+def _differentiable_kernels(
+    traced: Traced, *, forward: bool = False
+) -> contextlib.AbstractContextManager[Any]:
     """Kernels that forward-mode AD, ``vmap`` and double backward go through: attention in its
     math form (the fused CPU and CUDA kernels have no forward derivative, nor batching rules
-    for their gradients), and recurrent layers without oneDNN and cuDNN (whose kernels have no
-    forward derivative). Only where the graph has them (the contexts cost ~25 us)."""
+    for their gradients), recurrent layers without oneDNN and cuDNN (whose kernels have no
+    forward derivative), and for ``forward`` passes, group normalizations of contiguous inputs
+    (:class:`_ContiguousGroupNorm`). Only where the graph has them (the contexts cost ~25 us)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if not (traced.attends or traced.runs_rnn):
+    strided_norm = forward and traced.strided_group_norm
+    if not (traced.attends or traced.runs_rnn or strided_norm):
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     if traced.attends:
         stack.enter_context(sdpa_kernel(SDPBackend.MATH))
     if traced.runs_rnn:
         stack.enter_context(plain_kernels(cudnn=True))
+    if strided_norm:
+        stack.enter_context(_ContiguousGroupNorm())
     return stack
+
+
+class _ContiguousGroupNorm(TorchFunctionMode):
+    """Group normalizations of a contiguous copy of a non-contiguous input (the same values):
+    torch's forward derivative of ``native_group_norm`` views its input, which fails on the
+    transposed output of an attention block (a diffusers ``UNet2DModel``'s, torch 2.13)."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func in _GROUP_NORMS and not args[0].is_contiguous():
+            args = (args[0].contiguous(), *args[1:])
+        return func(*args, **(kwargs or {}))
+
+
+_GROUP_NORMS = frozenset({torch.nn.functional.group_norm, torch.group_norm})
 
 
 def _without_overlap(x: torch.Tensor) -> torch.Tensor:

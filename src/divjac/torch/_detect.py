@@ -184,6 +184,18 @@ class Traced(detection.Traced):
         return False
 
     @functools.cached_property
+    def strided_group_norm(self) -> bool:
+        """Whether a group normalization takes a non-contiguous input (the output of an
+        attention block, transposed back to an image): torch's forward derivative of it views
+        that input and fails (torch 2.13)."""
+        return any(
+            node.op == "call_function"
+            and node.target is torch.ops.aten.native_group_norm.default
+            and not node.args[0].meta["val"].is_contiguous()
+            for node in self.gm.graph.nodes
+        )
+
+    @functools.cached_property
     def has_convolution(self) -> bool:
         """Whether the graph convolves (its reverse mode is then the slower one under vmap)."""
         return any(
