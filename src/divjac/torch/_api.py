@@ -16,7 +16,7 @@ from typing import Any, overload
 import torch
 
 from .. import _divergence as D, _transforms as T
-from .._call import Coupling, Distribution, Method, Mode
+from .._call import Coupling, Direction, Distribution, Method, Mode
 from .._core import stochastic
 from .._core.pattern import SparsityPattern
 from .._docs import documented
@@ -104,6 +104,7 @@ def divergence(
     *,
     batch_axis: int | None = 0,
     method: Method = "auto",
+    mode: Direction = "auto",
     num_probes: int | None = None,
     distribution: Distribution = "rademacher",
     return_stderr: bool = False,
@@ -126,6 +127,7 @@ def divergence(
         argnums,
         batch_axis=batch_axis,
         method=method,
+        mode=mode,
         num_probes=num_probes,
         distribution=distribution,
         return_stderr=return_stderr,
@@ -144,6 +146,7 @@ def value_and_divergence(
     *,
     batch_axis: int | None = 0,
     method: Method = "auto",
+    mode: Direction = "auto",
     num_probes: int | None = None,
     distribution: Distribution = "rademacher",
     return_stderr: bool = False,
@@ -167,6 +170,7 @@ def value_and_divergence(
         argnums,
         batch_axis=batch_axis,
         method=method,
+        mode=mode,
         num_probes=num_probes,
         distribution=distribution,
         return_stderr=return_stderr,
@@ -211,6 +215,7 @@ def grad_divergence(
     *,
     batch_axis: int | None = 0,
     method: Method = "auto",
+    mode: Direction = "auto",
     num_probes: int | None = None,
     distribution: Distribution = "rademacher",
     chunk_size: int | None = None,
@@ -232,6 +237,7 @@ def grad_divergence(
         argnums,
         batch_axis=batch_axis,
         method=method,
+        mode=mode,
         num_probes=num_probes,
         distribution=distribution,
         chunk_size=chunk_size,
