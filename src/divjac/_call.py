@@ -26,6 +26,7 @@ from ._errors import ArgnumsError, BatchAxisError, InternalError, OptionError, O
 __all__ = [
     "Call",
     "Coupling",
+    "Direction",
     "Distribution",
     "Method",
     "Mode",
@@ -41,6 +42,10 @@ Mode: TypeAlias = Literal["auto", "fwd", "rev", "sparse"]
 """How ``jacobian`` computes: one JVP per input element (``"fwd"``), one VJP per output element
 (``"rev"``), one pass per color of the detected pattern (``"sparse"``), or the cheapest
 (``"auto"``)."""
+
+Direction: TypeAlias = Literal["auto", "fwd", "rev"]
+"""How a divergence pushes its passes: JVPs (``"fwd"``: columns, ``J v``), VJPs (``"rev"``: rows,
+``u^T J``), or what the backend chooses from the traced program (``"auto"``)."""
 
 Method: TypeAlias = Literal["auto", "exact", "sparse", "hutchinson", "hutch++", "xtrace", "probing"]
 """How a divergence (or Laplacian) is computed: exact (``"auto"``, ``"exact"``, ``"sparse"``) or
@@ -75,6 +80,7 @@ class Spec:
         fname: the public name of the transform (in messages).
         prefer_reverse: rows rather than columns on a tie; ``None``: the backend decides from the
             traced program.
+        direction: the caller's choice of passes (``"auto"``: ``prefer_reverse`` decides).
     """
 
     backend: Backend[Any]
@@ -85,6 +91,7 @@ class Spec:
     coupling: Coupling
     fname: str
     prefer_reverse: bool | None = None
+    direction: Direction = "auto"
 
 
 @dataclass(frozen=True)
@@ -127,7 +134,9 @@ class Call(Point[Traced]):
 
     def prefer_reverse(self, found: Detection | None) -> bool:
         """Rows rather than columns on a tie (and always where forward mode cannot go, as
-        ``found`` tells; ``None``: nothing was detected)."""
+        ``found`` tells; ``None``: nothing was detected), unless the caller chose."""
+        if self.spec.direction != "auto":
+            return self.spec.direction == "rev"
         if found is not None and found.has_custom_vjp:
             return True
         if self.spec.prefer_reverse is not None:

@@ -21,6 +21,7 @@ from ._backend import Array, Backend, Finish, Linear
 from ._call import (
     Call,
     Coupling,
+    Direction,
     Distribution,
     Method,
     Spec,
@@ -57,6 +58,7 @@ class _DivSpec:
     """The options of a divergence transform; ``pattern``: a given one (no detection)."""
 
     method: Method
+    mode: Direction
     num_probes: int | None
     distribution: Distribution
     return_stderr: bool
@@ -275,7 +277,7 @@ def _divergence_transform(
     prefer_reverse: bool | None = None,
 ) -> Callable[..., tuple[Array, Any, Any]]:
     """The shared body of the divergence transforms: ``(*args) -> (value, div, aux)``."""
-    spec = Spec(backend, f, argnum, batch_axis, has_aux, coupling, fname, prefer_reverse)
+    spec = Spec(backend, f, argnum, batch_axis, has_aux, coupling, fname, prefer_reverse, ds.mode)
     stochastic_method = ds.method in plan.STOCHASTIC_METHODS
 
     def value_and_div(*args: Any, **kwargs: Any) -> tuple[Array, Any, Any]:
@@ -297,6 +299,7 @@ def _divergence_transform(
 
 def _check_options(ds: _DivSpec, coupling: Coupling, fname: str) -> None:
     check_option("method", ds.method, Method, fname=fname)
+    check_option("mode", ds.mode, Direction, fname=fname)
     check_option("distribution", ds.distribution, Distribution, fname=fname)
     check_option("coupling", coupling, Coupling, fname=fname)
 
@@ -330,6 +333,7 @@ def divergence(
     *,
     batch_axis: int | None,
     method: Method,
+    mode: Direction,
     num_probes: int | None,
     distribution: Distribution,
     return_stderr: bool,
@@ -339,7 +343,9 @@ def divergence(
     probing_distance: int | None,
 ) -> Callable[..., Any]:
     """Per-sample divergence of a batched function (see ``divjac.jax.divergence``)."""
-    ds = _DivSpec(method, num_probes, distribution, return_stderr, chunk_size, probing_distance)
+    ds = _DivSpec(
+        method, mode, num_probes, distribution, return_stderr, chunk_size, probing_distance
+    )
     results = _divergences(backend, f, argnums, batch_axis, has_aux, coupling, ds, "divergence")
     several = isinstance(argnums, Sequence)
 
@@ -358,6 +364,7 @@ def value_and_divergence(
     *,
     batch_axis: int | None,
     method: Method,
+    mode: Direction,
     num_probes: int | None,
     distribution: Distribution,
     return_stderr: bool,
@@ -367,7 +374,9 @@ def value_and_divergence(
     probing_distance: int | None,
 ) -> Callable[..., Any]:
     """``f``'s output and its per-sample divergence (see ``divjac.jax.value_and_divergence``)."""
-    ds = _DivSpec(method, num_probes, distribution, return_stderr, chunk_size, probing_distance)
+    ds = _DivSpec(
+        method, mode, num_probes, distribution, return_stderr, chunk_size, probing_distance
+    )
     fname = "value_and_divergence"
     results = _divergences(backend, f, argnums, batch_axis, has_aux, coupling, ds, fname)
     several = isinstance(argnums, Sequence)
@@ -393,7 +402,7 @@ def divergence_from_pattern(
 ) -> Callable[..., Any]:
     """Exact per-sample divergence from a given pattern: one pass per diagonal color, no
     detection (see ``divjac.jax.divergence_from_pattern``)."""
-    ds = _DivSpec("sparse", None, "rademacher", False, chunk_size, None, pattern)
+    ds = _DivSpec("sparse", "auto", None, "rademacher", False, chunk_size, None, pattern)
     fname = "divergence_from_pattern"
     inner = _divergence_transform(backend, f, argnums, batch_axis, has_aux, "raise", ds, fname)
 
@@ -411,6 +420,7 @@ def grad_divergence(
     *,
     batch_axis: int | None,
     method: Method,
+    mode: Direction,
     num_probes: int | None,
     distribution: Distribution,
     chunk_size: int | None,
@@ -426,7 +436,7 @@ def grad_divergence(
     no ``B^2`` work.
     """
     fname = "grad_divergence"
-    ds = _DivSpec(method, num_probes, distribution, False, chunk_size, probing_distance)
+    ds = _DivSpec(method, mode, num_probes, distribution, False, chunk_size, probing_distance)
     _check_options(ds, coupling, fname)
     stochastic_method = method in plan.STOCHASTIC_METHODS
 
@@ -469,7 +479,7 @@ def laplacian(
     diagonal coloring of it.
     """
     fname = "laplacian"
-    ds = _DivSpec(method, num_probes, distribution, return_stderr, chunk_size, None)
+    ds = _DivSpec(method, "auto", num_probes, distribution, return_stderr, chunk_size, None)
     _check_options(ds, coupling, fname)
 
     def one(argnum: int) -> Callable[..., Any]:

@@ -79,11 +79,22 @@ _DIV_RAISES = (
 _ONE_ARGNUM = (
     ("argnums", "position of the differentiated array argument (one: the pattern is its own)."),
 )
+_DIV_MODE = (
+    (
+        "mode",
+        """the passes: ``"fwd"`` (JVPs, columns ``J v``), ``"rev"`` (VJPs, rows ``u^T J``: one
+        per output element for ``"exact"``, ``u^T J u`` per probe for a stochastic method) or
+        ``"auto"`` (the faster for the framework and the program: JVPs in JAX, but VJPs through
+        a ``custom_vjp``; VJPs in PyTorch, but JVPs for a convolution network). Choose
+        ``"rev"`` for an operation without a forward derivative.""",
+    ),
+)
 _DIVERGENCE_ARGS = (
     "f",
     "argnums",
     "batch_axis",
     "method",
+    "mode",
     "num_probes",
     "distribution",
     "return_stderr",
@@ -145,6 +156,7 @@ _DOCS: dict[str, _Doc] = {
         "A function with ``f``'s signature returning the per-sample divergence, shape ``(B,)``.",
         _DIV_RAISES,
         stochastic=True,
+        own_args=_DIV_MODE,
     ),
     "value_and_divergence": _Doc(
         """``f``'s output and its per-sample divergence from one shared forward computation.
@@ -155,6 +167,7 @@ _DOCS: dict[str, _Doc] = {
         div)`` with ``has_aux``; ``div`` as :func:`divergence` returns it).""",
         _DIV_RAISES,
         stochastic=True,
+        own_args=_DIV_MODE,
     ),
     "divergence_from_pattern": _Doc(
         """Exact per-sample divergence of a batched function, from its given sparsity pattern.
@@ -183,6 +196,7 @@ _DOCS: dict[str, _Doc] = {
         "A function with ``f``'s signature returning the gradients, shape ``(B, *in_sample)``.",
         _DIV_RAISES,
         stochastic=True,
+        own_args=_DIV_MODE,
     ),
     "laplacian": _Doc(
         """Per-sample Laplacian of a scalar-per-sample function ``u: [B, *shape] -> [B]``.
@@ -190,7 +204,7 @@ _DOCS: dict[str, _Doc] = {
         The divergence of the per-sample gradient, computed forward-over-reverse
         (Hessian-vector products); ``method`` works as in :func:`divergence` (the Hessian
         pattern is symmetric, so ``"sparse"`` uses a diagonal coloring of it).""",
-        ("u", *(a for a in _DIVERGENCE_ARGS[1:] if a != "probing_distance")),
+        ("u", *(a for a in _DIVERGENCE_ARGS[1:] if a not in ("mode", "probing_distance"))),
         "A function with ``u``'s signature returning the per-sample Laplacian, shape ``(B,)``.",
         _DIV_RAISES,
         stochastic=True,

@@ -19,6 +19,7 @@ dt = pytest.importorskip("divjac.torch")
 
 def test_the_option_types_are_the_options_divjac_takes():
     assert typing.get_args(_call.Mode) == plan.JACOBIAN_MODES
+    assert set(typing.get_args(_call.Direction)) == set(plan.JACOBIAN_MODES) - {"sparse"}
     assert typing.get_args(_call.Method) == plan.DIVERGENCE_METHODS
     assert set(typing.get_args(_call.Distribution)) == set(estimators.DISTRIBUTIONS)
 

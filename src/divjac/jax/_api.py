@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 from .. import _divergence as D, _transforms as T
-from .._call import Coupling, Distribution, Method, Mode
+from .._call import Coupling, Direction, Distribution, Method, Mode
 from .._core import stochastic
 from .._core.pattern import SparsityPattern
 from .._docs import documented
@@ -100,6 +100,7 @@ def divergence(
     *,
     batch_axis: int | None = 0,
     method: Method = "auto",
+    mode: Direction = "auto",
     num_probes: int | None = None,
     distribution: Distribution = "rademacher",
     return_stderr: bool = False,
@@ -122,6 +123,7 @@ def divergence(
         argnums,
         batch_axis=batch_axis,
         method=method,
+        mode=mode,
         num_probes=num_probes,
         distribution=distribution,
         return_stderr=return_stderr,
@@ -140,6 +142,7 @@ def value_and_divergence(
     *,
     batch_axis: int | None = 0,
     method: Method = "auto",
+    mode: Direction = "auto",
     num_probes: int | None = None,
     distribution: Distribution = "rademacher",
     return_stderr: bool = False,
@@ -163,6 +166,7 @@ def value_and_divergence(
         argnums,
         batch_axis=batch_axis,
         method=method,
+        mode=mode,
         num_probes=num_probes,
         distribution=distribution,
         return_stderr=return_stderr,
@@ -207,6 +211,7 @@ def grad_divergence(
     *,
     batch_axis: int | None = 0,
     method: Method = "auto",
+    mode: Direction = "auto",
     num_probes: int | None = None,
     distribution: Distribution = "rademacher",
     chunk_size: int | None = None,
@@ -228,6 +233,7 @@ def grad_divergence(
         argnums,
         batch_axis=batch_axis,
         method=method,
+        mode=mode,
         num_probes=num_probes,
         distribution=distribution,
         chunk_size=chunk_size,

@@ -16,7 +16,7 @@ from typing import Any, overload
 import torch
 
 from .. import _divergence as D, _transforms as T
-from .._call import Coupling, Distribution, Method, Mode
+from .._call import Coupling, Direction, Distribution, Method, Mode
 from .._core import stochastic
 from .._core.pattern import SparsityPattern
 from .._docs import documented
@@ -112,6 +112,7 @@ def divergence(
     *,
     batch_axis: int | None = 0,
     method: Method = "auto",
+    mode: Direction = "auto",
     num_probes: int | None = None,
     distribution: Distribution = "rademacher",
     return_stderr: bool = False,
@@ -135,6 +136,7 @@ def divergence(
         argnums,
         batch_axis=batch_axis,
         method=method,
+        mode=mode,
         num_probes=num_probes,
         distribution=distribution,
         return_stderr=return_stderr,
@@ -153,6 +155,7 @@ def value_and_divergence(
     *,
     batch_axis: int | None = 0,
     method: Method = "auto",
+    mode: Direction = "auto",
     num_probes: int | None = None,
     distribution: Distribution = "rademacher",
     return_stderr: bool = False,
@@ -177,6 +180,7 @@ def value_and_divergence(
         argnums,
         batch_axis=batch_axis,
         method=method,
+        mode=mode,
         num_probes=num_probes,
         distribution=distribution,
         return_stderr=return_stderr,
@@ -228,6 +232,7 @@ def grad_divergence(
     *,
     batch_axis: int | None = 0,
     method: Method = "auto",
+    mode: Direction = "auto",
     num_probes: int | None = None,
     distribution: Distribution = "rademacher",
     chunk_size: int | None = None,
@@ -250,6 +255,7 @@ def grad_divergence(
         argnums,
         batch_axis=batch_axis,
         method=method,
+        mode=mode,
         num_probes=num_probes,
         distribution=distribution,
         chunk_size=chunk_size,

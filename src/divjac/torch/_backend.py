@@ -33,6 +33,8 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .._backend import Backend, Finish, Linear, Point, Seed
@@ -89,7 +91,7 @@ class _Passes(Linear):
         traced = self._traced
         # Under torch.compile no batch normalization runs (_check_compilable).
         quiet = contextlib.nullcontext() if _compiling() else traced.running_stats()
-        with quiet, _differentiable_kernels(traced):
+        with quiet, _differentiable_kernels(traced, forward=not self._reverse):
             if self._reverse:
                 if self._vjp is None:
                     pulled: Any = torch.func.vjp(g, xb, has_aux=aux_of is not None)
@@ -244,21 +246,113 @@ class _Tape(Linear):
 _ONE_BY_ONE = 4
 
 
-def _differentiable_kernels(traced: Traced) -> contextlib.AbstractContextManager[Any]:
+def _differentiable_kernels(
+    traced: Traced, *, forward: bool = False
+) -> contextlib.AbstractContextManager[Any]:
     """Kernels that forward-mode AD, ``vmap`` and double backward go through: attention in its
     math form (the fused CPU and CUDA kernels have no forward derivative, nor batching rules
-    for their gradients), and recurrent layers without oneDNN and cuDNN (whose kernels have no
-    forward derivative). Only where the graph has them (the contexts cost ~25 us)."""
+    for their gradients), recurrent layers without oneDNN and cuDNN (whose kernels have no
+    forward derivative), and the normalizations of :class:`_ComposedNorms`. Only where the
+    graph has them (the contexts cost ~25 us)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if not (traced.attends or traced.runs_rnn):
+    norms = traced.norms if forward else traced.norms & {"strided_group"}
+    if not (traced.attends or traced.runs_rnn or norms):
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     if traced.attends:
         stack.enter_context(sdpa_kernel(SDPBackend.MATH))
     if traced.runs_rnn:
         stack.enter_context(plain_kernels(cudnn=True))
+    if norms:
+        stack.enter_context(_ComposedNorms(forward))
     return stack
+
+
+class _ComposedNorms(TorchFunctionMode):
+    """Normalizations whose torch kernels fail the passes, run in other forms with the same
+    values (torch 2.13):
+
+    - a group normalization of a non-contiguous input (the transposed output of an attention
+      block, in a diffusers ``UNet2DModel``) on a contiguous copy: torch's forward derivative
+      of ``native_group_norm`` views its input and fails, and its backward under ``vmap`` asks
+      for the input's memory format, which ``vmap`` cannot tell;
+    - in ``forward`` passes, layer and instance normalizations composed of means and
+      variances: the gradient of the forward derivative of their kernels is wrong (it treats
+      the saved statistics as constants), so ``grad_divergence`` and a loss on a divergence
+      would get wrong gradients.
+    """
+
+    def __init__(self, forward: bool) -> None:
+        super().__init__()
+        self._forward = forward
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _GROUP_NORMS and not args[0].is_contiguous():
+            return func(args[0].contiguous(), *args[1:], **kwargs)
+        if self._forward and func in _LAYER_NORMS:
+            return _layer_norm(*args, **kwargs)
+        if self._forward and func is F.instance_norm:
+            composed = _instance_norm(*args, **kwargs)
+            if composed is not None:
+                return composed
+        return func(*args, **kwargs)
+
+
+def _affine(
+    y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, shape: Any
+) -> torch.Tensor:
+    if weight is not None:
+        y = y * weight.reshape(shape)
+    return y if bias is None else y + bias.reshape(shape)
+
+
+def _layer_norm(
+    input: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    *_cudnn_enable: Any,  # torch.layer_norm's last argument
+) -> torch.Tensor:
+    dims = tuple(range(-len(normalized_shape), 0))
+    mean = input.mean(dims, keepdim=True)
+    var = input.var(dims, unbiased=False, keepdim=True)
+    y = (input - mean) * torch.rsqrt(var + eps)
+    return _affine(y, weight, bias, tuple(normalized_shape))
+
+
+def _instance_norm(
+    input: torch.Tensor,
+    running_mean: torch.Tensor | None = None,
+    running_var: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> torch.Tensor | None:
+    """Instance normalization by its statistics; ``None`` where it uses or updates running
+    statistics (torch's kernel then, whose forward derivative treats them as constants, as
+    they are)."""
+    if not use_input_stats or running_mean is not None or running_var is not None:
+        return None
+    dims = tuple(range(2, input.ndim))
+    mean = input.mean(dims, keepdim=True)
+    var = input.var(dims, unbiased=False, keepdim=True)
+    y = (input - mean) * torch.rsqrt(var + eps)
+    return _affine(y, weight, bias, (-1,) + (1,) * len(dims))
+
+
+_GROUP_NORMS = frozenset({F.group_norm, torch.group_norm})
+_LAYER_NORMS = frozenset({F.layer_norm, torch.layer_norm})
 
 
 def _without_overlap(x: torch.Tensor) -> torch.Tensor:

@@ -91,7 +91,8 @@ class TensorSpec:
 class Traced(detection.Traced):
     """The ATen graph of a batched function, batch-first in and out, with cached detections.
 
-    ``pass_elements`` is twice the largest intermediate (memory planning).
+    ``pass_elements`` is twice the most elements the graph's intermediates hold at once
+    (:func:`_live_peak`; memory planning).
 
     Attributes:
         gm: graph whose inputs are the tensor leaves of ``(args, kwargs)``, the differentiated
@@ -184,6 +185,28 @@ class Traced(detection.Traced):
         return False
 
     @functools.cached_property
+    def norms(self) -> frozenset[str]:
+        """The normalizations of the graph whose torch kernels some passes avoid (torch 2.13):
+        ``"layer"`` and ``"instance"`` (the gradient of their forward derivative is wrong),
+        ``"strided_group"`` (a group normalization of a non-contiguous input, as the output of
+        an attention block transposed back to an image: its forward derivative views that
+        input and fails, its backward under ``vmap`` asks for a memory format)."""
+        found = set()
+        for node in self.gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target is torch.ops.aten.native_layer_norm.default:
+                found.add("layer")
+            elif node.target is torch.ops.aten._native_batch_norm_legit.no_stats:
+                found.add("instance")
+            elif (
+                node.target is torch.ops.aten.native_group_norm.default
+                and not node.args[0].meta["val"].is_contiguous()
+            ):
+                found.add("strided_group")
+        return frozenset(found)
+
+    @functools.cached_property
     def has_convolution(self) -> bool:
         """Whether the graph convolves (its reverse mode is then the slower one under vmap)."""
         return any(
@@ -205,6 +228,31 @@ class Traced(detection.Traced):
                 self.reads[name] = -1  # never current again
         interp.warn_fallbacks()
         return Propagated(out, frozenset(interp.fallbacks))
+
+
+def _live_peak(gm: torch.fx.GraphModule) -> int:
+    """The most elements the intermediates of ``gm`` hold at once, run in order: what one pass
+    holds of tangents (the skip connections of a U-Net stay alive across it), where the
+    largest intermediate alone underestimates a U-Net's passes 3x and the sum of all of them
+    overestimates it 12x."""
+    nodes = list(gm.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    last = {a: order[node] for node in nodes for a in node.all_input_nodes}
+    change = [0] * (len(nodes) + 1)
+    for i, node in enumerate(nodes):
+        if node.op == "call_function":
+            size = sum(
+                v.numel()
+                for v in pytree.tree_leaves(node.meta.get("val"))
+                if isinstance(v, torch.Tensor)
+            )
+            change[i] += size
+            change[max(last.get(node, i), i) + 1] -= size
+    peak = alive = 0
+    for step in change:
+        alive += step
+        peak = max(peak, alive)
+    return peak
 
 
 _SOFTMAXES = (torch.ops.aten._softmax.default, torch.ops.aten._safe_softmax.default)
@@ -355,17 +403,11 @@ def trace(
     found_ids = {id(m) for m in reached.modules}
     unreached = {id(m): m for m in ran if id(m) not in found_ids}
     out_val = next(n for n in gm.graph.nodes if n.op == "output").args[0].meta["val"]
-    sizes = [
-        v.numel()
-        for n in gm.graph.nodes
-        for v in pytree.tree_leaves(n.meta.get("val"))
-        if isinstance(v, torch.Tensor)
-    ]
     traced = Traced(
         x_shape=detection.batch_first_shape(tuple(tensors[x_pos].shape), batch_axis),
         out_shape=tuple(out_val.shape),
         out_tree=out_tree[0],
-        pass_elements=2 * max(sizes, default=0),
+        pass_elements=2 * _live_peak(gm),
         gm=gm,
         x_pos=x_pos,
         module_refs=tuple(weakref.ref(m) for m in (*reached.modules, *unreached.values())),
