@@ -119,6 +119,27 @@ def test_compiled_module_is_unwrapped() -> None:
     torch.testing.assert_close(dj.jacobian(compiled)(x), dj.jacobian(net)(x))
 
 
+def test_attention_and_layer_norm_compile() -> None:
+    """A transformer block: the math attention kernel and the composed layer norms of the
+    passes are entered in a form dynamo traces (an ``ExitStack`` of them was not)."""
+    torch.manual_seed(0)
+    net = nn.TransformerEncoderLayer(
+        d_model=4, nhead=2, dim_feedforward=8, dropout=0.0, batch_first=True
+    ).double()
+    net.eval()
+    x = _x()[:2].reshape(2, 2, 2).repeat(1, 1, 2)  # (samples, tokens, features)
+    probes = torch.linspace(-1.0, 1.0, 2 * x.numel(), dtype=torch.float64).reshape(2, *x.shape)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        exact = dj.divergence(net, method="exact")(x)
+        fwd = dj.divergence(net, method="hutchinson", num_probes=2, mode="fwd")(probes, x)
+        return torch.stack([(exact**2).sum(), (fwd**2).sum()])
+
+    expected = loss(x)
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), expected, rtol=1e-12, atol=1e-14)
+
+
 def test_train_eval_switch_recompiles() -> None:
     """Dropout in eval mode compiles; in training mode the compiled passes refuse it."""
     torch.manual_seed(0)

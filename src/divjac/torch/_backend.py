@@ -91,7 +91,8 @@ class _Passes(Linear):
         traced = self._traced
         # Under torch.compile no batch normalization runs (_check_compilable).
         quiet = contextlib.nullcontext() if _compiling() else traced.running_stats()
-        with quiet, _differentiable_kernels(traced, forward=not self._reverse):
+        attention, rnn, norms = _differentiable_kernels(traced, forward=not self._reverse)
+        with quiet, attention, rnn, norms:
             if self._reverse:
                 if self._vjp is None:
                     pulled: Any = torch.func.vjp(g, xb, has_aux=aux_of is not None)
@@ -225,7 +226,8 @@ class _Tape(Linear):
 
         traced = self._traced
         parts: list[torch.Tensor] = []
-        with traced.running_stats(), _differentiable_kernels(traced):
+        attention, rnn, norms = _differentiable_kernels(traced)
+        with traced.running_stats(), attention, rnn, norms:
             if self._tape is None:
                 self._tape = self._record()
             tape = self._tape
@@ -248,25 +250,21 @@ _ONE_BY_ONE = 4
 
 def _differentiable_kernels(
     traced: Traced, *, forward: bool = False
-) -> contextlib.AbstractContextManager[Any]:
+) -> tuple[contextlib.AbstractContextManager[Any], ...]:
     """Kernels that forward-mode AD, ``vmap`` and double backward go through: attention in its
     math form (the fused CPU and CUDA kernels have no forward derivative, nor batching rules
     for their gradients), recurrent layers without oneDNN and cuDNN (whose kernels have no
     forward derivative), and the normalizations of :class:`_ComposedNorms`. Only where the
-    graph has them (the contexts cost ~25 us)."""
+    graph has them (the contexts cost ~25 us). Separate contexts, entered in one ``with``
+    statement (dynamo traces those, not an ``ExitStack``)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     norms = traced.norms if forward else traced.norms & {"strided_group"}
-    if not (traced.attends or traced.runs_rnn or norms):
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    if traced.attends:
-        stack.enter_context(sdpa_kernel(SDPBackend.MATH))
-    if traced.runs_rnn:
-        stack.enter_context(plain_kernels(cudnn=True))
-    if norms:
-        stack.enter_context(_ComposedNorms(forward))
-    return stack
+    return (
+        sdpa_kernel(SDPBackend.MATH) if traced.attends else contextlib.nullcontext(),
+        plain_kernels(cudnn=True) if traced.runs_rnn else contextlib.nullcontext(),
+        _ComposedNorms(forward) if norms else contextlib.nullcontext(),
+    )
 
 
 class _ComposedNorms(TorchFunctionMode):
