@@ -9,6 +9,7 @@ the same in every sample. Passes read their own entries with gathers within each
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -103,6 +104,35 @@ class JaxBackend(Backend[Traced]):
 
     def zeros_like(self, x: Array) -> jax.Array:
         return jnp.zeros_like(x)
+
+    def batch_shards(self, xb: Array) -> int:
+        """From the array's sharding (a concrete array, or a tracer of an explicitly sharded
+        mesh axis); a tracer under ``jit`` of an ``Auto`` mesh carries none (1). Inside
+        ``shard_map`` the array is already the shard's own."""
+        if isinstance(xb, jax.core.Tracer):
+            sharding = jax.typeof(xb).sharding
+        else:
+            sharding = getattr(xb, "sharding", None)
+        spec = getattr(sharding, "spec", None)
+        if not spec or spec[0] is None:
+            return 1
+        mesh = sharding.mesh
+        axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+        manual = set(getattr(mesh, "manual_axes", ()))
+        return math.prod(mesh.shape[a] for a in axes if a not in manual)
+
+    def memory_available(self, x: Array) -> int | None:
+        """``bytes_limit - bytes_in_use`` of the device (the least of the devices of a sharded
+        array; the default device for a tracer), where it reports them (not on CPU)."""
+        sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+        devices = jax.devices()[:1] if sharding is None else list(sharding.device_set)
+        free = []
+        for device in devices:
+            stats = device.memory_stats()
+            if not stats or "bytes_limit" not in stats:
+                return None
+            free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+        return min(free)
 
     trace = staticmethod(trace)
 

@@ -326,6 +326,13 @@ class TorchBackend(Backend[Traced]):
     def zeros_like(self, x: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(x)
 
+    def memory_available(self, x: torch.Tensor) -> int | None:
+        """The free memory of a CUDA device (``torch.cuda.mem_get_info``); ``None`` elsewhere."""
+        if x.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(x.device)
+        return int(free)
+
     def trace(
         self,
         fun: Callable[..., Any],
