@@ -40,7 +40,14 @@ def torch_float64():
 
 
 def test_every_example_has_a_test():
-    tested = {"conv_jacobian", "cnf_diffrax", "cnf_torchdiffeq", "pinn_flax", "score_matching"}
+    tested = {
+        "conv_jacobian",
+        "cnf_diffrax",
+        "cnf_torchdiffeq",
+        "jax_sharded",
+        "pinn_flax",
+        "score_matching",
+    }
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
     for path in EXAMPLES.glob("*.py"):
         source = path.read_text()
@@ -186,3 +193,23 @@ def test_sliced_score_matching_loss_and_gradient():
     np.testing.assert_array_equal(first, example.sliced_loss(params, batch, key))
     assert float(first) == pytest.approx(float(out["loss"]), rel=1e-12)
     assert all(math.isfinite(v) for v in out["losses"])
+
+
+def test_jax_sharded_divergences_equal_one_device_without_collectives():
+    jax = pytest.importorskip("jax")
+    # With the devices of this process (tests/jax/test_sharding.py forces 8 host devices).
+    out = load("jax_sharded").main(small=True)
+    assert out["collectives"] == {"sparse": [], "hutchinson": []}
+    np.testing.assert_allclose(out["divergence"], out["divergence_one_device"], rtol=1e-12)
+    np.testing.assert_allclose(out["estimate"], out["estimate_one_device"], rtol=1e-12)
+    np.testing.assert_allclose(
+        out["shard_map_divergence"], out["divergence_one_device"], rtol=1e-12
+    )
+    assert out["shard_map_estimate"].shape == out["estimate"].shape
+    images, n = out["images"], math.prod(out["images"].shape[1:])
+
+    def trace(image):  # brute force: the trace of one sample's dense Jacobian
+        return jax.numpy.trace(jax.jacfwd(lambda a: out["f"](a[None])[0])(image).reshape(n, n))
+
+    dense = jax.jit(jax.vmap(trace))(images)
+    np.testing.assert_allclose(out["divergence_one_device"], dense, rtol=1e-10, atol=1e-10)

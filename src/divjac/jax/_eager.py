@@ -14,8 +14,10 @@ instead, cached in :data:`CACHE` on everything the program depends on:
 - the argument tree, its non-array leaves (static, as ``jax.jit``'s ``static_argnums``) and
   the shapes, dtypes and shardings of the arrays (``jax.jit``'s own cache).
 
-The floating-point constants the function captures (weights) are arguments of the compiled
-program, not part of the key: updated weights reuse it, and the cache keeps none of them alive.
+The floating-point constants the function captures (weights), its random keys and scalar
+constants (step counters) are arguments of the compiled program, not part of the key: updated
+weights reuse it, and the cache keeps none of them alive. (Detection then sees such a scalar as
+unknown, which may only make a pattern denser, never wrong.)
 The program evaluates the traced function (its jaxpr) rather than calling the caller's function
 again, so a cached program can never read stale values.
 """
@@ -63,6 +65,8 @@ def compiled_when_eager(
         ours = jax.tree_util.tree_leaves(args[:skip])
         if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves + ours):
             return transformed(*args, **kwargs)  # already traced: the caller's jit compiles
+        if len(args) < skip or not all(is_array(leaf) for leaf in ours):
+            return transformed(*args, **kwargs)  # no key: the transform says what is missing
         dynamic = [is_array(leaf) for leaf in leaves]
         static = tuple(leaf for leaf, d in zip(leaves, dynamic, strict=True) if not d)
         dyn = [leaf for leaf, d in zip(leaves, dynamic, strict=True) if d]
@@ -94,9 +98,14 @@ def compiled_when_eager(
 
 
 def _is_weight(c: Any) -> bool:
-    """A floating-point constant: an argument of the compiled program."""
+    """A constant passed as an argument of the compiled program: floating-point arrays
+    (weights), random keys and scalars (counters such as an nnx ``Rngs`` count). The others,
+    index arrays and masks that detection may read, are part of the key."""
     dtype = getattr(c, "dtype", None)
-    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
+    if dtype is None:
+        return False
+    random = jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    return bool(jnp.issubdtype(dtype, jnp.inexact) or random or jnp.ndim(c) == 0)
 
 
 def _rebuild(leaves: list[Any], dynamic: list[bool], treedef: Any, dyn: Any) -> Any:
@@ -120,13 +129,14 @@ def _program(
     """The jitted call: ``(weights, randomness, array leaves) -> result``, the function being
     the traced program with the given weights (the other constants are those traced)."""
     fixed = {i: c for i, c in enumerate(closed.consts) if i not in weights}
+    jaxpr, n_consts = closed.jaxpr, len(closed.consts)  # not the traced weights themselves
     out_tree = jax.tree_util.tree_structure(out_shape)
     static = [None if d else leaf for leaf, d in zip(leaves, dynamic, strict=True)]
 
     def run(given: list[Any], ours: list[Any], dyn: list[Any]) -> Any:
         values = dict(zip(weights, given, strict=True))
-        consts = [values[i] if i in values else fixed[i] for i in range(len(closed.consts))]
-        program = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(closed.jaxpr, consts))
+        consts = [values[i] if i in values else fixed[i] for i in range(n_consts)]
+        program = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, consts))
 
         def traced_f(*a: Any, **kw: Any) -> Any:
             flat = jax.tree_util.tree_leaves((a, kw))
