@@ -212,7 +212,7 @@ def report() -> dict[str, Any]:
 def test_a_sharded_batch_compiles_without_collectives(report, name):
     entry = report[name]
     assert entry["collectives"] == []
-    assert all(spec.startswith("PartitionSpec('batch'") for spec in entry["specs"])
+    assert all(spec.startswith("P('batch'") for spec in entry["specs"])  # sharded like x
     per_device, alone = entry["flops"]
     # The per-sample work is split 8 ways; the batch-constant prefix of the shared passes (the
     # first convolution on one sample's tangent) is computed once on every device.
