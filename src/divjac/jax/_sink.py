@@ -170,7 +170,7 @@ def _bind(eqn: Any, *args: Any) -> Any:
 
 def _vbind(eqn: Any, *args: Any) -> list[Any]:
     """The outputs of one equation, for every pass of its :class:`_Passes` arguments."""
-    out = None
+    out: Any = None
     if eqn.primitive.name == "conv_general_dilated":
         out = _conv_passes(eqn, *args)
     if out is None:
