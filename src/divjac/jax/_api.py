@@ -50,6 +50,7 @@ def _compiled_when_eager(
         (transform.__name__, argnums, tuple(sorted(options.items()))),
         skip=skip,
         functional=BACKEND.functional,
+        randomness=lambda r: BACKEND.is_randomness(r) or D._is_probes(BACKEND, r),
     )
 
 

@@ -47,6 +47,7 @@ def compiled_when_eager(
     *,
     skip: int,
     functional: Callable[[Callable[..., Any]], Callable[..., Any]],
+    randomness: Callable[[Any], bool],
 ) -> Callable[..., Any]:
     """The transform ``make(f)``, run as one cached ``jax.jit`` program when called eagerly.
 
@@ -57,6 +58,7 @@ def compiled_when_eager(
         skip: leading arguments of the call that are not ``f``'s (the randomness of a
             stochastic method).
         functional: how ``f`` is called safely (:meth:`~divjac.jax._backend.JaxBackend.functional`).
+        randomness: whether a leading argument is a source of randomness the transform takes.
     """
     transformed = make(f)
 
@@ -65,7 +67,7 @@ def compiled_when_eager(
         ours = jax.tree_util.tree_leaves(args[:skip])
         if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves + ours):
             return transformed(*args, **kwargs)  # already traced: the caller's jit compiles
-        if len(args) < skip or not all(is_array(leaf) for leaf in ours):
+        if len(args) < skip or not all(randomness(a) for a in args[:skip]):
             return transformed(*args, **kwargs)  # no key: the transform says what is missing
         dynamic = [is_array(leaf) for leaf in leaves]
         static = tuple(leaf for leaf, d in zip(leaves, dynamic, strict=True) if not d)
