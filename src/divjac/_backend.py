@@ -156,6 +156,18 @@ class Backend(abc.ABC, Generic[TracedT]):
     def zeros_like(self, x: Array) -> Array:
         """Zeros of the shape, dtype (and device) of ``x``."""
 
+    # --- devices ------------------------------------------------------------------------------
+
+    def batch_shards(self, xb: Array) -> int:
+        """How many devices the leading (batch) axis of ``xb`` is split over, as far as known
+        where the passes are planned (1: on one device, or unknown)."""
+        return 1
+
+    @abc.abstractmethod
+    def memory_available(self, x: Array) -> int | None:
+        """Free bytes of the device holding ``x``, where the framework reports them (``None``:
+        a host, or unknown)."""
+
     # --- tracing and differentiating ----------------------------------------------------------
 
     def ahead(self, setup: Callable[..., R], point: Point[TracedT], *static: Any) -> R:

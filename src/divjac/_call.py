@@ -110,13 +110,18 @@ class Call(Point[Traced]):
         return to_axis(self.backend, yb, self.spec.batch_axis)
 
     def bytes_per_pass(self) -> int:
+        """Bytes one pass holds on one device: its share of a batch split over devices."""
         xb, traced = self.xb, self.traced
         elements = math.prod(xb.shape) + math.prod(traced.out_shape) + traced.pass_elements
-        return self.backend.itemsize(xb) * elements
+        return self.backend.itemsize(xb) * elements // self.backend.batch_shards(xb)
 
     def chunk(self, n_passes: int, chunk_size: int | None) -> int:
-        """Passes run at once: ``chunk_size``, or as many as fit the memory budget."""
-        return plan.choose_chunk_size(n_passes, self.bytes_per_pass(), chunk_size)
+        """Passes run at once: ``chunk_size``, or as many as fit the memory budget (of the
+        device, where the framework reports its free memory)."""
+        available = self.backend.memory_available(self.xb)
+        return plan.choose_chunk_size(
+            n_passes, self.bytes_per_pass(), chunk_size, available=available
+        )
 
     def detect(self, *, per_sample: bool, auto: bool = False) -> Detection:
         """Detect the pattern (abandoned in ``auto`` mode when too dense); checks coupling."""

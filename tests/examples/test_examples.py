@@ -45,6 +45,7 @@ def test_every_example_has_a_test():
         "cnf_diffrax",
         "cnf_torchdiffeq",
         "ddp_divergence",
+        "jax_sharded",
         "pinn_flax",
         "score_matching",
     }
@@ -200,3 +201,23 @@ def test_ddp_divergence_two_gloo_processes_train_as_one_process(torch_float64):
     assert out["rank_gap"] == 0.0  # the ranks hold the same parameters
     assert out["one_process_gap"] <= 1e-12  # those of one process on the whole batches
     assert out["losses"][-1] < out["losses"][0]
+
+
+def test_jax_sharded_divergences_equal_one_device_without_collectives():
+    jax = pytest.importorskip("jax")
+    # With the devices of this process (tests/jax/test_sharding.py forces 8 host devices).
+    out = load("jax_sharded").main(small=True)
+    assert out["collectives"] == {"sparse": [], "hutchinson": []}
+    np.testing.assert_allclose(out["divergence"], out["divergence_one_device"], rtol=1e-12)
+    np.testing.assert_allclose(out["estimate"], out["estimate_one_device"], rtol=1e-12)
+    np.testing.assert_allclose(
+        out["shard_map_divergence"], out["divergence_one_device"], rtol=1e-12
+    )
+    assert out["shard_map_estimate"].shape == out["estimate"].shape
+    images, n = out["images"], math.prod(out["images"].shape[1:])
+
+    def trace(image):  # brute force: the trace of one sample's dense Jacobian
+        return jax.numpy.trace(jax.jacfwd(lambda a: out["f"](a[None])[0])(image).reshape(n, n))
+
+    dense = jax.jit(jax.vmap(trace))(images)
+    np.testing.assert_allclose(out["divergence_one_device"], dense, rtol=1e-10, atol=1e-10)

@@ -38,9 +38,21 @@ DIVERGENCE_METHODS = EXACT_METHODS + STOCHASTIC_METHODS
 _SPARSE_GAIN = 0.8
 
 
-def memory_budget() -> int:
-    """Bytes the passes of one call may use at once (``DIVJAC_MEMORY_BUDGET_MB``, default 1024)."""
-    return int(float(os.environ.get("DIVJAC_MEMORY_BUDGET_MB", "1024")) * (1 << 20))
+# Share of a device's free memory that the passes of one call may use at once: the estimate of
+# a pass is an upper bound, and the framework needs room for its own buffers.
+_DEVICE_SHARE = 0.5
+
+
+def memory_budget(available: int | None = None) -> int:
+    """Bytes the passes of one call may use at once: ``DIVJAC_MEMORY_BUDGET_MB`` if set, else
+    half of the device's free memory ``available`` where the framework reports it, else 1024 MB.
+    """
+    configured = os.environ.get("DIVJAC_MEMORY_BUDGET_MB")
+    if configured is not None:
+        return int(float(configured) * (1 << 20))
+    if available is not None:
+        return int(_DEVICE_SHARE * available)
+    return 1024 << 20
 
 
 @dataclass(frozen=True)
@@ -130,17 +142,26 @@ def color_classes(colors: np.ndarray | None, n: int) -> np.ndarray:
     return classes
 
 
-def memory_limit() -> int:
-    """Bytes beyond which passes are refused (``DIVJAC_MEMORY_LIMIT_MB``; default: 80 % of the
-    machine's memory): an estimate past it would exhaust the machine, whatever the chunk."""
+def memory_limit(available: int | None = None) -> int:
+    """Bytes beyond which passes are refused (``DIVJAC_MEMORY_LIMIT_MB``; default: the device's
+    free memory ``available`` where the framework reports it, else 80 % of the machine's
+    memory): an estimate past it would exhaust the device, whatever the chunk."""
     configured = os.environ.get("DIVJAC_MEMORY_LIMIT_MB")
     if configured is not None:
         return int(float(configured) * (1 << 20))
+    if available is not None:
+        return available
     return int(0.8 * physical_memory())
 
 
-def choose_chunk_size(n_passes: int, bytes_per_pass: int, chunk_size: int | None) -> int:
+def choose_chunk_size(
+    n_passes: int, bytes_per_pass: int, chunk_size: int | None, *, available: int | None = None
+) -> int:
     """Passes computed at once: ``chunk_size`` if given, else as many as fit the budget.
+
+    ``bytes_per_pass`` is what one pass holds on one device (its share of a sharded batch);
+    ``available``: the free bytes of that device, where the framework reports them
+    (:func:`memory_budget`, :func:`memory_limit`).
 
     Raises:
         OptionError: ``chunk_size`` is not a positive int or ``None``.
@@ -155,9 +176,9 @@ def choose_chunk_size(n_passes: int, bytes_per_pass: int, chunk_size: int | None
             )
         chunk = min(chunk_size, max(n_passes, 1))
     else:
-        fit = memory_budget() // max(bytes_per_pass, 1)
+        fit = memory_budget(available) // max(bytes_per_pass, 1)
         chunk = int(min(max(fit, 1), max(n_passes, 1)))
-    limit = memory_limit()
+    limit = memory_limit(available)
     if chunk * bytes_per_pass > limit:
         fits = limit // max(bytes_per_pass, 1)
         fix = (
@@ -167,6 +188,7 @@ def choose_chunk_size(n_passes: int, bytes_per_pass: int, chunk_size: int | None
         )
         raise DetectionMemoryError(
             f"{chunk} passes at once would need about {chunk * bytes_per_pass >> 20} MB, more "
-            f"than the limit of {limit >> 20} MB (DIVJAC_MEMORY_LIMIT_MB): {fix}."
+            f"than the limit of {limit >> 20} MB (DIVJAC_MEMORY_LIMIT_MB, or the device's free "
+            f"memory): {fix}."
         )
     return chunk

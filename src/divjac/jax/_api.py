@@ -15,8 +15,9 @@ from .. import _divergence as D, _transforms as T
 from .._call import Coupling, Direction, Distribution, Method, Mode
 from .._core import stochastic
 from .._core.pattern import SparsityPattern
+from .._core.plan import STOCHASTIC_METHODS
 from .._docs import documented
-from . import _detect
+from . import _detect, _eager
 from ._backend import BACKEND
 
 __all__ = [
@@ -31,6 +32,31 @@ __all__ = [
     "sparsity",
     "value_and_divergence",
 ]
+
+
+def _compiled_when_eager(
+    transform: Callable[..., Callable[..., Any]],
+    f: Callable[..., Any],
+    argnums: int | Sequence[int],
+    *,
+    skip: int = 0,
+    **options: Any,
+) -> Callable[..., Any]:
+    """``transform(BACKEND, f, argnums, **options)``, run as one cached compiled program when
+    called outside ``jax.jit`` (:mod:`divjac.jax._eager`)."""
+    return _eager.compiled_when_eager(
+        lambda g: transform(BACKEND, g, argnums, **options),
+        f,
+        (transform.__name__, argnums, tuple(sorted(options.items()))),
+        skip=skip,
+        functional=BACKEND.functional,
+        randomness=lambda r: BACKEND.is_randomness(r) or D._is_probes(BACKEND, r),
+    )
+
+
+def _randomness(method: str) -> int:
+    """Leading arguments of a call that are not the function's: a stochastic method's key."""
+    return 1 if method in STOCHASTIC_METHODS else 0
 
 
 @documented()
@@ -54,8 +80,8 @@ def jacobian(
         >>> jacobian(lambda x: x @ W.T)(jnp.ones((5, 2))).shape
         (5, 2, 2)
     """
-    return T.jacobian(
-        BACKEND,
+    return _compiled_when_eager(
+        T.jacobian,
         f,
         argnums,
         batch_axis=batch_axis,
@@ -117,10 +143,11 @@ def divergence(
         >>> divergence(lambda x: jnp.sin(x))(jnp.zeros((3, 4))).tolist()
         [4.0, 4.0, 4.0]
     """
-    return D.divergence(
-        BACKEND,
+    return _compiled_when_eager(
+        D.divergence,
         f,
         argnums,
+        skip=_randomness(method),
         batch_axis=batch_axis,
         method=method,
         mode=mode,
@@ -160,10 +187,11 @@ def value_and_divergence(
         >>> y.shape, div.tolist()
         ((2, 3), [6.0, 6.0])
     """
-    return D.value_and_divergence(
-        BACKEND,
+    return _compiled_when_eager(
+        D.value_and_divergence,
         f,
         argnums,
+        skip=_randomness(method),
         batch_axis=batch_axis,
         method=method,
         mode=mode,
@@ -227,10 +255,11 @@ def grad_divergence(
         >>> grad_divergence(lambda x: x**3)(jnp.ones((2, 3))).tolist()
         [[6.0, 6.0, 6.0], [6.0, 6.0, 6.0]]
     """
-    return D.grad_divergence(
-        BACKEND,
+    return _compiled_when_eager(
+        D.grad_divergence,
         f,
         argnums,
+        skip=_randomness(method),
         batch_axis=batch_axis,
         method=method,
         mode=mode,
@@ -266,10 +295,11 @@ def laplacian(
         >>> laplacian(lambda x: jnp.sum(x**2, axis=1))(jnp.ones((2, 3))).tolist()
         [6.0, 6.0]
     """
-    return D.laplacian(
-        BACKEND,
+    return _compiled_when_eager(
+        D.laplacian,
         u,
         argnums,
+        skip=_randomness(method),
         batch_axis=batch_axis,
         method=method,
         num_probes=num_probes,
@@ -339,8 +369,8 @@ def sparse_jacobian(
         >>> J.shape, J.nse
         ((2, 3, 3), 3)
     """
-    return T.sparse_jacobian(
-        BACKEND,
+    return _compiled_when_eager(
+        T.sparse_jacobian,
         f,
         argnums,
         batch_axis=batch_axis,
@@ -352,11 +382,12 @@ def sparse_jacobian(
 
 
 def clear_caches() -> None:
-    """Drop every trace and detection that ``divjac.jax`` has cached.
+    """Drop every trace, detection and compiled eager call that ``divjac.jax`` has cached.
 
     Never needed for correct results: a cached detection is reused only when the traced
     program and everything it read are unchanged (see ``docs/how-it-works.md``, "Caching").
     Use it to free memory, or to time a first call.
     """
     _detect.CACHE.clear()
+    _eager.CACHE.clear()
     stochastic.clear_plans()

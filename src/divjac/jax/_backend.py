@@ -1,14 +1,15 @@
 """JAX's primitives for divjac's transforms (:mod:`divjac._transforms`, :mod:`divjac._divergence`).
 
-Passes are batched with ``jax.vmap`` (``lax.map`` with ``batch_size`` when chunked) over the JVP of
-``jax.linearize`` (or the VJP of ``jax.vjp``). A tangent that is the same in every sample is
-pushed through :func:`~divjac.jax._sink.shared_push`, so that the batch-constant prefix of the
-linear program (the first matmul of an MLP, the first convolution of a CNN) is computed once.
-Passes read their own entries with gathers.
+Passes are pushed through the JVP of ``jax.linearize`` (or the VJP of ``jax.vjp``) a chunk at a
+time (``lax.map`` over the chunks) by :func:`~divjac.jax._sink.pushes`, which keeps the work of
+each sample on the device holding it and computes the batch-constant prefix of the linear
+program (the first matmul of an MLP, the first convolution of a CNN) once for a tangent that is
+the same in every sample. Passes read their own entries with gathers within each sample.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +24,7 @@ from .._backend import Array, Backend, Finish, Linear, Point, Seed
 from .._core import plan
 from .._errors import OptionError
 from ._detect import Traced, is_array, trace
-from ._sink import shared_push
+from ._sink import pushes, varying_axes
 
 __all__ = ["BACKEND", "JaxBackend"]
 
@@ -48,26 +49,28 @@ class _Linearized(Linear):
             y, push = jax.linearize(point.g, point.xb)
         self.value, self.aux = y, aux
         self._push: Callable[[jax.Array], jax.Array] = push
-        self._batch_size = point.batch_size
+        self._x = point.xb
         self._seed_sample = point.out_sample if reverse else point.in_sample
-        self._dtype = point.xb.dtype
 
     def passes(
         self, inputs: jax.Array, seed: Seed, finish: Finish, chunk: int, *, shared: bool
     ) -> jax.Array:
-        push = self._push
-        if shared:
-            push = shared_push(push, self._batch_size, self._seed_sample, self._dtype)
+        seed_shape = self._seed_sample if shared else (self._x.shape[0], *self._seed_sample)
+        pushed = pushes(self._push, self._x, seed_shape, shared=shared)
 
-        def pass_fn(c: jax.Array) -> jax.Array:
-            t = seed(c)
-            return finish(c, t, push(t))
+        def run(cs: jax.Array) -> jax.Array:
+            ts = jax.vmap(seed)(cs)
+            return jax.vmap(finish)(cs, ts, pushed(ts))
 
-        if inputs.shape[0] == 1:  # one pass (a CNF's single probe): no batch axis to add
-            return pass_fn(inputs[0])[None]
-        if chunk >= inputs.shape[0]:
-            return jax.vmap(pass_fn)(inputs)
-        return lax.map(pass_fn, inputs, batch_size=chunk)
+        k = int(inputs.shape[0])
+        if chunk >= k:
+            return run(inputs)
+        full = k - k % chunk
+        head = lax.map(run, inputs[:full].reshape(full // chunk, chunk, *inputs.shape[1:]))
+        head = head.reshape(full, *head.shape[2:])
+        if full == k:
+            return head
+        return jnp.concatenate([head, run(inputs[full:])])
 
 
 class JaxBackend(Backend[Traced]):
@@ -101,6 +104,35 @@ class JaxBackend(Backend[Traced]):
 
     def zeros_like(self, x: Array) -> jax.Array:
         return jnp.zeros_like(x)
+
+    def batch_shards(self, xb: Array) -> int:
+        """From the array's sharding (a concrete array, or a tracer of an explicitly sharded
+        mesh axis); a tracer under ``jit`` of an ``Auto`` mesh carries none (1). Inside
+        ``shard_map`` the array is already the shard's own."""
+        if isinstance(xb, jax.core.Tracer):
+            sharding = jax.typeof(xb).sharding
+        else:
+            sharding = getattr(xb, "sharding", None)
+        spec = getattr(sharding, "spec", None)
+        if not spec or spec[0] is None:
+            return 1
+        mesh = sharding.mesh
+        axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+        manual = set(getattr(mesh, "manual_axes", ()))
+        return math.prod(mesh.shape[a] for a in axes if a not in manual)
+
+    def memory_available(self, x: Array) -> int | None:
+        """``bytes_limit - bytes_in_use`` of the device (the least of the devices of a sharded
+        array; the default device for a tracer), where it reports them (not on CPU)."""
+        sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+        devices = jax.devices()[:1] if sharding is None else list(sharding.device_set)
+        free = []
+        for device in devices:
+            stats = device.memory_stats()
+            if not stats or "bytes_limit" not in stats:
+                return None
+            free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+        return min(free)
 
     trace = staticmethod(trace)
 
@@ -201,6 +233,12 @@ class JaxBackend(Backend[Traced]):
     def draw(
         self, randomness: Any, shape: Sequence[int], distribution: str, like: Array
     ) -> jax.Array:
+        """Inside ``shard_map``, a key that does not vary over the mesh axes the input varies
+        over (a replicated key) is first folded with the shard's index over those axes, so
+        that each shard draws its own probes (the same key and mesh give the same probes)."""
+        missing = tuple(sorted(varying_axes(like) - varying_axes(randomness)))
+        if missing:
+            randomness = jax.random.fold_in(randomness, lax.axis_index(missing))
         if distribution == "rademacher":
             return jax.random.rademacher(randomness, tuple(shape), like.dtype)
         return jax.random.normal(randomness, tuple(shape), like.dtype)

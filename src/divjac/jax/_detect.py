@@ -95,7 +95,8 @@ def digest(value: Any) -> Hashable:
     if isinstance(value, jax.core.Tracer) or not getattr(value, "is_fully_addressable", True):
         return None
     if jnp.issubdtype(getattr(value, "dtype", np.float32), jax.dtypes.prng_key):
-        value = jax.random.key_data(value)
+        with jax.ensure_compile_time_eval():  # a concrete key stays concrete under a trace
+            value = jax.random.key_data(value)
     data = np.asarray(value)
     return (str(data.dtype), data.shape, hashlib.blake2b(data.tobytes()).digest())
 

@@ -1,17 +1,26 @@
-"""Pushing a tangent that is the same in every sample without repeating work per sample.
+"""Pushing many tangents through a linearized batched function at once, batch-locally.
 
-The batch trick pushes one tangent ``broadcast(e)`` (the same ``e`` in every sample) through the
-linearized batched function. Its first linear operations (the first ``dot_general`` of an MLP,
-the first convolution of a CNN) act on a batch-constant array, so computing them on the
-broadcast array repeats identical work ``B`` times; XLA does not sink the broadcast through a
-dot or a convolution. Hand-written ``vmap(jacfwd(f))`` does not pay this: its basis is unbatched.
+A divjac pass pushes one tangent through the linearized batched function; ``k`` passes are
+pushed at once. :func:`pushes` evaluates the linear program equation by equation with the
+passes on an explicit leading axis (a :class:`_Passes` value), each primitive batched by JAX's
+own rule (``jax.vmap`` of that one equation), with one exception: a convolution folds the pass
+axis into its batch axis *behind* the samples (``(B, k) -> B * k``), where JAX's rule folds it
+in front (``(k, B) -> k * B``). With the samples sharded over devices, the first layout keeps
+each device's share contiguous, so XLA partitions the passes without a collective; the second
+gathers the whole batch on every device.
 
-:func:`shared_push` evaluates the linear program with broadcasts kept symbolic: a value may be
-a :class:`_Bcast` (a base array and the axes broadcast over), and dot products, convolutions,
+Shared tangents: the batch trick pushes ``broadcast(e)`` (the same ``e`` in every sample). Its
+first linear operations (the first ``dot_general`` of an MLP, the first convolution of a CNN)
+act on a batch-constant array, so computing them on the broadcast array repeats identical work
+``B`` times; XLA does not sink the broadcast through a dot or a convolution. Hand-written
+``vmap(jacfwd(f))`` does not pay this: its basis is unbatched. With ``shared``, a value may be a
+:class:`_Bcast` (a base and the axes broadcast over), and dot products, convolutions,
 element-wise operations, transposes, concatenations and sums are computed on the base. A value
 is materialized (broadcast for real) only where an operation needs it, typically the first
-product with a batch-dependent residual. The result is the same function, with the batch-constant
-prefix computed once.
+product with a batch-dependent residual.
+
+Inside ``shard_map`` the pushed tangents are cast to vary over the mesh axes the input varies
+over (as ``jax.linearize`` requires of them).
 """
 
 from __future__ import annotations
@@ -25,16 +34,48 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-__all__ = ["shared_push"]
+__all__ = ["pushes", "varying_axes", "varying_like"]
 
-_UNARY = {"neg", "convert_element_type", "copy", "copy_p", "reduce_precision", "real", "imag"}
+_UNARY = {
+    "neg",
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "reduce_precision",
+    "real",
+    "imag",
+}
 _BINARY = {"add", "add_any", "sub", "mul", "div", "max", "min"}
 _CALLS = {"jit", "pjit", "closed_call", "core_call"}
 
 
 @dataclass(frozen=True)
+class _Passes:
+    """A value of every pass: ``value`` has the passes on its leading axis."""
+
+    value: Any
+
+
+def _lift(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn`` of per-pass values, batched over the pass axis of the :class:`_Passes` arguments
+    (a tuple result for a tuple ``fn``)."""
+    if not any(isinstance(a, _Passes) for a in args):
+        return fn(*args)
+    axes = [0 if isinstance(a, _Passes) else None for a in args]
+    values = [a.value if isinstance(a, _Passes) else a for a in args]
+    out = jax.vmap(fn, in_axes=axes)(*values)
+    return [_Passes(o) for o in out] if isinstance(out, list | tuple) else _Passes(out)
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    """The shape of one pass's value."""
+    return tuple(jnp.shape(v.value))[1:] if isinstance(v, _Passes) else tuple(jnp.shape(v))
+
+
+@dataclass(frozen=True)
 class _Bcast:
-    """``broadcast`` of ``base`` to ``shape`` with new axes ``new_axes`` (base fills the others)."""
+    """``broadcast`` of ``base`` to ``shape`` with new axes ``new_axes`` (base fills the others);
+    ``base`` may carry the passes (:class:`_Passes`), ``shape`` is that of one pass."""
 
     base: Any
     shape: tuple[int, ...]
@@ -44,25 +85,54 @@ class _Bcast:
         return [a for a in range(len(self.shape)) if a not in self.new_axes]
 
     def materialize(self) -> Any:
-        return lax.broadcast_in_dim(self.base, self.shape, tuple(self.kept()))
+        kept = tuple(self.kept())
+        return _lift(lambda b: lax.broadcast_in_dim(b, self.shape, kept), self.base)
 
 
 def _real(v: Any) -> Any:
     return v.materialize() if isinstance(v, _Bcast) else v
 
 
-def shared_push(
-    push: Callable[[jax.Array], jax.Array], batch: int, seed_shape: Sequence[int], dtype: Any
-) -> Callable[[jax.Array], jax.Array]:
-    """``e -> push(broadcast_to(e, (batch, *seed_shape)))``, computed without redundant work."""
-    seed_shape = tuple(seed_shape)
-    closed = jax.make_jaxpr(lambda e: push(jnp.broadcast_to(e, (batch, *seed_shape))))(
-        jax.ShapeDtypeStruct(seed_shape, dtype)
-    )
+def varying_like(t: jax.Array, x: jax.Array) -> jax.Array:
+    """``t`` cast to vary over the mesh axes ``x`` varies over (inside ``shard_map``)."""
+    missing = tuple(sorted(varying_axes(x) - varying_axes(t)))
+    return lax.pcast(t, missing, to="varying") if missing else t
 
-    def pushed(e: jax.Array) -> jax.Array:
-        (out,) = _eval(closed.jaxpr, closed.consts, [e])
-        return _real(out)
+
+def varying_axes(x: Any) -> frozenset[Any]:
+    """The manual mesh axes ``x`` varies over (empty outside ``shard_map``)."""
+    mat = getattr(jax.typeof(x), "mat", None)
+    return frozenset(getattr(mat, "varying", ()))
+
+
+def pushes(
+    push: Callable[[jax.Array], jax.Array],
+    x: jax.Array,
+    seed_shape: Sequence[int],
+    *,
+    shared: bool,
+) -> Callable[[jax.Array], jax.Array]:
+    """``ts -> stack([push(t) for t in ts])``, the passes on the leading axis of ``ts``.
+
+    ``x`` is the batch-first point of ``push``'s linearization. With ``shared``, each ``t`` is
+    one sample's tangent (``seed_shape``) standing for ``broadcast_to(t, (B, *seed_shape))``,
+    computed without redundant work; otherwise each ``t`` spans the batch (``seed_shape``
+    includes it).
+    """
+    seed_shape = tuple(seed_shape)
+    batch = int(x.shape[0])
+
+    def one(t: jax.Array) -> jax.Array:
+        return push(jnp.broadcast_to(t, (batch, *seed_shape)) if shared else t)
+
+    def pushed(ts: jax.Array) -> jax.Array:
+        ts = varying_like(ts, x)
+        closed = jax.make_jaxpr(one)(ts[0])  # the avals of the tangents as they vary
+        (out,) = _eval(closed.jaxpr, closed.consts, [_Passes(ts)])
+        out = _real(out)
+        if isinstance(out, _Passes):
+            return out.value
+        return jnp.broadcast_to(out, (ts.shape[0], *jnp.shape(out)))  # no tangent reached it
 
     return pushed
 
@@ -86,11 +156,49 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         else:
             outs = None
         if outs is None:
-            out = _bind(eqn, *(_real(v) for v in ins))
-            outs = list(out) if eqn.primitive.multiple_results else [out]
+            outs = _vbind(eqn, *(_real(v) for v in ins))
         for var, val in zip(eqn.outvars, outs, strict=True):
             env[var] = val
     return [read(v) for v in jaxpr.outvars]
+
+
+def _bind(eqn: Any, *args: Any) -> Any:
+    """Evaluate the primitive of one equation on ordinary values, with its parameters."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    return eqn.primitive.bind(*args, **params)
+
+
+def _vbind(eqn: Any, *args: Any) -> list[Any]:
+    """The outputs of one equation, for every pass of its :class:`_Passes` arguments."""
+    out: Any = None
+    if eqn.primitive.name == "conv_general_dilated":
+        out = _conv_passes(eqn, *args)
+    if out is None:
+        out = _lift(lambda *a: _bind(eqn, *a), *args)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _one(eqn: Any, *args: Any) -> Any:
+    (out,) = _vbind(eqn, *args)
+    return out
+
+
+def _conv_passes(eqn: Any, lhs: Any, rhs: Any) -> _Passes | None:
+    """A convolution of every pass, the passes folded into the batch axis behind the samples
+    (``None``: left to JAX's batching rule)."""
+    if not isinstance(lhs, _Passes) or isinstance(rhs, _Passes):
+        return None
+    if eqn.params["batch_group_count"] != 1:
+        return None
+    dn = eqn.params["dimension_numbers"]
+    v = lhs.value
+    k, n_axis = v.shape[0], dn.lhs_spec[0]
+    v = jnp.moveaxis(v, 0, n_axis + 1)
+    merged = (*v.shape[:n_axis], v.shape[n_axis] * k, *v.shape[n_axis + 2 :])
+    out = _bind(eqn, v.reshape(merged), rhs)
+    o = dn.out_spec[0]
+    out = out.reshape((*out.shape[:o], out.shape[o] // k, k, *out.shape[o + 1 :]))
+    return _Passes(jnp.moveaxis(out, o + 1, 0))
 
 
 def _eqn(eqn: Any, ins: list[Any]) -> list[Any] | None:
@@ -100,17 +208,17 @@ def _eqn(eqn: Any, ins: list[Any]) -> list[Any] | None:
     out_shape = tuple(eqn.outvars[0].aval.shape) if eqn.outvars else ()
     if name in _UNARY:
         (x,) = ins
-        return [_Bcast(_bind(eqn, x.base), out_shape, x.new_axes)]
+        return [_Bcast(_one(eqn, x.base), out_shape, x.new_axes)]
     if name in _BINARY and len(ins) == 2:
         a, b = ins
         if isinstance(a, _Bcast) and isinstance(b, _Bcast):
             if a.shape == b.shape and a.new_axes == b.new_axes:
-                return [_Bcast(_bind(eqn, a.base, b.base), out_shape, a.new_axes)]
+                return [_Bcast(_one(eqn, a.base, b.base), out_shape, a.new_axes)]
             return None
         x, other, first = (a, b, True) if isinstance(a, _Bcast) else (b, a, False)
-        if jnp.ndim(other) == 0:
+        if not _shape(other):
             args = (x.base, other) if first else (other, x.base)
-            return [_Bcast(_bind(eqn, *args), out_shape, x.new_axes)]
+            return [_Bcast(_one(eqn, *args), out_shape, x.new_axes)]
         return None
     if name == "transpose":
         (x,) = ins
@@ -118,14 +226,15 @@ def _eqn(eqn: Any, ins: list[Any]) -> list[Any] | None:
         new = tuple(i for i, a in enumerate(perm) if a in x.new_axes)
         kept = x.kept()
         base_perm = [kept.index(a) for a in perm if a not in x.new_axes]
-        return [_Bcast(jnp.transpose(x.base, base_perm), out_shape, new)]
+        return [_Bcast(_lift(lambda b: jnp.transpose(b, base_perm), x.base), out_shape, new)]
     if name == "reduce_sum":
         (x,) = ins
         axes = tuple(p["axes"])
         if set(axes) & set(x.new_axes):
             return None
         kept = x.kept()
-        base = jnp.sum(x.base, axis=tuple(kept.index(a) for a in axes))
+        summed = tuple(kept.index(a) for a in axes)
+        base = _lift(lambda b: jnp.sum(b, axis=summed), x.base)
         remaining = [a for a in range(len(x.shape)) if a not in axes]
         new = tuple(remaining.index(a) for a in x.new_axes)
         return [_Bcast(base, out_shape, new)]
@@ -137,7 +246,8 @@ def _eqn(eqn: Any, ins: list[Any]) -> list[Any] | None:
             or dim in first.new_axes
         ):
             return None
-        base = jnp.concatenate([v.base for v in ins], axis=first.kept().index(dim))
+        at = first.kept().index(dim)
+        base = _lift(lambda *bs: jnp.concatenate(bs, axis=at), *(v.base for v in ins))
         return [_Bcast(base, out_shape, first.new_axes)]
     if name == "dot_general":
         return _dot_general(p, ins, out_shape)
@@ -150,12 +260,6 @@ def _eqn(eqn: Any, ins: list[Any]) -> list[Any] | None:
     return None
 
 
-def _bind(eqn: Any, *args: Any) -> Any:
-    """Evaluate the primitive of one equation on ordinary values, with its parameters."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    return eqn.primitive.bind(*args, **params)
-
-
 def _broadcast_in_dim(eqn: Any, x: Any) -> list[Any] | None:
     """A pure broadcast (new axes only) becomes symbolic; size-1 expansion is left to XLA."""
     shape = tuple(eqn.params["shape"])
@@ -164,7 +268,7 @@ def _broadcast_in_dim(eqn: Any, x: Any) -> list[Any] | None:
         kept = x.kept()
         dims = tuple(dims[a] for a in kept)  # where the base axes land
         x = x.base
-    if tuple(jnp.shape(x)) != tuple(shape[d] for d in dims) or list(dims) != sorted(dims):
+    if _shape(x) != tuple(shape[d] for d in dims) or list(dims) != sorted(dims):
         return None
     return [_Bcast(x, shape, tuple(a for a in range(len(shape)) if a not in dims))]
 
@@ -180,20 +284,25 @@ def _dot_general(p: dict[str, Any], ins: list[Any], out_shape: tuple[int, ...]) 
         return None
     kept = x.kept()
     remap = lambda axes: tuple(kept.index(a) for a in axes)  # noqa: E731
+    preferred = p.get("preferred_element_type")
     if is_lhs:
         dnums = ((remap(lc), tuple(rc)), (remap(lb), tuple(rb)))
-        base = lax.dot_general(
-            x.base, rhs, dnums, preferred_element_type=p.get("preferred_element_type")
+        base = _lift(
+            lambda a, b: lax.dot_general(a, b, dnums, preferred_element_type=preferred),
+            x.base,
+            rhs,
         )
         free = [a for a in range(len(x.shape)) if a not in lc and a not in lb]
         offset = len(lb)
     else:
         dnums = ((tuple(lc), remap(rc)), (tuple(lb), remap(rb)))
-        base = lax.dot_general(
-            lhs, x.base, dnums, preferred_element_type=p.get("preferred_element_type")
+        base = _lift(
+            lambda a, b: lax.dot_general(a, b, dnums, preferred_element_type=preferred),
+            lhs,
+            x.base,
         )
         free = [a for a in range(len(x.shape)) if a not in rc and a not in rb]
-        n_lhs_free = len(lhs.shape) - len(lc) - len(lb)
+        n_lhs_free = len(_shape(lhs)) - len(lc) - len(lb)
         offset = len(lb) + n_lhs_free
     new = tuple(offset + free.index(a) for a in x.new_axes)
     return [_Bcast(base, out_shape, tuple(sorted(new)))]
@@ -207,7 +316,7 @@ def _conv(eqn: Any, ins: list[Any], out_shape: tuple[int, ...]) -> list[Any] | N
     batch_axis = dn.lhs_spec[0]
     if lhs.new_axes != (batch_axis,) or eqn.params["batch_group_count"] != 1:
         return None
-    base = jnp.expand_dims(lhs.base, batch_axis)
-    out = _bind(eqn, base, rhs)
+    base = _lift(lambda b: jnp.expand_dims(b, batch_axis), lhs.base)
+    out = _one(eqn, base, rhs)
     out_batch = dn.out_spec[0]
-    return [_Bcast(jnp.squeeze(out, out_batch), out_shape, (out_batch,))]
+    return [_Bcast(_lift(lambda o: jnp.squeeze(o, out_batch), out), out_shape, (out_batch,))]

@@ -628,6 +628,13 @@ class TorchBackend(Backend[Traced]):
             return cast(Callable[..., Any], fun._orig_mod)
         return fun
 
+    def memory_available(self, x: torch.Tensor) -> int | None:
+        """The free memory of a CUDA device (``torch.cuda.mem_get_info``); ``None`` elsewhere."""
+        if x.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(x.device)
+        return int(free)
+
     def trace(
         self,
         fun: Callable[..., Any],
