@@ -24,3 +24,40 @@ def rng():
     import numpy as np
 
     return np.random.default_rng(0)
+
+
+def once_per_session(
+    tmp_path_factory: pytest.TempPathFactory, name: str, compute, timeout_s: float = 900.0
+):
+    """``compute()`` (JSON-serializable) run once per test session, whatever the number of xdist
+    workers: the first worker to ask computes it, the others wait for its file (a subprocess
+    or process group that several workers would otherwise each start)."""
+    import json
+    import time
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of this session
+    done, claim = root / f"{name}.json", root / f"{name}.claim"
+    try:
+        fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:  # another worker computes it
+        deadline = time.monotonic() + timeout_s
+        while not done.exists():
+            if time.monotonic() > deadline:
+                pytest.fail(f"{name}: another test worker did not finish in {timeout_s:.0f} s")
+            time.sleep(0.5)
+        result = json.loads(done.read_text())
+        if "__failed__" in result:
+            pytest.fail(f"{name} failed in another test worker: {result['__failed__']}")
+        return result
+    os.close(fd)
+    try:
+        result = compute()
+    except BaseException as err:
+        done.write_text(json.dumps({"__failed__": repr(err)[-2000:]}))
+        raise
+    partial = done.with_suffix(".partial")
+    partial.write_text(json.dumps(result))
+    partial.replace(done)  # atomic: a waiting worker never reads half a file
+    return result

@@ -192,7 +192,13 @@ def _cases() -> dict[str, Any]:  # runs in the subprocess: 8 host devices
 
 
 @pytest.fixture(scope="module")
-def report() -> dict[str, Any]:
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from tests.conftest import once_per_session  # here: this file also runs as a script
+
+    return once_per_session(tmp_path_factory, "jax-8-host-devices", _run)
+
+
+def _run() -> dict[str, Any]:
     env = os.environ.copy()
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
     env["JAX_PLATFORMS"] = "cpu"

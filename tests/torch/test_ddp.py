@@ -285,6 +285,12 @@ def _spawned(out: Path) -> Iterator[mp.ProcessContext]:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from tests.conftest import once_per_session  # here: this file also runs as a script
+
+    return once_per_session(tmp_path_factory, "ddp-gloo", lambda: _run(tmp_path_factory))
+
+
+def _run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("ddp") / "rank0.json"
     env = {"OMP_NUM_THREADS": "1"}
     previous = {k: os.environ.get(k) for k in env}
