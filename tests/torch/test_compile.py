@@ -42,6 +42,7 @@ def _x() -> torch.Tensor:
 
 def _losses(net: nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     probes = torch.linspace(-1.0, 1.0, 24, dtype=torch.float64).reshape(2, 3, 4)
+    many = torch.cos(torch.arange(48, dtype=torch.float64)).reshape(4, 3, 4)
 
     def value_and_div(x: torch.Tensor) -> torch.Tensor:
         y, div = dj.value_and_divergence(net)(x)
@@ -56,6 +57,15 @@ def _losses(net: nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]
         "value_and_divergence": value_and_div,
         "jacobian": lambda x: (dj.jacobian(net)(x) ** 2).sum(),
         "jacobian_fwd": lambda x: (dj.jacobian(net, mode="fwd")(x) ** 2).sum(),
+        "divergence_rev": lambda x: (dj.divergence(net, mode="rev")(x) ** 2).sum(),
+        "grad_divergence": lambda x: (dj.grad_divergence(net)(x) ** 2).sum(),
+        # num_probes is the matvec budget: 6 takes 4 random vectors (Hutch++), 3 (XTrace)
+        "hutch++": lambda x: (
+            dj.divergence(net, method="hutch++", num_probes=6)(many[:4], x) ** 2
+        ).sum(),
+        "xtrace": lambda x: (
+            dj.divergence(net, method="xtrace", num_probes=6)(many[:3], x) ** 2
+        ).sum(),
     }
 
 
