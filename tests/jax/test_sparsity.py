@@ -534,3 +534,24 @@ def test_sparsity_pattern_api():
     assert "nnz=15" in repr(p)
     q = sparsity(lambda x: x - x.mean(0))(jnp.ones((4, 5)))
     assert not q.is_batch_independent and q.coupling is not None
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_shared_seeds_detect_what_full_seeds_detect(name, monkeypatch):
+    """Detection holds the samples' dependency sets once while they act alike (the cost of
+    one sample); seeded in full instead, every architecture gives the same pattern and the
+    same coupling."""
+    f, shape, _ = ARCHITECTURES[name]
+    x = _normal(7, shape)
+    shared = sparsity(f)(x)
+    seed = divjac._core.detection.P.seed
+
+    def full_seed(layout, *, per_sample):
+        s = seed(layout, per_sample=per_sample)
+        return type(s)(s.shape, s.n_labels, s.csr)
+
+    monkeypatch.setattr(divjac._core.detection.P, "seed", full_seed)
+    divjac.jax._detect.CACHE.clear()
+    full = sparsity(f)(x)
+    assert (shared.csr != full.csr).nnz == 0
+    assert shared.coupling == full.coupling

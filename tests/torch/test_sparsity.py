@@ -363,3 +363,23 @@ def test_registered_rule_makes_the_pattern_exact_and_replaces_cached_ones():
     assert pattern.dense_fallbacks == frozenset()
     eye = np.eye(5, dtype=bool)
     np.testing.assert_array_equal(pattern.csr.toarray(), eye | eye[::-1])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_shared_seeds_detect_what_full_seeds_detect(case, monkeypatch):
+    """Seeded in full instead of shared (one matrix for all samples), every case gives the
+    same pattern and the same coupling."""
+    make, shape, _ = CASES[case]
+    f, x = make(), _randn(*shape)
+    shared = sparsity(f)(x)
+    seed = divjac._core.detection.P.seed
+
+    def full_seed(layout, *, per_sample):
+        s = seed(layout, per_sample=per_sample)
+        return type(s)(s.shape, s.n_labels, s.csr)
+
+    monkeypatch.setattr(divjac._core.detection.P, "seed", full_seed)
+    divjac.torch._detect.CACHE.clear()
+    full = sparsity(f)(x)
+    assert (shared.csr != full.csr).nnz == 0
+    assert shared.coupling == full.coupling

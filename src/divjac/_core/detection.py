@@ -104,8 +104,8 @@ class EntryLimit:
 
     def check(self, dep: Deps, where: str) -> None:
         """Raise :class:`TooDense` (naming ``where``) if ``dep`` is past the limit."""
-        nnz = dep.matrix().nnz
-        self.total += nnz
+        nnz = dep.nnz
+        self.total += dep.stored
         if self.total * _BYTES_PER_ENTRY > self.budget:
             raise TooDense(where, memory=True)
         per, floor = self.labels_per_sample, self.floor

@@ -21,9 +21,9 @@ from functools import cached_property
 import numpy as np
 import scipy.sparse as sp
 
-from .._errors import NonSquareJacobianError
+from .._errors import InternalError, NonSquareJacobianError
 from . import coloring
-from .rules import Deps, from_labels
+from .rules import Deps, from_samples
 
 __all__ = ["BatchLayout", "Coupling", "SparsityPattern", "read_out", "seed"]
 
@@ -64,16 +64,14 @@ class BatchLayout:
 
 
 def seed(layout: BatchLayout, *, per_sample: bool) -> Deps:
-    """Dependency sets of the differentiated input.
+    """Dependency sets of the differentiated input (batch first, or no batch).
 
-    With ``per_sample=False`` only the sample labels are seeded (enough to decide coupling, and
-    much cheaper: every element then depends on about one label).
+    With ``per_sample=False`` only the sample labels are seeded (enough to decide coupling:
+    every element then depends on about one label).
     """
-    b, j = layout.indices()
-    n = layout.sample_size
-    if per_sample:
-        return from_labels(layout.shape, np.stack([j, n + b], axis=1), n + layout.batch_size)
-    return from_labels(layout.shape, b, layout.batch_size)
+    if layout.batch_axis not in (None, 0):
+        raise InternalError("the differentiated input is seeded batch first")
+    return from_samples(layout.shape, layout.batch_size, positions=per_sample)
 
 
 @dataclass(frozen=True)
@@ -91,6 +89,13 @@ def read_out(
     """Per-sample pattern (``n_out x n_in`` boolean CSR, or ``None``) and coupling evidence."""
     n_in = in_layout.sample_size if per_sample else 0
     n_out = out_layout.sample_size
+    sh = out.shared
+    if sh is not None and out_layout.batch_axis in (None, 0) and sh.layout.outer == 1:
+        # Every output sample depends on its own input sample only, all alike.
+        pattern = sp.csr_array(sh.rows[:, :n_in]) if per_sample else None
+        if pattern is not None:
+            pattern.sum_duplicates()
+        return pattern, None
     m = out.matrix().tocoo()
     b_out, i_out = out_layout.indices()
     rows, cols = np.asarray(m.row, np.int64), np.asarray(m.col, np.int64)

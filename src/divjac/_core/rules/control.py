@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ._deps import Deps, dense, union
+from ._deps import Deps, dense, equal, union
 from ._op import Op
 from .movement import broadcast_to, concatenate, reshape, slice_
 from .reductions import reduce
@@ -36,10 +36,7 @@ Program = Callable[[Sequence[Deps]], list[Deps]]
 
 def same(a: Deps, b: Deps) -> bool:
     """Whether two dependency sets are equal."""
-    if a.is_empty or b.is_empty:
-        return a.is_empty == b.is_empty
-    ma, mb = a.matrix(), b.matrix()
-    return bool(ma.nnz == mb.nnz and (ma != mb).nnz == 0)
+    return equal(a, b)
 
 
 def fixpoint(body: Program, init: Sequence[Deps], extra: Sequence[Deps]) -> list[Deps]:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._deps import Deps, Shape, arange, compose, empty, gather, union
+from ._deps import Deps, Shape, arange, compose, empty, gather, per_sample, union
 from ._op import Op
 from .movement import transpose
 from .reductions import reduce
@@ -120,6 +120,27 @@ def conv(
     input) reach every output of its output feature.
     """
     lhs_spec, rhs_spec, out_spec = tuple(lhs_spec), tuple(rhs_spec), tuple(out_spec)
+    if rhs.is_empty and batch_group_count == 1 and lhs_spec[0] == out_spec[0] == 0:
+        # Each sample is convolved on its own, alike: convolve one.
+        found = per_sample(
+            lambda one: conv(
+                one,
+                empty(rhs.shape, one.n_labels),
+                out_shape=(1, *out_shape[1:]),
+                lhs_spec=lhs_spec,
+                rhs_spec=rhs_spec,
+                out_spec=out_spec,
+                window_strides=window_strides,
+                padding=padding,
+                lhs_dilation=lhs_dilation,
+                rhs_dilation=rhs_dilation,
+                feature_group_count=feature_group_count,
+            ),
+            lhs,
+            out_shape,
+        )
+        if found is not None:
+            return found
     n_spatial = len(lhs_spec) - 2
     canon_out = tuple(out_shape[a] for a in out_spec)
     n_out, c_out = canon_out[0], canon_out[1]

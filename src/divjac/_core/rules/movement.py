@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._deps import Deps, arange, gather, index_map, union
+from ._deps import Deps, arange, gather, index_map, union, with_shape
 from ._op import Op
 
 __all__ = [
@@ -47,7 +47,7 @@ __all__ = [
 
 def reshape(deps: Deps, shape: Sequence[int]) -> Deps:
     """Reshape (row-major): the dependency rows are unchanged."""
-    return Deps(tuple(int(s) for s in shape), deps.n_labels, deps.csr)
+    return with_shape(deps, shape)
 
 
 def transpose(deps: Deps, permutation: Sequence[int]) -> Deps:

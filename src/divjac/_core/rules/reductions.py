@@ -28,7 +28,7 @@ def reduce(deps: Deps, axes: Sequence[int], *, keepdims: bool = False) -> Deps:
     out_shape = kept if keepdims else tuple(s for i, s in enumerate(deps.shape) if i not in axes)
     if not axes:
         return deps
-    if deps.csr is None:
+    if deps.is_empty:
         return empty(out_shape, deps.n_labels)
     target = np.broadcast_to(arange(kept), deps.shape).ravel()
     return compose(out_shape, target, np.arange(deps.size), deps)
