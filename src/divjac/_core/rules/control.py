@@ -44,7 +44,7 @@ MAX_FIXPOINT_ROUNDS = 64
 """Loops: rounds of a fixpoint over the condensed carry graph; past them, the groups of carried
 elements that can still grow are widened to the union over their weakly connected part."""
 
-SCAN_ENTRY_BUDGET = 1 << 24
+SCAN_ENTRY_BUDGET = 1 << 23
 """Scans are followed step by step (exact) until their steps have made this many dependency
 entries; the remaining steps (if any) share one fixpoint, their ``xs`` merged."""
 
@@ -237,6 +237,7 @@ def _unrolled(
     y_layout: tuple[np.ndarray, np.ndarray],
     x_layout: tuple[np.ndarray, np.ndarray],
     order: np.ndarray,
+    init: np.ndarray,
 ) -> tuple[int, np.ndarray, np.ndarray]:
     """The local pattern of the first ``T`` steps of a scan (steps in ``order``, the position
     of each step's slice): ``(T, rows, cols)``.
@@ -244,8 +245,8 @@ def _unrolled(
     ``T`` is the number of steps whose pattern fits in :data:`SCAN_ENTRY_BUDGET` entries. Rows:
     the carry after ``T`` steps (``n_c``), then the ``ys`` (stacked, flattened, laid out as
     ``y_layout`` says: :func:`_along_steps`); columns: the live constants (``n_k``), the
-    initial carry (``n_c``), then the live ``xs`` (stacked, flattened, laid out as
-    ``x_layout``).
+    initial carry (``n_c``; only its elements ``init`` are followed: the others depend on no
+    label), then the live ``xs`` (stacked, flattened, laid out as ``x_layout``).
     With ``A``, ``C`` the body's patterns from the carry to the new carry and to ``y``, the
     states ``Z_t = A Z_{t-1} | K`` (columns: the constants, the initial carry, the ``x`` of
     ``t`` steps back) give every step's carry and ``W_t = C Z_t`` its ``y``. The states become
@@ -267,9 +268,9 @@ def _unrolled(
 
     state = _canonical(
         sp.csr_array(
-            (np.ones(n_c + len(b_rows), bool),
-             (np.concatenate([np.arange(n_c), b_rows]),
-              np.concatenate([n_k + np.arange(n_c), lagged + b_cols]))),
+            (np.ones(len(init) + len(b_rows), bool),
+             (np.concatenate([init, b_rows]),
+              np.concatenate([n_k + init, lagged + b_cols]))),
             shape=(n_c, lagged + n_x),
         )
     )  # fmt: skip
@@ -367,7 +368,8 @@ def scan_rule(op: Op) -> list[Deps]:
         [math.prod(x.shape[1:]) for x, live in zip(xs, live_xs, strict=True) if live], length
     )
     order = np.arange(length)[::-1] if p["reverse"] else np.arange(length)
-    steps, rows, cols = _unrolled(step, n_c, y_layout, x_layout, order)
+    followed = np.flatnonzero(np.diff(_flat(init, op.n_labels).matrix().indptr))
+    steps, rows, cols = _unrolled(step, n_c, y_layout, x_layout, order, followed)
     live_in = [*(d for d in consts if not d.is_empty), *init, *(x for x in xs if not x.is_empty)]
     flat = compose((n_c + length * len(y_layout[0]),), rows, cols, _flat(live_in, op.n_labels))
     outs = _unflat(flat, [*c_shapes, *op.out_shapes[n_carry:]])
