@@ -3,9 +3,9 @@
 A backend gives these rules its nested programs as functions from input to output dependency
 sets (params ``program``, ``branches``, ``body``), so the rules never see a jaxpr or a graph. A
 loop body must accept inputs of any label count: the loop rules run it once with a label per
-input element (its *local pattern*, a boolean matrix) and then iterate that pattern, not the
-body: a step is one sparse product, so a scan is followed step by step (exact) and a fixpoint
-costs what its dependency sets cost.
+input element (its *local pattern*, a boolean matrix) and then work on that pattern, never
+running the body again: a scan's steps are products of local patterns (exact over every step,
+:func:`scan_rule`), and a fixpoint costs what its dependency sets cost.
 
 A fixpoint ``carry = base | R carry`` (``R`` the carry-to-carry local pattern) is the closure of
 ``R``: carried elements in one strongly connected group of ``R`` share their sets (one round
@@ -45,8 +45,8 @@ MAX_FIXPOINT_ROUNDS = 64
 elements that can still grow are widened to the union over their weakly connected part."""
 
 SCAN_ENTRY_BUDGET = 1 << 23
-"""Scans are followed step by step (exact) until their steps have made this many dependency
-entries; the remaining steps (if any) share one fixpoint, their ``xs`` merged."""
+"""Scans are unrolled (exact) over as many steps as fit in this many entries of their local
+pattern; the remaining steps (if any) share one fixpoint, their ``xs`` merged."""
 
 Program = Callable[[Sequence[Deps]], list[Deps]]
 
@@ -279,12 +279,12 @@ def _unrolled(
     outs: list[tuple[np.ndarray, np.ndarray]] = []  # and of their W_t
     seen: dict[tuple[bytes, bytes], int] = {}
     key = (state.indptr.tobytes(), state.indices.tobytes())
-    spent = lags = 0  # entries of the steps so far (a lower bound), of the lags of later ys
+    spent = lags = 0  # entries of the steps so far (about), of the lags every later y has
     while key not in seen and len(states) <= length and spent <= SCAN_ENTRY_BUDGET:
         seen[key] = len(states)
         states.append(_pairs(state))
         outs.append(_pairs(sp.csr_array(c @ state)))
-        spent += len(outs[-1][0]) + lags + fixed_y
+        spent += len(outs[-1][0]) + len(states[-1][0]) + lags + fixed_y
         lags += int((outs[-1][1] >= lagged).sum())
         state = _canonical(sp.csr_array(a @ state) + const)
         key = (state.indptr.tobytes(), state.indices.tobytes())
