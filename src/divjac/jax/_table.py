@@ -452,15 +452,31 @@ def _cond(it: Runner, scope: Scope, eqn: Any) -> Mapping[str, Any]:
 _add(["cond"], D.cond_rule, _cond)
 
 
+def _loop_body(
+    it: Runner, jaxpr: Any, values: Sequence[Any]
+) -> Callable[[Sequence[Deps]], list[Deps]]:
+    """A loop body as the loop rules run it: with the labels of its inputs, which may be other
+    than the interpreter's (the rules find the body's local pattern with a label per element)."""
+
+    def body(ins: Sequence[Deps]) -> list[Deps]:
+        n_labels = ins[0].n_labels if ins else it.n_labels
+        if n_labels == it.n_labels:
+            return it.run(jaxpr, ins, in_values=values)
+        local = it.local(n_labels)
+        outs = local.run(jaxpr, ins, in_values=values)
+        it.fallbacks |= local.fallbacks
+        it.has_custom_vjp |= local.has_custom_vjp
+        return outs
+
+    return body
+
+
 def _while(it: Runner, scope: Scope, eqn: Any) -> Mapping[str, Any]:
     p = eqn.params
     n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
     values = _values(scope, eqn, n_cond, n_cond + n_body)
     n_carry = len(eqn.invars) - n_cond - n_body
-
-    def body(ins: Sequence[Deps]) -> list[Deps]:
-        return it.run(p["body_jaxpr"], ins, in_values=[*values, *[None] * n_carry])
-
+    body = _loop_body(it, p["body_jaxpr"], [*values, *[None] * n_carry])
     return {"body": body, "n_cond": n_cond, "n_body": n_body}
 
 
@@ -472,7 +488,7 @@ def _scan(it: Runner, scope: Scope, eqn: Any) -> Mapping[str, Any]:
     n_consts = p["num_consts"]
     values = [*_values(scope, eqn, 0, n_consts), *[None] * (len(eqn.invars) - n_consts)]
     return {
-        "body": lambda ins: it.run(p["jaxpr"], ins, in_values=values),
+        "body": _loop_body(it, p["jaxpr"], values),
         "n_consts": n_consts,
         "n_carry": p["num_carry"],
         "length": p["length"],

@@ -45,7 +45,7 @@ from ._op import (
 )
 from .control import (
     MAX_FIXPOINT_ROUNDS as MAX_FIXPOINT_ROUNDS,
-    UNROLL_SCAN as UNROLL_SCAN,
+    SCAN_ENTRY_BUDGET as SCAN_ENTRY_BUDGET,
     call_rule as call_rule,
     cond_rule as cond_rule,
     custom_rule as custom_rule,
@@ -123,7 +123,7 @@ from .reductions import (
 __all__ = [
     "FOLD_LIMIT",
     "MAX_FIXPOINT_ROUNDS",
-    "UNROLL_SCAN",
+    "SCAN_ENTRY_BUDGET",
     "Deps",
     "Folded",
     "Op",
