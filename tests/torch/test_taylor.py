@@ -271,3 +271,52 @@ def test_reference_sweep_with_layer_norm():
     v = _randn(3, 3, 4, seed=26)
     for got, want in zip(reference_sweep(f, x, v), _brute(f, x, v), strict=True):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "g",
+    [
+        torch.expm1,
+        lambda h: torch.log1p(h * h),
+        torch.relu,
+        torch.abs,
+        lambda h: (1 + h * h) ** 0.5,
+        lambda h: (2 + h) ** -1.5,
+        lambda h: F.softplus(h, beta=3.0, threshold=1.0),
+        torch.reciprocal,
+        lambda h: torch.where(h > 0, h * h, torch.sinh(h)),  # the generic rule (sinh)
+        lambda h: torch.softmax(h, -1),
+        lambda h: torch.maximum(h, h.flip(-1)) * h,
+    ],
+)
+def test_element_wise_rules(g):
+    """Each rule on its own, per direction (with a linear layer around it, away from the kinks
+    of relu and abs)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 4).to(D)
+    x = _randn(2, 3, seed=27) + 0.5
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return g(lin(x)) * lin(x).sum(1, keepdim=True)
+
+    _check(f, x, _randn(2, 2, 3, seed=28), collapse=False)
+
+
+def test_functional_parameters(monkeypatch):
+    """A function of weights held in a closure (``u(params, x)``): the fast path, and the
+    values of the weights passed now."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reference ran")
+
+    monkeypatch.setattr(_taylor, "reference_sweep", refuse)
+    params = [(_randn(3, 5, seed=29), _randn(5, seed=30)), (_randn(5, 1, seed=31), _randn(1))]
+
+    def u(params, x):
+        for w, b in params[:-1]:
+            x = torch.tanh(x @ w + b)
+        w, b = params[-1]
+        return (x @ w + b)[:, 0]
+
+    x = _randn(4, 3, seed=32)
+    _check(lambda x: u(params, x), x, torch.eye(3, dtype=D)[:, None])

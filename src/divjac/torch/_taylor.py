@@ -35,6 +35,7 @@ reaches.
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast, overload
@@ -141,11 +142,34 @@ def _weighted_sum(terms: Tensor, weights: Tensor | None) -> Tensor:
 
 
 @dataclass(frozen=True)
+class _Step:
+    """One node of the program: how to read its arguments, and which rule runs it."""
+
+    node: torch.fx.Node
+    kind: str  # "input", "constant", "getitem", "plain" (no dependent input), "rule", "output"
+    inputs: tuple[torch.fx.Node, ...]
+    rule: Rule | None = None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The steps of a trace (its live nodes), and whether every constant it drops is a
+    parameter or buffer of its modules (which its cache key identifies)."""
+
+    steps: tuple[_Step, ...]
+    module_constants: bool
+
+
+# The plans of recent traces.
+_PLANS: weakref.WeakKeyDictionary[Traced, _Plan] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
 class _Program:
-    """The live nodes of a trace and the tensors its constants stand for."""
+    """A plan with the tensors its constants stand for."""
 
     traced: Traced
-    nodes: tuple[torch.fx.Node, ...]
+    plan: _Plan
     constants: dict[str, Tensor]
 
     def run(
@@ -156,35 +180,39 @@ class _Program:
         values: dict[torch.fx.Node, Any] = {}
         jets = sweep.jets
         out: Any = None
-        for node in self.nodes:
-            if node.op == "placeholder":
+
+        def read(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                return values[a]
+            if isinstance(a, list | tuple) and a:
+                return type(a)(read(e) for e in a)
+            return a
+
+        for step in self.plan.steps:
+            node, kind = step.node, step.kind
+            if kind == "input":
                 values[node] = x
                 jets[node] = _Jet(v, None)
-            elif node.op == "get_attr":
+            elif kind == "constant":
                 name = str(node.target)
                 found = self.constants.get(name)
                 values[node] = found if found is not None else getattr(gm, name)
-            elif node.op == "call_function":
-                args, kwargs = pytree.tree_map_only(
-                    torch.fx.Node, values.__getitem__, (node.args, node.kwargs)
-                )
-                if node.target is operator.getitem:
+            elif kind == "output":
+                out = step.inputs[0]
+            else:
+                args = read(node.args)
+                kwargs = {k: read(a) for k, a in node.kwargs.items()}
+                if kind == "getitem":
                     values[node] = args[0][args[1]]
                     parent = jets.get(node.args[0])  # type: ignore[arg-type]
                     if isinstance(parent, list) and parent[args[1]] is not None:
                         jets[node] = parent[args[1]]
-                elif not any(
-                    isinstance(a, torch.fx.Node) and a in jets
-                    for a in pytree.tree_leaves((node.args, node.kwargs))
-                ):
+                elif kind == "plain" or not any(a in jets for a in step.inputs):
                     values[node] = node.target(*args, **kwargs)  # type: ignore[operator]
                 else:
-                    rule = _RULES.get(node.target, _generic)
-                    values[node], jet = rule(sweep, node, args, kwargs)
+                    values[node], jet = step.rule(sweep, node, args, kwargs)  # type: ignore[misc]
                     if jet is not None:
                         jets[node] = jet
-            elif node.op == "output":
-                out = next(a for a in pytree.tree_leaves(node.args) if isinstance(a, torch.fx.Node))
         if out is None:
             raise InternalError("an ATen graph without output")
         y = values[out]
@@ -208,27 +236,55 @@ def _program(f: Callable[[Tensor], Tensor], x: Tensor) -> _Program | None:
     traced = trace(f, leaves, treedef, x_leaf=0, batch_axis=0, has_aux=False)
     if traced.draws_random or tuple(traced.out_shape[:1]) != tuple(x.shape[:1]):
         return None
+    plan = _PLANS.get(traced)
+    if plan is None:
+        plan = _PLANS[traced] = _plan(traced)
     constants: dict[str, Tensor] = {}
-    if traced.dropped:
-        reached = reach(f, [])
-        for name, ref in traced.dropped.items():
-            t = ref()
-            if t is None or reached.tensors.get(id(t)) is not t:
-                return None  # the graph's weights are not (or no longer) those f reaches
-            constants[name] = t
-    nodes = _live(traced.gm)
-    return _Program(traced, nodes, constants)
+    # The key of a trace identifies the parameters and buffers of its modules, not the other
+    # floating-point tensors it captured: those must be the ones f reaches now.
+    reached = None if plan.module_constants else reach(f, [])
+    for name, ref in traced.dropped.items():
+        t = ref()
+        if t is None or (reached is not None and reached.tensors.get(id(t)) is not t):
+            return None  # the graph's weights are not (or no longer) those f reaches
+        constants[name] = t
+    return _Program(traced, plan, constants)
 
 
-def _live(gm: torch.fx.GraphModule) -> tuple[torch.fx.Node, ...]:
-    """The nodes the output depends on (and every placeholder), in order."""
+def _plan(traced: Traced) -> _Plan:
+    gm = traced.gm
     nodes = list(gm.graph.nodes)
     needed: set[torch.fx.Node] = set()
     for node in reversed(nodes):
         if node.op in ("output", "placeholder") or node in needed:
             needed.add(node)
             needed.update(node.all_input_nodes)
-    return tuple(n for n in nodes if n in needed)
+    steps = []
+    dependent: set[torch.fx.Node] = set()
+    for node in nodes:
+        if node not in needed:
+            continue
+        inputs = tuple(node.all_input_nodes)
+        if node.op == "placeholder":
+            steps.append(_Step(node, "input", inputs))
+            dependent.add(node)
+        elif node.op == "get_attr":
+            steps.append(_Step(node, "constant", inputs))
+        elif node.op == "output":
+            out = next(a for a in pytree.tree_leaves(node.args) if isinstance(a, torch.fx.Node))
+            steps.append(_Step(node, "output", (out,)))
+        elif node.target is operator.getitem:
+            steps.append(_Step(node, "getitem", inputs))
+            if inputs[0] in dependent:
+                dependent.add(node)
+        elif any(a in dependent for a in inputs):
+            steps.append(_Step(node, "rule", inputs, _RULES.get(node.target, _generic)))
+            dependent.add(node)
+        else:
+            steps.append(_Step(node, "plain", inputs))
+    owned = {id(t) for m in traced.modules() for t in (*m.parameters(), *m.buffers())}
+    alive = [ref() for ref in traced.dropped.values()]
+    return _Plan(tuple(steps), all(t is not None and id(t) in owned for t in alive))
 
 
 # --- jets ---------------------------------------------------------------------------------------
@@ -350,13 +406,13 @@ def _unary(derivatives: Callable[..., tuple[Tensor, Tensor | None]]) -> Rule:
 def _softplus(x: Tensor, y: Tensor, beta: float = 1.0, threshold: float = 20.0) -> Any:
     s = torch.sigmoid(beta * x)
     linear = beta * x > threshold
-    return torch.where(linear, 1.0, s), torch.where(linear, 0.0, beta * s * (1 - s))
+    return torch.where(linear, 1.0, s), torch.where(linear, 0.0, beta * (s - s * s))
 
 
 def _silu(x: Tensor, y: Tensor) -> Any:
     s = torch.sigmoid(x)
-    ds = s * (1 - s)
-    return s + x * ds, ds * (2 + x * (1 - 2 * s))
+    ds = s - s * s
+    return s + x * ds, ds * (2 + x - 2 * x * s)
 
 
 def _pow(x: Tensor, y: Tensor, p: float) -> Any:
@@ -370,27 +426,27 @@ def _pow(x: Tensor, y: Tensor, p: float) -> Any:
 
 
 def _tanh(x: Tensor, y: Tensor) -> Any:
-    d = 1 - y * y
+    d = torch.rsub(y * y, 1)
     return d, -2 * y * d
 
 
 def _sigmoid(x: Tensor, y: Tensor) -> Any:
-    d = y * (1 - y)
-    return d, d * (1 - 2 * y)
+    d = y - y * y
+    return d, d - 2 * y * d
 
 
 def _log(x: Tensor, y: Tensor) -> Any:
-    d = 1 / x
+    d = torch.reciprocal(x)
     return d, -d * d
 
 
 def _log1p(x: Tensor, y: Tensor) -> Any:
-    d = 1 / (1 + x)
+    d = torch.reciprocal(x + 1)
     return d, -d * d
 
 
 def _sqrt(x: Tensor, y: Tensor) -> Any:
-    d = 0.5 / y
+    d = 0.5 * torch.reciprocal(y)
     return d, -d * d / y
 
 
