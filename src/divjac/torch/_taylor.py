@@ -25,11 +25,16 @@ Directions shared by the samples (``[K, 1, *in]``) stay unbroadcast until an ope
 them with per-sample values (the first layer computes ``W v_k`` once, not ``B`` times).
 
 Everything is computed by torch operations on the actual tensors (the parameters the graph
-captured are the module's own), so autograd differentiates the result w.r.t. them. The
-function is run as the generic reference (``jvp`` of ``jvp`` of the whole function, batched
-over the directions with ``vmap``) where the graph cannot be run: under ``torch.compile``,
-when it draws random numbers, or when the tensors it captured are no longer those the function
-reaches.
+captured are the module's own), so autograd differentiates the result w.r.t. them. The trace
+is divjac's cached one (its key identifies the parameters and buffers of the modules); other
+floating-point tensors it captured (weights in a closure) are checked, at every call, to be
+the very ones the function reaches now. The function is run as the generic reference (``jvp``
+of ``jvp`` of the whole function, batched over the directions with ``vmap``) where the graph
+cannot be run: under ``torch.compile``, when it draws random numbers, or when the tensors it
+captured are no longer those the function reaches.
+
+Weights per sample (``[K, B]``) keep the second-order terms per direction and weight them at
+the output (the batch axis of an intermediate is not known after views that merge it).
 """
 
 from __future__ import annotations
