@@ -322,6 +322,13 @@ class _Sweep:
         found = self.jets.get(arg) if isinstance(arg, torch.fx.Node) else None
         return found if isinstance(found, _Jet) else None
 
+    def needed(self, arg: Any) -> _Jet:
+        """The jet of an argument a rule was given as dependent."""
+        found = self.jet(arg)
+        if found is None:
+            raise InternalError(f"second_order_sweep: no jet for the argument {arg}")
+        return found
+
     def weighted(self, terms: Tensor) -> Tensor:
         """``sum_k w_k terms[k]`` (kept as an axis of one), or the terms per direction."""
         if self.per_direction:
@@ -399,8 +406,7 @@ def _unary(derivatives: Callable[..., tuple[Tensor, Tensor | None]]) -> Rule:
             return _generic(sw, node, args, kwargs)
         x = args[0]
         y = node.target(*args, **kwargs)  # type: ignore[operator]
-        a = sw.jet(node.args[0])
-        assert a is not None
+        a = sw.needed(node.args[0])
         g1, g2 = derivatives(x, y, *args[1:], **kwargs)
         curvature = None if g2 is None else g2 * sw.quad(a.first, a.first)
         return y, _Jet(g1 * a.first, _add(_scale(a.second, g1), curvature))
@@ -528,8 +534,7 @@ def _div_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict
     n = y.ndim
     a, b = sw.jet(node.args[0]), sw.jet(node.args[1])
     if b is None:
-        assert a is not None
-        return y, _map(a, lambda t: _lift(t, n) / z)
+        return y, _map(sw.needed(node.args[0]), lambda t: _lift(t, n) / z)
     # y = x / z: y' = (x' - y z') / z, y'' = (x'' - y z'' - 2 y' z') / z
     b1 = _lift(b.first, n)
     num1 = _add(None if a is None else _lift(a.first, n), -y * b1)
@@ -547,8 +552,7 @@ def _scalar_rule(
     sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.jet(node.args[0])
-    assert a is not None
+    a = sw.needed(node.args[0])
     return y, _map(a, lambda t: node.target(t, *args[1:], **kwargs))  # type: ignore[operator]
 
 
@@ -581,8 +585,7 @@ def _to_copy_rule(
 def _view_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     x = args[0]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.jet(node.args[0])
-    assert a is not None
+    a = sw.needed(node.args[0])
     xs, ys = tuple(x.shape), tuple(y.shape)
 
     def view(t: Tensor) -> Tensor:
@@ -600,8 +603,7 @@ def _permute_rule(
 ) -> Any:
     x = args[0]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.jet(node.args[0])
-    assert a is not None
+    a = sw.needed(node.args[0])
     dims = [0, *(int(d) % max(x.ndim, 1) + 1 for d in args[1])]
     return y, _map(a, lambda t: _lift(t, x.ndim).permute(dims))
 
@@ -612,8 +614,7 @@ def _transpose_rule(
 ) -> Any:
     x = args[0]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.jet(node.args[0])
-    assert a is not None
+    a = sw.needed(node.args[0])
     if x.ndim < 2:
         return y, a
     d0, d1 = (0, 1) if node.target is aten.t.default else (int(args[1]), int(args[2]))
@@ -626,8 +627,7 @@ def _expand_rule(
     sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.jet(node.args[0])
-    assert a is not None
+    a = sw.needed(node.args[0])
     return y, _map(a, lambda t: _lift(t, y.ndim))
 
 
@@ -637,8 +637,7 @@ def _unsqueeze_rule(
 ) -> Any:
     x = args[0]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.jet(node.args[0])
-    assert a is not None
+    a = sw.needed(node.args[0])
     d = int(args[1]) % (x.ndim + 1) + 1
     return y, _map(a, lambda t: _lift(t, x.ndim).unsqueeze(d))
 
@@ -647,8 +646,7 @@ def _unsqueeze_rule(
 def _sum_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     x = args[0]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.jet(node.args[0])
-    assert a is not None
+    a = sw.needed(node.args[0])
     dims_arg = args[1] if len(args) > 1 else kwargs.get("dim")
     keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
     if dims_arg is None or len(dims_arg) == 0:
@@ -734,8 +732,7 @@ def _conv_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dic
         return _generic(sw, node, args, kwargs)
     x = args[0]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.jet(node.args[0])
-    assert a is not None
+    a = sw.needed(node.args[0])
 
     def conv(t: Tensor) -> Tensor:
         if tuple(t.shape[2:]) != tuple(x.shape[1:]):
