@@ -3,6 +3,8 @@ and the clean-ups of the graph that tracing needs (effect tokens, static shapes)
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.fx
 from torch.utils import _pytree as pytree
@@ -108,17 +110,23 @@ def captured_floats(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     return list(found.values())
 
 
-def drop_constants(gm: torch.fx.GraphModule, keep: dict[str, torch.Tensor]) -> None:
+def drop_constants(
+    gm: torch.fx.GraphModule, keep: dict[str, torch.Tensor]
+) -> dict[str, weakref.ref[torch.Tensor]]:
     """Replace the constants detection does not read by meta tensors: the cache must not keep
-    a model's weights alive."""
+    a model's weights alive. Returns weak references to the tensors replaced, by name (the
+    second-order engine runs the graph on them)."""
+    dropped: dict[str, weakref.ref[torch.Tensor]] = {}
     for node in gm.graph.nodes:
         name = str(node.target)
         if node.op != "get_attr" or name in keep:
             continue
         const = getattr(gm, name, None)
         if isinstance(const, torch.Tensor) and const.device.type != "meta":
+            dropped[name] = weakref.ref(const)
             delattr(gm, name)
             setattr(gm, name, torch.empty(const.shape, dtype=const.dtype, device="meta"))
+    return dropped
 
 
 class DataDependentShape(Exception):

@@ -110,6 +110,7 @@ class Traced(detection.Traced):
             are kept still during passes).
         captured: the floating-point tensors the graph captured (parameters, buffers), weakly.
         reads: version counter of every ``versioned`` constant a detection read, when it read.
+        dropped: the graph constants replaced by meta tensors (weights), weakly, by name.
     """
 
     gm: torch.fx.GraphModule
@@ -122,6 +123,7 @@ class Traced(detection.Traced):
     batch_norms: tuple[weakref.ref[nn.Module], ...]
     captured: tuple[weakref.ref[torch.Tensor], ...]
     reads: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, weakref.ref[torch.Tensor]] = field(default_factory=dict)
 
     def modules(self) -> list[nn.Module]:
         """The modules the function may run (alive while a call runs it)."""
@@ -399,7 +401,7 @@ def trace(
     _check_own_changes(fun, reached, reach(fun, static))
     readable, versioned = readable_constants(gm, reached)
     captured = captured_floats(gm)
-    drop_constants(gm, keep=readable)
+    dropped = drop_constants(gm, keep=readable)
     found_ids = {id(m) for m in reached.modules}
     unreached = {id(m): m for m in ran if id(m) not in found_ids}
     out_val = next(n for n in gm.graph.nodes if n.op == "output").args[0].meta["val"]
@@ -419,6 +421,7 @@ def trace(
             weakref.ref(m) for m in {id(m): m for m in ran}.values() if isinstance(m, BatchNorm)
         ),
         captured=tuple(weakref.ref(t) for t in captured),
+        dropped=dropped,
     )
     if key is not None:
         if not on_values:

@@ -4,18 +4,61 @@ The torch twin of :mod:`divjac.jax._taylor` (same contract): ``f(x)``, the first
 ``J v_k`` and the second-order terms ``v_k^T H v_k`` (each, or their weighted sum) of a
 batch-first function.
 
-This version is the generic reference: second-order Taylor mode (``jvp`` of ``jvp``) batched
-over the directions with ``torch.func.vmap``.
+The sweep is collapsed Taylor mode (the forward Laplacian of Li et al. 2023, generalized by
+Dangel, Siebert, Zeinhofer & Walther, NeurIPS 2025): the ATen graph of ``f`` (divjac's cached
+trace) is run once, and every value that depends on the input carries, beside its primal, the
+``K`` first-order terms and ONE second-order term, the weighted sum over the directions (or the
+``K`` of them with ``collapse=False``). Per operation:
+
+- linear operations (views, sums, concatenation, a product with a constant, a convolution with
+  constant weights) map the first-order terms and the second-order term alike;
+- element-wise nonlinearities ``g`` add ``g''(x) sum_k w_k (J_k x)^2`` to ``g'(x) x''`` (exact
+  formulas for ``tanh``, ``exp``, ``log``, ``sin``, ``softplus``, ``silu``, ``pow``, ...);
+- products (``mul``, ``div``, ``mm``, ``bmm`` with both operands dependent) add
+  ``2 sum_k w_k op(a_k', b_k')``, as one contraction over ``k``;
+- any other operation is pushed by ``torch.func`` (``jvp`` of ``jvp``, batched over ``k`` with
+  ``vmap``) on its own, normalizations in their composed forms (the forward derivatives of
+  torch's kernels are wrong or fail under transforms, torch 2.13; as
+  :class:`divjac.torch._backend._ComposedNorms` does for whole functions).
+
+Directions shared by the samples (``[K, 1, *in]``) stay unbroadcast until an operation mixes
+them with per-sample values (the first layer computes ``W v_k`` once, not ``B`` times).
+
+Everything is computed by torch operations on the actual tensors (the parameters the graph
+captured are the module's own), so autograd differentiates the result w.r.t. them. The trace
+is divjac's cached one (its key identifies the parameters and buffers of the modules); other
+floating-point tensors it captured (weights in a closure) are checked, at every call, to be
+the very ones the function reaches now. The function is run as the generic reference (``jvp``
+of ``jvp`` of the whole function, batched over the directions with ``vmap``) where the graph
+cannot be run: under ``torch.compile``, when it draws random numbers, or when the tensors it
+captured are no longer those the function reaches.
+
+Weights per sample (``[K, B]``) keep the second-order terms per direction and weight them at
+the output (the batch axis of an intermediate is not known after views that merge it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import operator
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast, overload
 
 import torch
+import torch.fx
 from torch.func import jvp, vmap
+from torch.utils import _pytree as pytree
+
+from .._errors import InternalError
+from ._aten import inexact, packet
+from ._backend import _ComposedNorms
+from ._detect import Traced, reach, trace
 
 __all__ = ["second_order_sweep"]
+
+Tensor = torch.Tensor
+aten = torch.ops.aten
 
 
 def second_order_sweep(
@@ -41,20 +84,759 @@ def second_order_sweep(
     Returns:
         ``(y, first, second)`` as in :func:`divjac.jax._taylor.second_order_sweep`.
     """
+    v = directions.to(x.dtype)
+    program = _program(f, x)
+    if program is None:
+        return reference_sweep(f, x, directions, weights=weights, collapse=collapse)
+    # Weights per sample need the batch axis of every intermediate (views may merge it): the
+    # terms are kept per direction and weighted at the output, whose batch axis is known.
+    per_sample = weights is not None and weights.ndim == 2
+    per_direction = not collapse or per_sample
+    w = None if per_direction or weights is None else weights.to(x.dtype)
+    y, first, second = program.run(x, v, w, per_direction)
+    if collapse and per_direction:
+        second = _weighted_sum(second, weights)
+    elif collapse:
+        second = second[0]
+    return y, first, second
+
+
+def reference_sweep(
+    f: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    directions: torch.Tensor,
+    *,
+    weights: torch.Tensor | None = None,
+    collapse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`second_order_sweep` by the generic reference: ``jvp`` of ``jvp`` of ``f``,
+    batched over the directions with ``vmap`` (the benchmark's baseline, and the fallback).
+
+    Attention runs in its math form and layer and instance normalizations composed
+    (:class:`~divjac.torch._backend._ComposedNorms`): the second forward derivatives of their
+    kernels are wrong or missing (torch 2.13).
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     v = directions.to(x.dtype).expand(directions.shape[0], *x.shape)
 
     def jet(vk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         def first(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return jvp(f, (p,), (vk,))
+            return cast(tuple[torch.Tensor, torch.Tensor], jvp(f, (p,), (vk,)))
 
-        (y, d1), (_, d2) = jvp(first, (x,), (vk,))
+        (y, d1), (_, d2) = cast(Any, jvp(first, (x,), (vk,)))
         return y, d1, d2
 
-    ys, d1, d2 = vmap(jet)(v)
+    with sdpa_kernel(SDPBackend.MATH), _ComposedNorms(forward=True):
+        ys, d1, d2 = vmap(jet)(v)
     y = ys[0]
     if not collapse:
         return y, d1, d2
+    return y, d1, _weighted_sum(d2, weights)
+
+
+def _weighted_sum(terms: Tensor, weights: Tensor | None) -> Tensor:
+    """``sum_k w_k terms[k]`` with ``w`` of shape ``[K]`` or ``[K, B]`` (``None``: all 1)."""
     if weights is None:
-        return y, d1, d2.sum(0)
-    w = weights.to(d2.dtype).reshape(weights.shape + (1,) * (d2.ndim - weights.ndim))
-    return y, d1, (w * d2).sum(0)
+        return terms.sum(0)
+    w = weights.to(terms.dtype).reshape(weights.shape + (1,) * (terms.ndim - weights.ndim))
+    return (w * terms).sum(0)
+
+
+# --- the program: divjac's trace of f, run on the actual tensors --------------------------------
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One node of the program: how to read its arguments, and which rule runs it."""
+
+    node: torch.fx.Node
+    kind: str  # "input", "constant", "getitem", "plain" (no dependent input), "rule", "output"
+    inputs: tuple[torch.fx.Node, ...]
+    rule: Rule | None = None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The steps of a trace (its live nodes), and whether every constant it drops is a
+    parameter or buffer of its modules (which its cache key identifies)."""
+
+    steps: tuple[_Step, ...]
+    module_constants: bool
+
+
+# The plans of recent traces.
+_PLANS: weakref.WeakKeyDictionary[Traced, _Plan] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class _Program:
+    """A plan with the tensors its constants stand for."""
+
+    traced: Traced
+    plan: _Plan
+    constants: dict[str, Tensor]
+
+    def run(
+        self, x: Tensor, v: Tensor, w: Tensor | None, per_direction: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        gm = self.traced.gm
+        sweep = _Sweep(int(v.shape[0]), w, per_direction)
+        values: dict[torch.fx.Node, Any] = {}
+        jets = sweep.jets
+        out: Any = None
+
+        def read(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                return values[a]
+            if isinstance(a, list | tuple) and a:
+                return type(a)(read(e) for e in a)
+            return a
+
+        for step in self.plan.steps:
+            node, kind = step.node, step.kind
+            if kind == "input":
+                values[node] = x
+                jets[node] = _Jet(v, None)
+            elif kind == "constant":
+                name = str(node.target)
+                found = self.constants.get(name)
+                values[node] = found if found is not None else getattr(gm, name)
+            elif kind == "output":
+                out = step.inputs[0]
+            else:
+                args = read(node.args)
+                kwargs = {k: read(a) for k, a in node.kwargs.items()}
+                if kind == "getitem":
+                    values[node] = args[0][args[1]]
+                    parent = jets.get(node.args[0])  # type: ignore[arg-type]
+                    if isinstance(parent, list) and parent[args[1]] is not None:
+                        jets[node] = parent[args[1]]
+                elif kind == "plain" or not any(a in jets for a in step.inputs):
+                    values[node] = node.target(*args, **kwargs)  # type: ignore[operator]
+                else:
+                    values[node], jet = step.rule(sweep, node, args, kwargs)  # type: ignore[misc]
+                    if jet is not None:
+                        jets[node] = jet
+        if out is None:
+            raise InternalError("an ATen graph without output")
+        y = values[out]
+        K, M = int(v.shape[0]), sweep.m
+        jet = jets.get(out)
+        if not isinstance(jet, _Jet):
+            zeros = y.new_zeros((K, *y.shape))
+            return y, zeros, zeros[:M]
+        first = jet.first.expand(K, *y.shape)
+        second = jet.second
+        second = y.new_zeros((M, *y.shape)) if second is None else second.expand(M, *y.shape)
+        return y, first, second
+
+
+def _program(f: Callable[[Tensor], Tensor], x: Tensor) -> _Program | None:
+    """The trace of ``f`` at ``x``'s shape with the tensors it captured, or ``None`` where the
+    sweep runs the reference (see the module docstring)."""
+    if torch.compiler.is_compiling():
+        return None
+    leaves, treedef = pytree.tree_flatten(((x,), {}))
+    traced = trace(f, leaves, treedef, x_leaf=0, batch_axis=0, has_aux=False)
+    if traced.draws_random or tuple(traced.out_shape[:1]) != tuple(x.shape[:1]):
+        return None
+    plan = _PLANS.get(traced)
+    if plan is None:
+        plan = _PLANS[traced] = _plan(traced)
+    constants: dict[str, Tensor] = {}
+    # The key of a trace identifies the parameters and buffers of its modules, not the other
+    # floating-point tensors it captured: those must be the ones f reaches now.
+    reached = None if plan.module_constants else reach(f, [])
+    for name, ref in traced.dropped.items():
+        t = ref()
+        if t is None or (reached is not None and reached.tensors.get(id(t)) is not t):
+            return None  # the graph's weights are not (or no longer) those f reaches
+        constants[name] = t
+    return _Program(traced, plan, constants)
+
+
+def _plan(traced: Traced) -> _Plan:
+    gm = traced.gm
+    nodes = list(gm.graph.nodes)
+    needed: set[torch.fx.Node] = set()
+    for node in reversed(nodes):
+        if node.op in ("output", "placeholder") or node in needed:
+            needed.add(node)
+            needed.update(node.all_input_nodes)
+    steps = []
+    dependent: set[torch.fx.Node] = set()
+    for node in nodes:
+        if node not in needed:
+            continue
+        inputs = tuple(node.all_input_nodes)
+        if node.op == "placeholder":
+            steps.append(_Step(node, "input", inputs))
+            dependent.add(node)
+        elif node.op == "get_attr":
+            steps.append(_Step(node, "constant", inputs))
+        elif node.op == "output":
+            out = next(a for a in pytree.tree_leaves(node.args) if isinstance(a, torch.fx.Node))
+            steps.append(_Step(node, "output", (out,)))
+        elif node.target is operator.getitem:
+            steps.append(_Step(node, "getitem", inputs))
+            if inputs[0] in dependent:
+                dependent.add(node)
+        elif any(a in dependent for a in inputs):
+            steps.append(_Step(node, "rule", inputs, _RULES.get(node.target, _generic)))
+            dependent.add(node)
+        else:
+            steps.append(_Step(node, "plain", inputs))
+    owned = {id(t) for m in traced.modules() for t in (*m.parameters(), *m.buffers())}
+    alive = [ref() for ref in traced.dropped.values()]
+    return _Plan(tuple(steps), all(t is not None and id(t) in owned for t in alive))
+
+
+# --- jets ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Jet:
+    """The Taylor terms of one value of shape ``s``: ``first`` ``[K, *s]`` and ``second``
+    ``[M, *s]`` (``M = 1``: the weighted sum; ``M = K``: per direction; ``None``: zero), each
+    possibly of size one on axes it is constant along (broadcastable to its full shape)."""
+
+    first: Tensor
+    second: Tensor | None
+
+
+Rule = Callable[["_Sweep", torch.fx.Node, Sequence[Any], dict[str, Any]], tuple[Any, Any]]
+
+
+class _Sweep:
+    """The jets of one run, and the weighted sums over the directions."""
+
+    def __init__(self, k: int, w: Tensor | None, per_direction: bool) -> None:
+        self.k = k
+        self.m = k if per_direction else 1
+        self.w = w
+        self.per_direction = per_direction
+        self.jets: dict[torch.fx.Node, Any] = {}
+
+    def jet(self, arg: Any) -> _Jet | None:
+        found = self.jets.get(arg) if isinstance(arg, torch.fx.Node) else None
+        return found if isinstance(found, _Jet) else None
+
+    def needed(self, arg: Any) -> _Jet:
+        """The jet of an argument a rule was given as dependent."""
+        found = self.jet(arg)
+        if found is None:
+            raise InternalError(f"second_order_sweep: no jet for the argument {arg}")
+        return found
+
+    def weighted(self, terms: Tensor) -> Tensor:
+        """``sum_k w_k terms[k]`` (kept as an axis of one), or the terms per direction."""
+        if self.per_direction:
+            return terms
+        if self.w is not None:
+            terms = terms * self.w.reshape(self.k, *([1] * (terms.ndim - 1)))
+        return terms.sum(0, keepdim=True)
+
+    def quad(self, a: Tensor, b: Tensor) -> Tensor:
+        """``sum_k w_k a_k b_k`` (element-wise)."""
+        return self.weighted(a * b)
+
+
+def _add(*terms: Tensor | None) -> Tensor | None:
+    found = [t for t in terms if t is not None]
+    if not found:
+        return None
+    total = found[0]
+    for t in found[1:]:
+        total = total + t
+    return total
+
+
+def _scale(t: Tensor | None, c: Any) -> Tensor | None:
+    return None if t is None else t * c
+
+
+@overload
+def _lift(t: Tensor, ndim: int) -> Tensor: ...
+@overload
+def _lift(t: None, ndim: int) -> None: ...
+@overload
+def _lift(t: Tensor | None, ndim: int) -> Tensor | None: ...
+
+
+def _lift(t: Tensor | None, ndim: int) -> Tensor | None:
+    """Terms ``[K, *s]`` with axes of one inserted after ``K`` up to ``ndim`` value axes (as
+    broadcasting aligns the value with a larger one)."""
+    if t is None or t.ndim - 1 >= ndim:
+        return t
+    return t.reshape(t.shape[0], *([1] * (ndim + 1 - t.ndim)), *t.shape[1:])
+
+
+def _full(t: Tensor, shape: Sequence[int]) -> Tensor:
+    """Terms broadcast to their full shape ``[*, *shape]`` (materialized)."""
+    target = (t.shape[0], *shape)
+    return t if tuple(t.shape) == target else _lift(t, len(shape)).expand(target).contiguous()
+
+
+def _map(jet: _Jet, fn: Callable[[Tensor], Tensor]) -> _Jet:
+    """The jet of a linear map of the value (``fn`` maps terms with the leading axis)."""
+    return _Jet(fn(jet.first), None if jet.second is None else fn(jet.second))
+
+
+# --- rules ----------------------------------------------------------------------------------------
+
+_RULES: dict[Any, Rule] = {}
+
+
+def _rule(*targets: Any) -> Callable[[Rule], Rule]:
+    def register(fn: Rule) -> Rule:
+        for t in targets:
+            _RULES[t] = fn
+        return fn
+
+    return register
+
+
+def _unary(derivatives: Callable[..., tuple[Tensor, Tensor | None]]) -> Rule:
+    """An element-wise function of its first argument: ``derivatives(x, y, *params)`` gives
+    ``g'`` and ``g''`` (``None``: zero)."""
+
+    def rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        if any(isinstance(a, torch.fx.Node) for a in node.args[1:]):
+            return _generic(sw, node, args, kwargs)
+        x = args[0]
+        y = node.target(*args, **kwargs)  # type: ignore[operator]
+        a = sw.needed(node.args[0])
+        g1, g2 = derivatives(x, y, *args[1:], **kwargs)
+        curvature = None if g2 is None else g2 * sw.quad(a.first, a.first)
+        return y, _Jet(g1 * a.first, _add(_scale(a.second, g1), curvature))
+
+    return rule
+
+
+def _softplus(x: Tensor, y: Tensor, beta: float = 1.0, threshold: float = 20.0) -> Any:
+    s = torch.sigmoid(beta * x)
+    linear = beta * x > threshold
+    return torch.where(linear, 1.0, s), torch.where(linear, 0.0, beta * (s - s * s))
+
+
+def _silu(x: Tensor, y: Tensor) -> Any:
+    s = torch.sigmoid(x)
+    ds = s - s * s
+    return s + x * ds, ds * (2 + x - 2 * x * s)
+
+
+def _pow(x: Tensor, y: Tensor, p: float) -> Any:
+    if p == 0:
+        return torch.zeros_like(x), None
+    if p == 1:
+        return torch.ones_like(x), None
+    if p == 2:
+        return 2 * x, 2 * torch.ones_like(x)
+    return p * x ** (p - 1), p * (p - 1) * x ** (p - 2)
+
+
+def _tanh(x: Tensor, y: Tensor) -> Any:
+    d = torch.rsub(y * y, 1)
+    return d, -2 * y * d
+
+
+def _sigmoid(x: Tensor, y: Tensor) -> Any:
+    d = y - y * y
+    return d, d - 2 * y * d
+
+
+def _log(x: Tensor, y: Tensor) -> Any:
+    d = torch.reciprocal(x)
+    return d, -d * d
+
+
+def _log1p(x: Tensor, y: Tensor) -> Any:
+    d = torch.reciprocal(x + 1)
+    return d, -d * d
+
+
+def _sqrt(x: Tensor, y: Tensor) -> Any:
+    d = 0.5 * torch.reciprocal(y)
+    return d, -d * d / y
+
+
+def _rsqrt(x: Tensor, y: Tensor) -> Any:
+    y3 = y * y * y
+    return -0.5 * y3, 0.75 * y3 * y * y
+
+
+def _reciprocal(x: Tensor, y: Tensor) -> Any:
+    y2 = y * y
+    return -y2, 2 * y2 * y
+
+
+_UNARY: dict[Any, Callable[..., Any]] = {
+    aten.tanh.default: _tanh,
+    aten.sigmoid.default: _sigmoid,
+    aten.exp.default: lambda x, y: (y, y),
+    aten.expm1.default: lambda x, y: (y + 1, y + 1),
+    aten.log.default: _log,
+    aten.log1p.default: _log1p,
+    aten.sin.default: lambda x, y: (torch.cos(x), -y),
+    aten.cos.default: lambda x, y: (-torch.sin(x), -y),
+    aten.sqrt.default: _sqrt,
+    aten.rsqrt.default: _rsqrt,
+    aten.reciprocal.default: _reciprocal,
+    aten.softplus.default: _softplus,
+    aten.silu.default: _silu,
+    aten.pow.Tensor_Scalar: _pow,
+    aten.relu.default: lambda x, y: ((x > 0).to(x.dtype), None),
+    aten.abs.default: lambda x, y: (torch.sgn(x), None),
+}
+for _op, _d in _UNARY.items():
+    _RULES[_op] = _unary(_d)
+
+
+@_rule(aten.add.Tensor, aten.sub.Tensor)
+def _add_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+    sign = -alpha if node.target is aten.sub.Tensor else alpha
+    a, b = sw.jet(node.args[0]), sw.jet(node.args[1])
+    n = y.ndim
+    first = _add(
+        None if a is None else _lift(a.first, n), None if b is None else _lift(b.first, n) * sign
+    )
+    second = _add(
+        None if a is None else _lift(a.second, n),
+        None if b is None else _scale(_lift(b.second, n), sign),
+    )
+    return y, _Jet(first, second)  # type: ignore[arg-type]
+
+
+@_rule(aten.mul.Tensor)
+def _mul_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    x, z = args[0], args[1]
+    y = x * z
+    n = y.ndim
+    a, b = sw.jet(node.args[0]), sw.jet(node.args[1])
+    a1 = None if a is None else _lift(a.first, n)
+    b1 = None if b is None else _lift(b.first, n)
+    first = _add(_scale(a1, z), _scale(b1, x))
+    second = _add(
+        None if a is None else _scale(_lift(a.second, n), z),
+        None if b is None else _scale(_lift(b.second, n), x),
+        None if a1 is None or b1 is None else 2 * sw.quad(a1, b1),
+    )
+    return y, _Jet(first, second)  # type: ignore[arg-type]
+
+
+@_rule(aten.div.Tensor)
+def _div_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    x, z = args[0], args[1]
+    y = x / z
+    n = y.ndim
+    a, b = sw.jet(node.args[0]), sw.jet(node.args[1])
+    if b is None:
+        return y, _map(sw.needed(node.args[0]), lambda t: _lift(t, n) / z)
+    # y = x / z: y' = (x' - y z') / z, y'' = (x'' - y z'' - 2 y' z') / z
+    b1 = _lift(b.first, n)
+    num1 = _add(None if a is None else _lift(a.first, n), -y * b1)
+    first = num1 / z
+    num2 = _add(
+        None if a is None else _lift(a.second, n),
+        _scale(_lift(b.second, n), -y),
+        -2 * sw.quad(first, b1),
+    )
+    return y, _Jet(first, num2 / z)
+
+
+@_rule(aten.mul.Scalar, aten.div.Scalar, aten.neg.default)
+def _scalar_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.needed(node.args[0])
+    return y, _map(a, lambda t: node.target(t, *args[1:], **kwargs))  # type: ignore[operator]
+
+
+@_rule(aten.add.Scalar, aten.sub.Scalar, aten.clone.default, aten.alias.default)
+def _shifted_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    return node.target(*args, **kwargs), sw.jet(node.args[0])  # type: ignore[operator]
+
+
+@_rule(aten.detach.default)
+def _detach_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    return args[0].detach(), None
+
+
+@_rule(aten._to_copy.default)
+def _to_copy_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.jet(node.args[0])
+    if not inexact(y) or a is None:
+        return y, None
+    return y, _map(a, lambda t: t.to(dtype=y.dtype, device=y.device))
+
+
+@_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    x = args[0]
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.needed(node.args[0])
+    xs, ys = tuple(x.shape), tuple(y.shape)
+
+    def view(t: Tensor) -> Tensor:
+        # Terms constant along the batch axis stay so when the view keeps that axis.
+        if tuple(t.shape[2:]) == xs[1:] and t.shape[1] == 1 and xs[:1] == ys[:1]:
+            return t.reshape(t.shape[0], 1, *ys[1:])
+        return _full(t, xs).reshape(t.shape[0], *ys)
+
+    return y, _map(a, view)
+
+
+@_rule(aten.permute.default)
+def _permute_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    x = args[0]
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.needed(node.args[0])
+    dims = [0, *(int(d) % max(x.ndim, 1) + 1 for d in args[1])]
+    return y, _map(a, lambda t: _lift(t, x.ndim).permute(dims))
+
+
+@_rule(aten.t.default, aten.transpose.int)
+def _transpose_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    x = args[0]
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.needed(node.args[0])
+    if x.ndim < 2:
+        return y, a
+    d0, d1 = (0, 1) if node.target is aten.t.default else (int(args[1]), int(args[2]))
+    d0, d1 = d0 % x.ndim + 1, d1 % x.ndim + 1
+    return y, _map(a, lambda t: _lift(t, x.ndim).transpose(d0, d1))
+
+
+@_rule(aten.expand.default)
+def _expand_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.needed(node.args[0])
+    return y, _map(a, lambda t: _lift(t, y.ndim))
+
+
+@_rule(aten.unsqueeze.default)
+def _unsqueeze_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    x = args[0]
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.needed(node.args[0])
+    d = int(args[1]) % (x.ndim + 1) + 1
+    return y, _map(a, lambda t: _lift(t, x.ndim).unsqueeze(d))
+
+
+@_rule(aten.sum.dim_IntList, aten.mean.dim, aten.sum.default)
+def _sum_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    x = args[0]
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.needed(node.args[0])
+    dims_arg = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    if dims_arg is None or len(dims_arg) == 0:
+        dims = list(range(x.ndim))
+    else:
+        dims = [int(d) % max(x.ndim, 1) for d in dims_arg]
+    axes = [d + 1 for d in dims]
+    mean = node.target is aten.mean.dim
+
+    def reduce(t: Tensor) -> Tensor:
+        t = _full(t, tuple(x.shape))
+        if not axes:
+            return t
+        r = t.mean(axes, keepdim=keepdim) if mean else t.sum(axes, keepdim=keepdim)
+        return r.to(y.dtype)
+
+    return y, _map(a, reduce)
+
+
+def _matmul(sw: _Sweep, x: Tensor, z: Tensor, a: _Jet | None, b: _Jet | None, y: Tensor) -> _Jet:
+    """The jet of ``y = x @ z`` (``mm``, ``bmm``)."""
+    n = y.ndim
+    a1 = None if a is None else _lift(a.first, n)
+    b1 = None if b is None else _full(b.first, tuple(z.shape))
+    if a1 is not None and a1.shape[-1] != x.shape[-1]:
+        a1 = _full(a1, tuple(x.shape))
+    first = _add(
+        None if a1 is None else torch.matmul(a1, z), None if b1 is None else torch.matmul(x, b1)
+    )
+    second = _add(
+        None if a is None or a.second is None else torch.matmul(_full(a.second, x.shape), z),
+        None if b is None or b.second is None else torch.matmul(x, _full(b.second, z.shape)),
+        None if a1 is None or b1 is None else 2 * _matmul_quad(sw, _full(a1, x.shape), b1),
+    )
+    return _Jet(first, second)  # type: ignore[arg-type]
+
+
+def _matmul_quad(sw: _Sweep, a: Tensor, b: Tensor) -> Tensor:
+    """``sum_k w_k a_k @ b_k`` as one contraction over ``k`` and the inner axis."""
+    if sw.per_direction:
+        return torch.matmul(a, b)
+    if sw.w is not None:
+        a = a * sw.w.reshape(sw.k, *([1] * (a.ndim - 1)))
+    k, m = a.shape[0], a.shape[-1]
+    lead = tuple(a.shape[1:-2])
+    # [K, *lead, n, m] -> [*lead, n, K*m] and [K, *lead, m, p] -> [*lead, K*m, p]
+    nd = a.ndim
+    order = (*range(1, nd - 1), 0, nd - 1)
+    left = a.permute(order).reshape(*lead, a.shape[-2], k * m)
+    right = b.permute(*range(1, nd - 2), 0, nd - 2, nd - 1).reshape(*lead, k * m, b.shape[-1])
+    return torch.matmul(left, right)[None]
+
+
+@_rule(aten.mm.default, aten.bmm.default)
+def _mm_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    x, z = args[0], args[1]
+    y = node.target(x, z)  # type: ignore[operator]
+    return y, _matmul(sw, x, z, sw.jet(node.args[0]), sw.jet(node.args[1]), y)
+
+
+@_rule(aten.addmm.default)
+def _addmm_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    x, z = args[1], args[2]
+    beta = kwargs.get("beta", 1)
+    alpha = kwargs.get("alpha", 1)
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    prod = _matmul(sw, x, z, sw.jet(node.args[1]), sw.jet(node.args[2]), y)
+    jet = _map(prod, lambda t: t * alpha) if alpha != 1 else prod
+    cj = sw.jet(node.args[0])
+    if cj is not None:
+        jet = _Jet(
+            jet.first + beta * _lift(cj.first, y.ndim),
+            _add(jet.second, _scale(_lift(cj.second, y.ndim), beta)),
+        )
+    return y, jet
+
+
+@_rule(aten.convolution.default)
+def _conv_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    if any(isinstance(a, torch.fx.Node) and a in sw.jets for a in node.args[1:]):
+        return _generic(sw, node, args, kwargs)
+    x = args[0]
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.needed(node.args[0])
+
+    def conv(t: Tensor) -> Tensor:
+        if tuple(t.shape[2:]) != tuple(x.shape[1:]):
+            t = _full(t, x.shape)
+        lead = t.shape[:2]
+        out = node.target(t.reshape(-1, *t.shape[2:]), args[1], None, *args[3:])  # type: ignore[operator]
+        return out.reshape(*lead, *out.shape[1:])
+
+    return y, _map(a, conv)
+
+
+# Operations whose second derivative is zero (linear in their inputs, or piecewise linear):
+# their jets are pushed by one ``jvp`` each.
+_LINEAR = frozenset(
+    {
+        "cat", "stack", "slice", "select", "index", "index_select", "gather", "constant_pad_nd",
+        "flip", "roll", "repeat", "where", "split", "split_with_sizes", "unbind", "narrow",
+        "diagonal", "tril", "triu", "squeeze", "masked_fill", "avg_pool2d", "avg_pool1d",
+        "avg_pool3d", "adaptive_avg_pool2d", "as_strided", "max_pool2d_with_indices",
+        "reflection_pad2d", "replication_pad2d", "pixel_shuffle", "im2col", "col2im",
+        "slice_scatter", "select_scatter", "index_put", "scatter", "scatter_add", "copy",
+        "lift_fresh_copy", "expand_copy", "view_copy", "permute_copy", "unfold", "sub", "add",
+        "rsub", "amax", "amin", "max", "min", "maximum", "minimum", "clamp", "hardtanh",
+        "leaky_relu", "cumsum", "baddbmm", "linear", "einsum", "zeros_like", "new_zeros",
+    }
+)  # fmt: skip
+
+# Normalizations pushed in their composed forms (torch's kernels: see the module docstring).
+_COMPOSED = frozenset(
+    {
+        aten.native_layer_norm.default,
+        aten.native_group_norm.default,
+        aten.native_batch_norm.default,
+        aten._native_batch_norm_legit.default,
+        aten._native_batch_norm_legit.no_stats,
+        aten._native_batch_norm_legit_no_training.default,
+    }
+)
+
+
+def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """Any operation, by ``torch.func``: the first-order terms by ``jvp``, the second-order
+    ones by ``jvp`` of ``jvp`` (zero for :data:`_LINEAR` operations), batched over the
+    directions with ``vmap``."""
+    target: Any = node.target
+    y = target(*args, **kwargs)
+    outs = list(y) if isinstance(y, tuple | list) else [y]
+    floating = [i for i, o in enumerate(outs) if inexact(o)]
+    if not floating:
+        return y, None
+    op = target
+    if target in _COMPOSED:
+        from torch._decomp import decomposition_table
+
+        op = decomposition_table[target]
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    node_leaves = pytree.tree_leaves((node.args, node.kwargs))
+    pos = [i for i, n in enumerate(node_leaves) if sw.jet(n) is not None]
+    primals = tuple(leaves[i] for i in pos)
+    jets = [sw.jet(node_leaves[i]) for i in pos]
+
+    def fn(*deps: Tensor) -> tuple[Tensor, ...]:
+        full = list(leaves)
+        for i, d in zip(pos, deps, strict=True):
+            full[i] = d
+        a, kw = pytree.tree_unflatten(full, spec)
+        out = op(*a, **kw)
+        found = list(out) if isinstance(out, tuple | list) else [out]
+        return tuple(found[i] for i in floating)
+
+    firsts = [_full(j.first, p.shape) for j, p in zip(jets, primals, strict=True)]  # type: ignore[union-attr]
+    has_second = any(j.second is not None for j in jets)  # type: ignore[union-attr]
+    seconds = [
+        torch.zeros((sw.m, *p.shape), dtype=p.dtype, device=p.device)
+        if j.second is None  # type: ignore[union-attr]
+        else _full(j.second, p.shape)  # type: ignore[union-attr]
+        for j, p in zip(jets, primals, strict=True)
+    ]
+
+    def push(*t: Tensor) -> tuple[Tensor, ...]:
+        return jvp(fn, primals, t)[1]
+
+    d2: tuple[Tensor, ...] | None
+    if packet(target) in _LINEAR:
+        d1 = vmap(push)(*firsts)
+        d2 = vmap(push)(*seconds) if has_second else None
+    else:
+        n = len(primals)
+
+        def taylor(*t: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+            def lin(*pt: Tensor) -> tuple[Tensor, ...]:
+                return jvp(fn, pt[:n], pt[n:])[1]
+
+            return jvp(lin, (*primals, *t[:n]), t)  # type: ignore[return-value]
+
+        if sw.per_direction:
+            d1, d2 = vmap(taylor)(*firsts, *seconds)
+        else:
+            zeros = [torch.zeros_like(t) for t in firsts]
+            d1, curv = vmap(taylor)(*firsts, *zeros)
+            d2 = tuple(sw.weighted(c) for c in curv)
+            if has_second:
+                d2 = tuple(c + s for c, s in zip(d2, vmap(push)(*seconds), strict=True))
+    jets_out: list[_Jet | None] = [None] * len(outs)
+    for j, i in enumerate(floating):
+        jets_out[i] = _Jet(d1[j], None if d2 is None else d2[j])
+    return y, jets_out if isinstance(y, tuple | list) else jets_out[0]
