@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from ._call import (
     DiagonalMethod,
     Distribution,
     LaplacianMethod,
+    Method,
     Mode,
     Spec,
     WeightedMethod,
@@ -381,7 +382,7 @@ def _hvp_laplacian(
     fname = "laplacian"
     spec = Spec(backend, u, argnum, batch_axis, has_aux, coupling, fname)
     ds = _DivSpec(
-        opts.method,  # type: ignore[arg-type]  (one of the divergence's stochastic methods)
+        cast(Method, opts.method),  # one of the divergence's stochastic methods
         "auto",
         opts.num_probes,
         opts.distribution,
@@ -628,26 +629,18 @@ def _diagonal_values(
     hutchinson = opts.method == "hutchinson"
     planned = backend.ahead(_plan, call, opts.method, grad_spec, hutchinson)
     backend.ahead(_require_scalar, call)
-    if hutchinson or planned.colors is not None:
-        grad_call = prepare(grad_spec, call.args, call.kwargs)
-        linear = backend.linearize(grad_call, False)  # Hessian-vector products H v
-
-        def own(c: Array, t: Array, pushed: Array) -> Array:
-            return (pushed * t).reshape(B, n)  # v_i (H v)_i
-
-        if hutchinson:  # Bekas, Kokiopoulou & Saad: E[v * H v] = diag(H) when E[v v^T] = I
-            k = _num_probes(opts, n)
-            probes = _draw(call, randomness, k, opts.distribution)
-            chunk = backend.ahead(Call.chunk, grad_call, k, opts.chunk_size)
-            terms = linear.passes(probes, _itself, own, chunk, shared=False)
-            mean, err = _mean_and_stderr(call, terms, opts.return_stderr)
-            return mean.reshape(B, *call.in_sample), _shaped(call, err)
-        colors = planned.colors
-        n_colors = int(colors.max()) + 1
-        inputs, indicator = backend.indicators(colors, n, n_colors, call.xb)
-        chunk = backend.ahead(Call.chunk, grad_call, n_colors, opts.chunk_size)
+    if hutchinson:  # Bekas, Kokiopoulou & Saad: E[v * H v] = diag(H) when E[v v^T] = I
+        k = _num_probes(opts, n)
+        probes = _draw(call, randomness, k, opts.distribution)
+        terms = _own_products(call, grad_spec, probes, _itself, k, opts.chunk_size, shared=False)
+        mean, err = _mean_and_stderr(call, terms, opts.return_stderr)
+        return mean.reshape(B, *call.in_sample), _shaped(call, err)
+    if planned.colors is not None:
+        n_colors = int(planned.colors.max()) + 1
+        inputs, indicator = backend.indicators(planned.colors, n, n_colors, call.xb)
+        seed = shaped(indicator, call.in_sample)
         # Diagonal colors: H_ij = 0 for i != j of one color, so (H v_c)_i = H_ii for i in c.
-        passes = linear.passes(inputs, shaped(indicator, call.in_sample), own, chunk, shared=True)
+        passes = _own_products(call, grad_spec, inputs, seed, n_colors, opts.chunk_size, True)
         diag = passes.sum(0).reshape(B, *call.in_sample)
         return diag, (backend.zeros_like(diag) if opts.return_stderr else None)
     directions = _basis(call, None)
@@ -658,6 +651,28 @@ def _diagonal_values(
         terms = _sweep(call, directions, None, False, opts.chunk_size)  # (n, B, *out)
     diag = backend.moveaxis(terms.reshape(n, B), 0, 1).reshape(B, *call.in_sample)
     return diag, (backend.zeros_like(diag) if opts.return_stderr else None)
+
+
+def _own_products(
+    call: Call,
+    grad_spec: Spec,
+    inputs: Array,
+    seed: Callable[[Array], Array],
+    n_passes: int,
+    chunk_size: int | None,
+    shared: bool,
+) -> Array:
+    """``v * H v`` ``(k, B, n)`` for the tangents ``v`` of the passes: Hessian-vector products,
+    JVPs of the per-sample gradient (forward-over-reverse)."""
+    backend, B, n = call.backend, call.batch_size, call.n_in
+    grad_call = prepare(grad_spec, call.args, call.kwargs)
+    linear = backend.linearize(grad_call, False)
+
+    def own(c: Array, t: Array, pushed: Array) -> Array:
+        return (pushed * t).reshape(B, n)
+
+    chunk = backend.ahead(Call.chunk, grad_call, n_passes, chunk_size)
+    return linear.passes(inputs, seed, own, chunk, shared=shared)
 
 
 def _shaped(call: Call, err: Array | None) -> Array | None:
