@@ -569,3 +569,50 @@ def test_errors_name_the_problem(ops: Ops) -> None:
         dj.hessian(u, mode="dense")
     with pytest.raises(divjac.InputDtypeError):
         dj.laplacian(u)(ops.integers(np.ones((B, 5))))
+
+
+# --- the PINN user story ------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # trains two networks for 5 steps each (about 1 min on 2 busy cores)
+def test_pinn_doc_runs_and_its_residuals_are_the_brute_force_ones() -> None:
+    """docs/pinn.md's examples run as written (in order, in one namespace, as a user runs
+    them: float32), and their residual terms are brute force's."""
+    import re
+    from pathlib import Path
+
+    jax = pytest.importorskip("jax")
+    torch = pytest.importorskip("torch")
+    doc = Path(__file__).resolve().parents[1] / "docs" / "pinn.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
+    assert len(blocks) == 3
+    ns: dict[str, Any] = {}
+    with jax.enable_x64(False):
+        for block in blocks:
+            exec(compile(block, str(doc), "exec"), ns)
+        assert len(ns["losses"]) == 5 and np.all(np.isfinite(ns["losses"]))
+        assert ns["losses"][-1] < ns["losses"][0]  # the steps descend
+        jnp = jax.numpy
+        params, x, t = ns["params"], ns["x"][:4], ns["t"][:4]
+
+        def one(xb, tb):
+            return ns["u"](params, xb[None], tb[None])[0]
+
+        H = jax.vmap(jax.hessian(one))(x, t)
+        du_dt = jax.vmap(jax.grad(one, argnums=1))(x, t)[:, 0]
+        D = ns["sigma"] @ ns["sigma"].T
+        heat = du_dt - ns["kappa"] * jnp.trace(H, axis1=1, axis2=2)
+        np.testing.assert_allclose(ns["residual"](params, x, t), heat, rtol=1e-4, atol=1e-5)
+        flux_div = jax.vmap(
+            lambda xb, tb: jnp.trace(
+                jax.jacfwd(lambda z: ns["flux"](params, z[None], tb[None])[0])(xb)
+            )
+        )(x, t)
+        fp = du_dt + flux_div - 0.5 * jnp.einsum("ij,bij->b", D, H)
+        np.testing.assert_allclose(ns["fokker_planck"](params, x, t), fp, rtol=1e-4, atol=1e-5)
+    assert len(ns["torch_losses"]) == 5 and np.all(np.isfinite(ns["torch_losses"]))
+    net, xs, ts = ns["net"], ns["xs"][:4], ns["ts"][:4]
+    Ht = torch.func.vmap(torch.func.hessian(lambda xb, tb: net(xb[None], tb[None])[0]))(xs, ts)
+    D = ns["sigma_t"] @ ns["sigma_t"].T
+    want = torch.einsum("ij,bij->b", D, Ht).detach().numpy()
+    np.testing.assert_allclose(ns["fp_diffusion"][:4].detach().numpy(), want, rtol=1e-4, atol=1e-5)
