@@ -337,6 +337,10 @@ def test_chunks_of_directions_and_jit(ops: Ops, directions: list[int]) -> None:
     H = ops.hessians(u, x, ())
     _close(ops, dj.laplacian(u, chunk_size=2)(x), np.trace(H, axis1=1, axis2=2))
     assert directions == [2, 2, 1]
+    # A is an argument of the (JAX: compiled, cached) call, never a constant of it.
+    for seed in (12, 13):
+        A = np.random.default_rng(seed).normal(size=(5, 5))
+        _close(ops, dj.weighted_laplacian(u, ops.asarray(A))(x), np.einsum("ij,bij->b", A, H))
     if ops.name == "jax":
         import jax
 
