@@ -329,7 +329,7 @@ def _gradient_of(o: Ops, u: Callable[..., Any]) -> Callable[..., Any]:
     from divjac import _second
 
     backend = o.backend_cls()
-    return _second._gradient(backend, u, 0, False)
+    return _second._gradient(backend, u, 0, False, "laplacian")
 
 
 def test_chunks_of_directions_and_jit(ops: Ops, directions: list[int]) -> None:

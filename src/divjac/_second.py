@@ -105,12 +105,14 @@ class _Plan:
 # --- the functions and their calls --------------------------------------------------------------
 
 
-def _gradient(backend: Backend[Any], u: Callable[..., Any], argnum: int, has_aux: bool) -> Any:
+def _gradient(
+    backend: Backend[Any], u: Callable[..., Any], argnum: int, has_aux: bool, fname: str
+) -> Any:
     """The per-sample gradient of ``u`` (of the sum of its output components) w.r.t. argument
     ``argnum``: a batched function with ``u``'s signature (``(gradient, aux)`` with ``has_aux``)."""
 
     def gradient(*args: Any, **kwargs: Any) -> Any:
-        at = checks.normalize_argnum(argnum, len(args), fname="hessian")
+        at = checks.normalize_argnum(argnum, len(args), fname=fname)
 
         def values(x: Array) -> Any:
             return u(*args[:at], x, *args[at + 1 :], **kwargs)
@@ -175,7 +177,7 @@ def _grad_spec(spec: Spec) -> Spec:
     backend = spec.backend
     return Spec(
         backend,
-        _gradient(backend, spec.fun, spec.argnums, spec.has_aux),
+        _gradient(backend, spec.fun, spec.argnums, spec.has_aux, spec.fname),
         spec.argnums,
         spec.batch_axis,
         spec.has_aux,
@@ -390,7 +392,7 @@ def _hvp_laplacian(
         opts.chunk_size,
         None,
     )
-    gradient = _gradient(backend, u, argnum, has_aux)
+    gradient = _gradient(backend, u, argnum, has_aux, fname)
     inner = _divergence_transform(
         backend, gradient, argnum, batch_axis, has_aux, coupling, ds, fname, False
     )
@@ -552,7 +554,7 @@ def hessian(
 
     def one(argnum: int) -> Callable[..., Any]:
         spec = Spec(backend, u, argnum, batch_axis, has_aux, "raise", fname)
-        gradient = _gradient(backend, u, argnum, has_aux)
+        gradient = _gradient(backend, u, argnum, has_aux, fname)
         jac = T.jacobian(
             backend,
             gradient,
