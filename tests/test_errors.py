@@ -146,9 +146,13 @@ def test_output_must_be_one_array(backend: Backend) -> None:
         backend.dj.jacobian(lambda x: x, has_aux=True)(x)
 
 
-def test_laplacian_needs_a_scalar_per_sample(backend: Backend) -> None:
-    with pytest.raises(divjac.OutputError, match="one scalar per sample"):
-        backend.dj.laplacian(lambda x: x**2)(backend.ones((4, 3)))
+def test_hessians_need_a_scalar_per_sample(backend: Backend) -> None:
+    """The Laplacian of a vector output is per component; the Hessian needs a scalar."""
+    x = backend.ones((4, 3))
+    assert tuple(backend.dj.laplacian(lambda x: x**2)(x).shape) == (4, 3)
+    for transform in (backend.dj.hessian, backend.dj.hessian_diagonal):
+        with pytest.raises(divjac.OutputError, match="one scalar per sample"):
+            transform(lambda x: x**2)(x)
 
 
 def test_bad_options(backend: Backend) -> None:

@@ -156,6 +156,10 @@ class Backend(abc.ABC, Generic[TracedT]):
     def zeros_like(self, x: Array) -> Array:
         """Zeros of the shape, dtype (and device) of ``x``."""
 
+    @abc.abstractmethod
+    def concatenate(self, arrays: Sequence[Array]) -> Array:
+        """``arrays`` joined along their first axis."""
+
     # --- devices ------------------------------------------------------------------------------
 
     def batch_shards(self, xb: Array) -> int:
@@ -205,6 +209,21 @@ class Backend(abc.ABC, Generic[TracedT]):
     @abc.abstractmethod
     def linearize(self, point: Point[TracedT], reverse: bool) -> Linear:
         """The JVP (or, with ``reverse``, the VJP) of the batch-first function at ``point``."""
+
+    @abc.abstractmethod
+    def second_order_sweep(
+        self,
+        f: Callable[[Array], Array],
+        x: Array,
+        directions: Array,
+        *,
+        weights: Array | None,
+        collapse: bool,
+    ) -> tuple[Array, Array, Array]:
+        """``(f(x), J v_k, v_k^T H v_k)`` of a batch-first per-sample ``f`` (the framework's
+        ``_taylor.second_order_sweep``): directions ``[K, B, *in]`` or ``[K, 1, *in]``, weights
+        ``None``, ``[K]`` or ``[K, B]``; the second-order terms summed with the weights
+        (``[B, *out]``) with ``collapse``, else each ``[K, B, *out]``."""
 
     @abc.abstractmethod
     def grad_of_sum(self, fn: Callable[[Array], Any], x: Array, *, has_aux: bool) -> Any:

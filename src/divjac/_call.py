@@ -26,11 +26,14 @@ from ._errors import ArgnumsError, BatchAxisError, InternalError, OptionError, O
 __all__ = [
     "Call",
     "Coupling",
+    "DiagonalMethod",
     "Direction",
     "Distribution",
+    "LaplacianMethod",
     "Method",
     "Mode",
     "Spec",
+    "WeightedMethod",
     "check_floating_output",
     "check_option",
     "from_axis",
@@ -50,6 +53,20 @@ Direction: TypeAlias = Literal["auto", "fwd", "rev"]
 Method: TypeAlias = Literal["auto", "exact", "sparse", "hutchinson", "hutch++", "xtrace", "probing"]
 """How a divergence (or Laplacian) is computed: exact (``"auto"``, ``"exact"``, ``"sparse"``) or
 estimated (``"hutchinson"``, ``"hutch++"``, ``"xtrace"``, ``"probing"``)."""
+
+LaplacianMethod: TypeAlias = Literal[
+    "auto", "exact", "sparse", "hutchinson", "stde", "hutch++", "xtrace", "probing"
+]
+"""How a Laplacian is computed: exact (``"auto"``, ``"exact"``: one Taylor sweep of the unit
+basis; ``"sparse"``: of the colors of the Hessian pattern) or estimated (``"hutchinson"``,
+``"stde"``: random jets; ``"hutch++"``, ``"xtrace"``, ``"probing"``: Hessian-vector products)."""
+
+DiagonalMethod: TypeAlias = Literal["auto", "exact", "sparse", "hutchinson"]
+"""How the diagonal of a Hessian is computed: exact (``"auto"``, ``"exact"``, ``"sparse"``) or
+estimated (``"hutchinson"``: Bekas, Kokiopoulou & Saad)."""
+
+WeightedMethod: TypeAlias = Literal["auto", "exact", "hutchinson"]
+"""How ``tr(A H)`` is computed: exact (``"auto"``, ``"exact"``) or estimated (``"hutchinson"``)."""
 
 Distribution: TypeAlias = Literal["rademacher", "gaussian", "sphere"]
 """The distribution of the probes of a stochastic method."""

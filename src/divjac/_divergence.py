@@ -1,16 +1,15 @@
-"""Per-sample divergences, their gradients and Laplacians, written once over a backend.
+"""Per-sample divergences and their gradients, written once over a backend.
 
 The divergence ``tr J_b`` of a batch-independent function is read from batched passes whose
 tangents are the indicators of one (diagonal) color in every sample: exact with one pass per
 input element (``"exact"``) or per color of a diagonal coloring of the detected pattern
 (``"sparse"``), or estimated from random probes (:mod:`divjac._core.estimators`). The gradient of
-the divergence and the Laplacian (the divergence of the gradient) are built on it. Imports
-neither JAX nor PyTorch.
+the divergence is built on it (and the Laplacian's estimators from Hessian-vector products,
+:mod:`divjac._second`). Imports neither JAX nor PyTorch.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,21 +24,18 @@ from ._call import (
     Distribution,
     Method,
     Spec,
-    check_floating_output,
     check_option,
     prepare,
 )
 from ._core import checks, estimators as est, plan, stochastic
 from ._core.detection import AUTO_DETECTION_ENTRIES
 from ._core.pattern import SparsityPattern
-from ._errors import InternalError, OutputError
 from ._transforms import Seeds, check_pattern, per_argnum, seeds, shaped, tuple_of
 
 __all__ = [
     "divergence",
     "divergence_from_pattern",
     "grad_divergence",
-    "laplacian",
     "value_and_divergence",
 ]
 
@@ -456,86 +452,3 @@ def grad_divergence(
         return grad_fn
 
     return per_argnum(argnums, one, tuple_of(has_aux), fname=fname)
-
-
-def laplacian(
-    backend: Backend[Any],
-    u: Callable[..., Any],
-    argnums: int | Sequence[int],
-    *,
-    batch_axis: int | None,
-    method: Method,
-    num_probes: int | None,
-    distribution: Distribution,
-    return_stderr: bool,
-    chunk_size: int | None,
-    has_aux: bool,
-    coupling: Coupling,
-) -> Callable[..., Any]:
-    """Per-sample Laplacian of a scalar-per-sample function (see ``divjac.jax.laplacian``).
-
-    The Laplacian is the divergence of the per-sample gradient, computed forward-over-reverse
-    (Hessian-vector products); the Hessian pattern is symmetric, so ``"sparse"`` uses a
-    diagonal coloring of it.
-    """
-    fname = "laplacian"
-    ds = _DivSpec(method, "auto", num_probes, distribution, return_stderr, chunk_size, None)
-    _check_options(ds, coupling, fname)
-
-    def one(argnum: int) -> Callable[..., Any]:
-        def gradient(*args: Any, **kwargs: Any) -> Any:
-            at = checks.normalize_argnum(argnum, len(args), fname=fname)
-            x_shape = tuple(args[at].shape)
-
-            def values(x: Array) -> Any:
-                out = u(*args[:at], x, *args[at + 1 :], **kwargs)
-                _check_scalar_per_sample(backend, out, x_shape, batch_axis, has_aux)
-                return out
-
-            return backend.grad_of_sum(values, args[at], has_aux=has_aux)
-
-        inner = _divergence_transform(
-            backend, gradient, argnum, batch_axis, has_aux, coupling, ds, fname, False
-        )
-
-        def lap_fn(*args: Any, **kwargs: Any) -> Any:
-            _, lap, aux = inner(*args, **kwargs)
-            return (lap, aux) if has_aux else lap
-
-        return lap_fn
-
-    return per_argnum(argnums, one, tuple_of(has_aux), fname=fname)
-
-
-def _check_scalar_per_sample(
-    backend: Backend[Any], out: Any, x_shape: tuple[int, ...], batch_axis: int | None, has_aux: bool
-) -> None:
-    if has_aux:
-        if not (isinstance(out, tuple | list) and len(out) == 2):
-            raise OutputError(
-                "laplacian: has_aux=True needs u to return a pair (values, aux); got "
-                f"{type(out).__name__}."
-            )
-        out = out[0]
-    if not backend.is_array(out):
-        raise checks.not_an_array(out, what="function's output", fname="laplacian")
-    check_floating_output(backend, out.dtype, "laplacian")
-    shape = tuple(out.shape)
-    if batch_axis is None:
-        sample = shape
-    else:
-        axis = checks.normalize_batch_axis(
-            batch_axis, shape, what="function's output", fname="laplacian"
-        )
-        if axis is None:
-            raise InternalError("a batch axis normalized to None")
-        x_axis = batch_axis % len(x_shape)
-        if shape[axis] != x_shape[x_axis]:
-            raise checks.batch_size_mismatch(x_shape, x_axis, shape, axis, fname="laplacian")
-        sample = shape[:axis] + shape[axis + 1 :]
-    if math.prod(sample) != 1:
-        raise OutputError(
-            f"laplacian: u must return one scalar per sample (output shape (B,) or "
-            f"(B, 1)); its per-sample output has shape {sample}. Use "
-            "divergence/jacobian for vector outputs."
-        )

@@ -56,6 +56,12 @@ ARGS: dict[str, str] = {
     "coupling": """``"raise"`` (default) refuses a function that mixes samples with a
         :class:`~divjac.BatchCouplingError`; ``"exact"`` computes the true per-sample diagonal
         blocks of such a function (one pass per sample and element).""",
+    "A": """the coefficient matrix ``(n, n)``, shared by all samples, or ``(B, n, n)``, one per
+        sample (batch first); ``n`` is the number of elements of one input sample. ``None``
+        when ``factor`` is given.""",
+    "factor": """instead of ``A``, a factor ``S`` of ``A = S S^T``: ``(n, r)`` or ``(B, n, r)``
+        (e.g. the diffusion coefficient ``sigma`` of an SDE, with ``A = sigma sigma^T``);
+        ``r`` directions instead of ``2n``.""",
     "probing_distance": """for ``"probing"``, color a distance-limited pattern (Chebyshev
         distance on the per-sample grid) instead of choosing the distance from the budget.""",
 }
@@ -76,6 +82,37 @@ _DIV_RAISES = (
     _OPTION,
     _ARG_RAISES,
 )
+_SECOND_RAISES = (
+    _COUPLED,
+    """OutputError: ``u`` does not return what the transform needs (one scalar per sample
+        for ``hessian`` and ``hessian_diagonal``, and for ``laplacian``'s ``"hutch++"``,
+        ``"xtrace"`` and ``"probing"``).""",
+    """MissingKeyError: a stochastic method's function was called without its randomness
+        (a key, generator or probes) as its first argument.""",
+    """NumProbesError: ``num_probes`` or the probes do not fit the method.""",
+    _OPTION,
+    _ARG_RAISES,
+)
+_COUPLED_ALWAYS = """BatchCouplingError: ``u`` mixes samples."""
+_COEFFICIENT = """CoefficientError: neither or both of ``A`` and ``factor``, or one of the wrong
+        shape or dtype."""
+_U_ANY = """batched function ``[B, *in] -> [B, *out]`` (in PyTorch also an ``nn.Module``); the
+        operator applies to each output component."""
+_SECOND_PROBES = """probes per sample of a stochastic method (default 16); each is one Taylor
+        direction (two for ``weighted_laplacian`` with ``A``)."""
+_LAPLACIAN_METHOD = """``"exact"`` (one Taylor sweep of the ``n`` unit directions),
+        ``"sparse"`` (exact, one direction per color of a diagonal coloring of the detected
+        per-sample Hessian pattern), ``"auto"`` (exact: sparse when the colors are at most
+        half of ``n``, never stochastic), or an estimate: ``"hutchinson"`` (``v^T H v`` of
+        random probes, one direction each), ``"stde"`` (STDE, Shi et al. 2024: ``n H_ii`` at
+        ``num_probes`` coordinates drawn without replacement; exact when it reaches ``n``;
+        best when the diagonal dominates), or from Hessian-vector products (scalar ``u``):
+        ``"hutch++"``, ``"xtrace"``, ``"probing"``."""
+_WEIGHTED_METHOD = """``"exact"`` or ``"auto"`` (the directions above), or ``"hutchinson"``:
+        ``(S v)^T H (S v)`` for random ``v`` in ``r`` dimensions with a factor, ``v^T H A v``
+        (two directions) with ``A``."""
+_DIAGONAL_METHOD = """``"exact"``, ``"sparse"``, ``"auto"`` (sparse when the colors are at most
+        half of ``n``) or ``"hutchinson"`` (Bekas-Kokiopoulou-Saad)."""
 _ONE_ARGNUM = (
     ("argnums", "position of the differentiated array argument (one: the pattern is its own)."),
 )
@@ -199,15 +236,78 @@ _DOCS: dict[str, _Doc] = {
         own_args=_DIV_MODE,
     ),
     "laplacian": _Doc(
-        """Per-sample Laplacian of a scalar-per-sample function ``u: [B, *shape] -> [B]``.
+        """Per-sample Laplacian of each output component of ``u: [B, *in] -> [B, *out]``.
 
-        The divergence of the per-sample gradient, computed forward-over-reverse
-        (Hessian-vector products); ``method`` works as in :func:`divergence` (the Hessian
-        pattern is symmetric, so ``"sparse"`` uses a diagonal coloring of it).""",
+        ``"exact"`` reads it from one second-order Taylor sweep of the unit basis (the forward
+        Laplacian of Li et al. 2023, collapsed Taylor mode of Dangel et al. 2025), not from
+        ``n`` Hessian-vector products; ``"sparse"`` sweeps the indicators of a diagonal
+        coloring of the detected per-sample Hessian pattern (exact, ``#colors`` directions).""",
         ("u", *(a for a in _DIVERGENCE_ARGS[1:] if a not in ("mode", "probing_distance"))),
-        "A function with ``u``'s signature returning the per-sample Laplacian, shape ``(B,)``.",
-        _DIV_RAISES,
+        """A function with ``u``'s signature returning the per-sample Laplacians, with the
+        shape of ``u``'s output (``(B,)`` for ``(B,)``, ``(B, 1)`` for ``(B, 1)``).""",
+        _SECOND_RAISES,
         stochastic=True,
+        own_args=(("u", _U_ANY), ("method", _LAPLACIAN_METHOD), ("num_probes", _SECOND_PROBES)),
+    ),
+    "weighted_laplacian": _Doc(
+        """Per-sample ``tr(A H) = sum_ij A_ij d2u/dx_i dx_j`` of each output component of ``u``.
+
+        The second-order part of a linear PDE operator: a diffusion with covariance ``A``
+        (Fokker-Planck, Kolmogorov, Black-Scholes), the "weighted Laplacian" of Dangel et al.
+        (2025). Given a factor ``S`` of ``A = S S^T``, one Taylor sweep of its ``r`` columns;
+        given ``A``, ``2n`` directions ``e_i +- A e_i`` (polarization: linear in ``A``, so
+        differentiable w.r.t. ``A`` everywhere, and only ``A``'s symmetric part counts, as
+        ``H`` is symmetric).""",
+        (
+            "u",
+            "A",
+            "argnums",
+            "factor",
+            "batch_axis",
+            "method",
+            "num_probes",
+            "distribution",
+            "return_stderr",
+            "chunk_size",
+            "has_aux",
+            "coupling",
+        ),
+        """A function with ``u``'s signature returning ``tr(A H)`` per sample, with the shape of
+        ``u``'s output.""",
+        (_COEFFICIENT, *_SECOND_RAISES),
+        stochastic=True,
+        own_args=(
+            ("u", _U_ANY),
+            ("argnums", "position of the differentiated array argument (one)."),
+            ("method", _WEIGHTED_METHOD),
+            ("num_probes", _SECOND_PROBES),
+        ),
+    ),
+    "hessian": _Doc(
+        """Per-sample Hessian of a scalar-per-sample function ``u: [B, *in] -> [B]``.
+
+        The per-sample Jacobian of the per-sample gradient (forward-over-reverse); ``mode``
+        works as in :func:`jacobian` on that gradient (``"sparse"``: one pass per color of the
+        detected Hessian pattern).""",
+        ("u", "argnums", "batch_axis", "mode", "chunk_size", "has_aux"),
+        """A function with ``u``'s signature returning the per-sample Hessians, shape
+        ``(B, *in, *in)`` (``(*in, *in)`` with ``batch_axis=None``).""",
+        (_COUPLED_ALWAYS, _OPTION, _ARG_RAISES),
+    ),
+    "hessian_diagonal": _Doc(
+        """The diagonal ``d2u/dx_i^2`` of the per-sample Hessians of a scalar-per-sample ``u``.
+
+        ``"exact"``: each term of one Taylor sweep of the unit basis; ``"sparse"``:
+        Hessian-vector products with the indicators of a diagonal coloring of the detected
+        Hessian pattern (each ``(H v_c)_i``, ``i`` of color ``c``, is ``H_ii``);
+        ``"hutchinson"``: the estimator of Bekas, Kokiopoulou & Saad (2007), the mean of
+        ``v * H v`` over random probes (unbiased for ``E[v v^T] = I``).""",
+        ("u", *(a for a in _DIVERGENCE_ARGS[1:] if a not in ("mode", "probing_distance"))),
+        """A function with ``u``'s signature returning the diagonals, shaped as the
+        differentiated input (``(B, *in)``).""",
+        _SECOND_RAISES,
+        stochastic=True,
+        own_args=(("method", _DIAGONAL_METHOD), ("num_probes", _SECOND_PROBES)),
     ),
     "sparsity": _Doc(
         """The per-sample Jacobian sparsity of a batched function, as a transform.

@@ -64,6 +64,10 @@ class PatternTypeError(DivjacError, TypeError):
     """A sparsity pattern is not a scipy sparse matrix, or colors do not hold integers."""
 
 
+class CoefficientError(DivjacError, ValueError):
+    """The coefficient matrix of a second-order operator (``A`` or its factor) does not fit."""
+
+
 class NumProbesError(DivjacError, ValueError):
     """``num_probes`` (or the given probes) does not fit the stochastic method."""
 

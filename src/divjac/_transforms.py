@@ -283,13 +283,15 @@ def jacobian(
     chunk_size: int | None,
     has_aux: bool,
     coupling: Coupling,
+    fname: str = "jacobian",
 ) -> Callable[..., Any]:
-    """Per-sample Jacobian of a batched function (see ``divjac.jax.jacobian``)."""
-    check_option("mode", mode, Mode, fname="jacobian")
-    check_option("coupling", coupling, Coupling, fname="jacobian")
+    """Per-sample Jacobian of a batched function (see ``divjac.jax.jacobian``); ``fname``: the
+    public transform built on it (in messages)."""
+    check_option("mode", mode, Mode, fname=fname)
+    check_option("coupling", coupling, Coupling, fname=fname)
 
     def one(argnum: int) -> Callable[..., Any]:
-        spec = Spec(backend, f, argnum, batch_axis, has_aux, coupling, "jacobian")
+        spec = Spec(backend, f, argnum, batch_axis, has_aux, coupling, fname)
 
         def jac_fn(*args: Any, **kwargs: Any) -> Any:
             call = prepare(spec, args, kwargs)
@@ -299,7 +301,7 @@ def jacobian(
 
         return jac_fn
 
-    return per_argnum(argnums, one, tuple_of(has_aux), fname="jacobian")
+    return per_argnum(argnums, one, tuple_of(has_aux), fname=fname)
 
 
 def jacobian_from_pattern(

@@ -10,7 +10,7 @@ import typing
 
 import pytest
 
-from divjac import _call
+from divjac import _call, _second
 from divjac._core import estimators, plan
 
 dj = pytest.importorskip("divjac.jax")
@@ -21,6 +21,11 @@ def test_the_option_types_are_the_options_divjac_takes():
     assert typing.get_args(_call.Mode) == plan.JACOBIAN_MODES
     assert set(typing.get_args(_call.Direction)) == set(plan.JACOBIAN_MODES) - {"sparse"}
     assert typing.get_args(_call.Method) == plan.DIVERGENCE_METHODS
+    laplacian = set(typing.get_args(_call.LaplacianMethod))
+    assert laplacian == set(plan.EXACT_METHODS) | set(plan.STOCHASTIC_METHODS) | {"stde"}
+    assert set(_second.SWEEP_STOCHASTIC) == {"hutchinson", "stde"}
+    assert set(typing.get_args(_call.DiagonalMethod)) == set(plan.EXACT_METHODS) | {"hutchinson"}
+    assert typing.get_args(_call.WeightedMethod) == ("auto", "exact", "hutchinson")
     assert set(typing.get_args(_call.Distribution)) == set(estimators.DISTRIBUTIONS)
 
 
@@ -37,6 +42,12 @@ def test_both_frameworks_expose_the_same_functions_with_the_same_signatures():
         if name == "register_rule":  # a JAX primitive or a torch operator: the same parameter
             jax_params["op"] = jax_params["op"].replace(annotation=None)
             torch_params["op"] = torch_params["op"].replace(annotation=None)
+        if name == "weighted_laplacian":  # A and its factor: a jax.Array or a torch.Tensor
+            for arg, array in (("A", "jax.Array"), ("factor", "jax.Array")):
+                assert jax_params[arg].annotation == f"{array} | None"
+                assert torch_params[arg].annotation == "torch.Tensor | None"
+                jax_params[arg] = jax_params[arg].replace(annotation=None)
+                torch_params[arg] = torch_params[arg].replace(annotation=None)
         assert jax_params == torch_params, name
         assert inspect.signature(jax_fn).return_annotation == (
             inspect.signature(torch_fn).return_annotation

@@ -11,8 +11,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
-from .. import _divergence as D, _transforms as T
-from .._call import Coupling, Direction, Distribution, Method, Mode
+import jax
+
+from .. import _divergence as D, _second as S, _transforms as T
+from .._call import (
+    Coupling,
+    DiagonalMethod,
+    Direction,
+    Distribution,
+    LaplacianMethod,
+    Method,
+    Mode,
+    WeightedMethod,
+)
 from .._core import stochastic
 from .._core.pattern import SparsityPattern
 from .._core.plan import STOCHASTIC_METHODS
@@ -25,12 +36,15 @@ __all__ = [
     "divergence",
     "divergence_from_pattern",
     "grad_divergence",
+    "hessian",
+    "hessian_diagonal",
     "jacobian",
     "jacobian_from_pattern",
     "laplacian",
     "sparse_jacobian",
     "sparsity",
     "value_and_divergence",
+    "weighted_laplacian",
 ]
 
 
@@ -56,7 +70,7 @@ def _compiled_when_eager(
 
 def _randomness(method: str) -> int:
     """Leading arguments of a call that are not the function's: a stochastic method's key."""
-    return 1 if method in STOCHASTIC_METHODS else 0
+    return 1 if method in STOCHASTIC_METHODS or method in S.SWEEP_STOCHASTIC else 0
 
 
 @documented()
@@ -279,7 +293,7 @@ def laplacian(
     argnums: int | Sequence[int] = 0,
     *,
     batch_axis: int | None = 0,
-    method: Method = "auto",
+    method: LaplacianMethod = "auto",
     num_probes: int | None = None,
     distribution: Distribution = "rademacher",
     return_stderr: bool = False,
@@ -296,7 +310,128 @@ def laplacian(
         [6.0, 6.0]
     """
     return _compiled_when_eager(
-        D.laplacian,
+        S.laplacian,
+        u,
+        argnums,
+        skip=_randomness(method),
+        batch_axis=batch_axis,
+        method=method,
+        num_probes=num_probes,
+        distribution=distribution,
+        return_stderr=return_stderr,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+        coupling=coupling,
+    )
+
+
+@documented()
+def weighted_laplacian(
+    u: Callable[..., Any],
+    A: jax.Array | None = None,
+    /,
+    argnums: int = 0,
+    *,
+    factor: jax.Array | None = None,
+    batch_axis: int | None = 0,
+    method: WeightedMethod = "auto",
+    num_probes: int | None = None,
+    distribution: Distribution = "rademacher",
+    return_stderr: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    coupling: Coupling = "raise",
+) -> Callable[..., Any]:
+    """{weighted_laplacian}
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from divjac.jax import weighted_laplacian
+        >>> A = jnp.array([[2.0, 1.0], [1.0, 3.0]])
+        >>> u = lambda x: x[:, 0] * x[:, 1]  # H = [[0, 1], [1, 0]]: tr(A H) = 2
+        >>> weighted_laplacian(u, A)(jnp.ones((2, 2))).tolist()
+        [2.0, 2.0]
+        >>> weighted_laplacian(u, factor=jnp.eye(2))(jnp.ones((2, 2))).tolist()
+        [0.0, 0.0]
+    """
+    coefficient, is_factor = S.coefficient_of(A, factor)
+    inner = _compiled_when_eager(
+        S.weighted_laplacian,
+        u,
+        argnums,
+        skip=1 + _randomness(method),
+        is_factor=is_factor,
+        batch_axis=batch_axis,
+        method=method,
+        num_probes=num_probes,
+        distribution=distribution,
+        return_stderr=return_stderr,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+        coupling=coupling,
+    )
+
+    def weighted_fn(*args: Any, **kwargs: Any) -> Any:
+        return inner(coefficient, *args, **kwargs)
+
+    return weighted_fn
+
+
+@documented()
+def hessian(
+    u: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    mode: Mode = "auto",
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """{hessian}
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from divjac.jax import hessian
+        >>> hessian(lambda x: x[:, 0] ** 2 * x[:, 1])(jnp.ones((3, 2)))[0].tolist()
+        [[2.0, 2.0], [2.0, 0.0]]
+    """
+    return _compiled_when_eager(
+        S.hessian,
+        u,
+        argnums,
+        batch_axis=batch_axis,
+        mode=mode,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+    )
+
+
+@documented()
+def hessian_diagonal(
+    u: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    method: DiagonalMethod = "auto",
+    num_probes: int | None = None,
+    distribution: Distribution = "rademacher",
+    return_stderr: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    coupling: Coupling = "raise",
+) -> Callable[..., Any]:
+    """{hessian_diagonal}
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from divjac.jax import hessian_diagonal
+        >>> hessian_diagonal(lambda x: jnp.sum(x**3, axis=1))(jnp.ones((2, 3))).tolist()
+        [[6.0, 6.0, 6.0], [6.0, 6.0, 6.0]]
+    """
+    return _compiled_when_eager(
+        S.hessian_diagonal,
         u,
         argnums,
         skip=_randomness(method),

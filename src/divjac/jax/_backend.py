@@ -23,6 +23,7 @@ from jax.experimental import sparse as jsparse
 from .._backend import Array, Backend, Finish, Linear, Point, Seed
 from .._core import plan
 from .._errors import OptionError
+from . import _taylor
 from ._detect import Traced, is_array, trace
 from ._sink import pushes, varying_axes
 
@@ -105,6 +106,9 @@ class JaxBackend(Backend[Traced]):
     def zeros_like(self, x: Array) -> jax.Array:
         return jnp.zeros_like(x)
 
+    def concatenate(self, arrays: Sequence[Array]) -> jax.Array:
+        return jnp.concatenate(arrays)
+
     def batch_shards(self, xb: Array) -> int:
         """From the array's sharding (a concrete array, or a tracer of an explicitly sharded
         mesh axis); a tracer under ``jit`` of an ``Auto`` mesh carries none (1). Inside
@@ -163,6 +167,17 @@ class JaxBackend(Backend[Traced]):
 
     def linearize(self, point: Point[Traced], reverse: bool) -> Linear:
         return _Linearized(point, reverse)
+
+    def second_order_sweep(
+        self,
+        f: Callable[[jax.Array], jax.Array],
+        x: jax.Array,
+        directions: jax.Array,
+        *,
+        weights: jax.Array | None,
+        collapse: bool,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return _taylor.second_order_sweep(f, x, directions, weights=weights, collapse=collapse)
 
     def grad_of_sum(self, fn: Callable[[jax.Array], Any], x: jax.Array, *, has_aux: bool) -> Any:
         if has_aux:

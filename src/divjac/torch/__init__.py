@@ -10,12 +10,15 @@ from ._api import (
     divergence as divergence,
     divergence_from_pattern as divergence_from_pattern,
     grad_divergence as grad_divergence,
+    hessian as hessian,
+    hessian_diagonal as hessian_diagonal,
     jacobian as jacobian,
     jacobian_from_pattern as jacobian_from_pattern,
     laplacian as laplacian,
     sparse_jacobian as sparse_jacobian,
     sparsity as sparsity,
     value_and_divergence as value_and_divergence,
+    weighted_laplacian as weighted_laplacian,
 )
 from ._rules import register_rule as register_rule
 
@@ -25,6 +28,8 @@ __all__ = [
     "divergence",
     "divergence_from_pattern",
     "grad_divergence",
+    "hessian",
+    "hessian_diagonal",
     "jacobian",
     "jacobian_from_pattern",
     "laplacian",
@@ -32,4 +37,5 @@ __all__ = [
     "sparse_jacobian",
     "sparsity",
     "value_and_divergence",
+    "weighted_laplacian",
 ]

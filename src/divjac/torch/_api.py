@@ -15,8 +15,17 @@ from typing import Any, overload
 
 import torch
 
-from .. import _divergence as D, _transforms as T
-from .._call import Coupling, Direction, Distribution, Method, Mode
+from .. import _divergence as D, _second as S, _transforms as T
+from .._call import (
+    Coupling,
+    DiagonalMethod,
+    Direction,
+    Distribution,
+    LaplacianMethod,
+    Method,
+    Mode,
+    WeightedMethod,
+)
 from .._core import stochastic
 from .._core.pattern import SparsityPattern
 from .._docs import documented
@@ -28,12 +37,15 @@ __all__ = [
     "divergence",
     "divergence_from_pattern",
     "grad_divergence",
+    "hessian",
+    "hessian_diagonal",
     "jacobian",
     "jacobian_from_pattern",
     "laplacian",
     "sparse_jacobian",
     "sparsity",
     "value_and_divergence",
+    "weighted_laplacian",
 ]
 
 
@@ -272,7 +284,7 @@ def laplacian(
     argnums: int | Sequence[int] = 0,
     *,
     batch_axis: int | None = 0,
-    method: Method = "auto",
+    method: LaplacianMethod = "auto",
     num_probes: int | None = None,
     distribution: Distribution = "rademacher",
     return_stderr: bool = False,
@@ -289,7 +301,129 @@ def laplacian(
         [6.0, 6.0]
     """
     return _ddp.transform(
-        D.laplacian,
+        S.laplacian,
+        BACKEND,
+        u,
+        argnums,
+        batch_axis=batch_axis,
+        method=method,
+        num_probes=num_probes,
+        distribution=distribution,
+        return_stderr=return_stderr,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+        coupling=coupling,
+    )
+
+
+@documented()
+def weighted_laplacian(
+    u: Callable[..., Any],
+    A: torch.Tensor | None = None,
+    /,
+    argnums: int = 0,
+    *,
+    factor: torch.Tensor | None = None,
+    batch_axis: int | None = 0,
+    method: WeightedMethod = "auto",
+    num_probes: int | None = None,
+    distribution: Distribution = "rademacher",
+    return_stderr: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    coupling: Coupling = "raise",
+) -> Callable[..., Any]:
+    """{weighted_laplacian}
+
+    Example:
+        >>> import torch
+        >>> from divjac.torch import weighted_laplacian
+        >>> A = torch.tensor([[2.0, 1.0], [1.0, 3.0]])
+        >>> u = lambda x: x[:, 0] * x[:, 1]  # H = [[0, 1], [1, 0]]: tr(A H) = 2
+        >>> weighted_laplacian(u, A)(torch.ones(2, 2)).tolist()
+        [2.0, 2.0]
+        >>> weighted_laplacian(u, factor=torch.eye(2))(torch.ones(2, 2)).tolist()
+        [0.0, 0.0]
+    """
+    coefficient, is_factor = S.coefficient_of(A, factor)
+    inner = _ddp.transform(
+        S.weighted_laplacian,
+        BACKEND,
+        u,
+        argnums,
+        is_factor=is_factor,
+        batch_axis=batch_axis,
+        method=method,
+        num_probes=num_probes,
+        distribution=distribution,
+        return_stderr=return_stderr,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+        coupling=coupling,
+    )
+
+    def weighted_fn(*args: Any, **kwargs: Any) -> Any:
+        return inner(coefficient, *args, **kwargs)
+
+    return weighted_fn
+
+
+@documented()
+def hessian(
+    u: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    mode: Mode = "auto",
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """{hessian}
+
+    Example:
+        >>> import torch
+        >>> from divjac.torch import hessian
+        >>> hessian(lambda x: x[:, 0] ** 2 * x[:, 1])(torch.ones(3, 2))[0].tolist()
+        [[2.0, 2.0], [2.0, 0.0]]
+    """
+    return _ddp.transform(
+        S.hessian,
+        BACKEND,
+        u,
+        argnums,
+        batch_axis=batch_axis,
+        mode=mode,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+    )
+
+
+@documented()
+def hessian_diagonal(
+    u: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    method: DiagonalMethod = "auto",
+    num_probes: int | None = None,
+    distribution: Distribution = "rademacher",
+    return_stderr: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    coupling: Coupling = "raise",
+) -> Callable[..., Any]:
+    """{hessian_diagonal}
+
+    Example:
+        >>> import torch
+        >>> from divjac.torch import hessian_diagonal
+        >>> hessian_diagonal(lambda x: torch.sum(x**3, dim=1))(torch.ones(2, 3)).tolist()
+        [[6.0, 6.0, 6.0], [6.0, 6.0, 6.0]]
+    """
+    return _ddp.transform(
+        S.hessian_diagonal,
         BACKEND,
         u,
         argnums,

@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 from .._backend import Backend, Finish, Linear, Point, Seed
 from .._core.detection import LRU
 from .._errors import CompileError, OptionError
-from . import _ddp
+from . import _ddp, _taylor
 from ._detect import TensorSpec, Traced, plain_kernels, trace
 
 __all__ = ["BACKEND", "TorchBackend"]
@@ -621,6 +621,9 @@ class TorchBackend(Backend[Traced]):
     def zeros_like(self, x: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(x)
 
+    def concatenate(self, arrays: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(list(arrays))
+
     def functional(self, fun: Callable[..., Any]) -> Callable[..., Any]:
         """A ``torch.compile``d module (an ``OptimizedModule``) is its original module."""
         eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # none before torch.compile
@@ -675,6 +678,17 @@ class TorchBackend(Backend[Traced]):
         if reverse and torch._C._functorch.peek_interpreter_stack() is None:
             return _Tape(point)
         return _Passes(point, reverse)
+
+    def second_order_sweep(
+        self,
+        f: Callable[[torch.Tensor], torch.Tensor],
+        x: torch.Tensor,
+        directions: torch.Tensor,
+        *,
+        weights: torch.Tensor | None,
+        collapse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _taylor.second_order_sweep(f, x, directions, weights=weights, collapse=collapse)
 
     def grad_of_sum(
         self, fn: Callable[[torch.Tensor], Any], x: torch.Tensor, *, has_aux: bool
