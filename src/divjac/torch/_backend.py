@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 from .._backend import Backend, Finish, Linear, Point, Seed
 from .._core.detection import LRU
 from .._errors import CompileError, OptionError
-from . import _ddp, _taylor
+from . import _ddp
 from ._detect import TensorSpec, Traced, plain_kernels, trace
 
 __all__ = ["BACKEND", "TorchBackend"]
@@ -688,6 +688,8 @@ class TorchBackend(Backend[Traced]):
         weights: torch.Tensor | None,
         collapse: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from . import _taylor  # it runs the traced graph with this module's kernels
+
         return _taylor.second_order_sweep(f, x, directions, weights=weights, collapse=collapse)
 
     def grad_of_sum(
