@@ -112,9 +112,7 @@ def _exact_plan(call: Call, ds: _DivSpec) -> _Diagonal:
         reverse = call.prefer_reverse(found)
         if found.coupling is None:
             with timing.stage("coloring"):
-                the_plan = plan.divergence_plan(
-                    ds.method, n, found.pattern, prefer_reverse=reverse
-                )
+                the_plan = plan.divergence_plan(ds.method, n, found.pattern, prefer_reverse=reverse)
         else:
             whole = None  # dense, or past the memory budget (one pass per sample and element)
             if per_sample:

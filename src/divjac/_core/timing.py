@@ -20,7 +20,7 @@ STAGES = ("trace", "coupling check", "screening", "detection", "coloring")
 _records: list[dict[str, float]] = []
 
 
-class stage:  # noqa: N801 (used as a context manager, like contextlib's helpers)
+class stage:
     """``with stage("trace"): ...``: adds the block's wall time to the open recordings."""
 
     __slots__ = ("_start", "name")
