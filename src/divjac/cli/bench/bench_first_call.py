@@ -329,7 +329,8 @@ def _diffusers_unet(size: int) -> Callable[[Any], Any] | None:
         layers_per_block=1,
         norm_num_groups=8,
         attention_head_dim=8,
-    ).eval()
+    )
+    model.eval()
     step = torch.zeros(())
 
     def unet(x: Any) -> Any:
