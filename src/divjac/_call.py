@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
 from ._backend import Array, Backend, Point
-from ._core import checks, plan
+from ._core import checks, plan, timing
 from ._core.detection import AUTO_DETECTION_ENTRIES, Detection, Traced
 from ._errors import ArgnumsError, BatchAxisError, InternalError, OptionError, OutputError
 
@@ -143,9 +143,11 @@ class Call(Point[Traced]):
     def detect(self, *, per_sample: bool, auto: bool = False) -> Detection:
         """Detect the pattern (abandoned in ``auto`` mode when too dense); checks coupling."""
         limit = AUTO_DETECTION_ENTRIES if auto else None
-        found = self.traced.detect(per_sample=per_sample, max_entries=limit)
+        with timing.stage("detection" if per_sample else "coupling check"):
+            found = self.traced.detect(per_sample=per_sample, max_entries=limit)
         if found is None:
-            found = self.traced.detect(per_sample=False)
+            with timing.stage("coupling check"):
+                found = self.traced.detect(per_sample=False)
         if found is None:
             raise InternalError("a detection without an entry limit gave up")
         if found.coupling is not None and self.spec.coupling == "raise":
@@ -203,7 +205,8 @@ def prepare(spec: Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
             "(e.g. drop_last in the data loader), or check batch_axis."
         )
     fun, has_aux = backend.functional(spec.fun), spec.has_aux
-    traced = backend.trace(fun, args, kwargs, argnum=argnum, batch_axis=axis, has_aux=has_aux)
+    with timing.stage("trace"):
+        traced = backend.trace(fun, args, kwargs, argnum=argnum, batch_axis=axis, has_aux=has_aux)
     _check_output(spec, traced.out_tree, x_shape, axis)
     if axis != spec.batch_axis:
         spec = dataclasses.replace(spec, batch_axis=axis)

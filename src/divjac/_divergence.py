@@ -27,10 +27,10 @@ from ._call import (
     check_option,
     prepare,
 )
-from ._core import checks, estimators as est, plan, stochastic
+from ._core import checks, estimators as est, plan, stochastic, timing
 from ._core.detection import AUTO_DETECTION_ENTRIES
 from ._core.pattern import SparsityPattern
-from ._transforms import Seeds, check_pattern, per_argnum, seeds, shaped, tuple_of
+from ._transforms import Seeds, auto_detects, check_pattern, per_argnum, seeds, shaped, tuple_of
 
 __all__ = [
     "divergence",
@@ -100,25 +100,30 @@ def _exact_plan(call: Call, ds: _DivSpec) -> _Diagonal:
     if ds.pattern is not None:
         check_pattern(call, ds.pattern)
         reverse = call.prefer_reverse(None)
-        the_plan = plan.divergence_plan("sparse", n, ds.pattern, prefer_reverse=reverse)
+        with timing.stage("coloring"):
+            the_plan = plan.divergence_plan("sparse", n, ds.pattern, prefer_reverse=reverse)
     else:
-        per_sample = ds.method in ("sparse", "auto")
+        per_sample = ds.method == "sparse" or (ds.method == "auto" and auto_detects(call, n))
         found = call.detect(per_sample=per_sample, auto=ds.method == "auto")
         reverse = call.prefer_reverse(found)
         if found.coupling is None:
-            the_plan = plan.divergence_plan(ds.method, n, found.pattern, prefer_reverse=reverse)
+            with timing.stage("coloring"):
+                the_plan = plan.divergence_plan(ds.method, n, found.pattern, prefer_reverse=reverse)
         else:
-            whole = (
-                call.traced.detect(
-                    per_sample=True, whole_batch=True, max_entries=AUTO_DETECTION_ENTRIES
-                )
-                if per_sample
-                else None
-            )  # None: dense, or past the memory budget (one pass per sample and element then)
+            whole = None  # dense, or past the memory budget (one pass per sample and element)
+            if per_sample:
+                with timing.stage("detection"):
+                    whole = call.traced.detect(
+                        per_sample=True, whole_batch=True, max_entries=AUTO_DETECTION_ENTRIES
+                    )
             pattern = whole.pattern if whole is not None else None
-            the_plan = plan.divergence_plan(
-                "exact" if pattern is None else ds.method, B * n, pattern, prefer_reverse=reverse
-            )
+            with timing.stage("coloring"):
+                the_plan = plan.divergence_plan(
+                    "exact" if pattern is None else ds.method,
+                    B * n,
+                    pattern,
+                    prefer_reverse=reverse,
+                )
             batched = False
     n_seed = n if batched else B * n
     finish = call.backend.diagonal_sums(the_plan.colors, n_seed, B, batched)

@@ -24,11 +24,12 @@ import numpy as np
 
 from ._backend import Array, Backend, Seed
 from ._call import Call, Coupling, Mode, Spec, check_option, prepare
-from ._core import plan
+from ._core import plan, screen, timing
 from ._core.pattern import SparsityPattern
 from ._errors import ArgnumsError, InternalError, PatternError, PatternTypeError
 
 __all__ = [
+    "auto_detects",
     "check_pattern",
     "compressed",
     "jacobian",
@@ -144,6 +145,14 @@ def compressed(call: Call, planned: Seeds) -> tuple[Array, Any]:
     return stacked, linear.aux
 
 
+def auto_detects(call: Call, dense_passes: int) -> bool:
+    """Whether mode/method ``"auto"`` detects the per-sample pattern of this call, whose dense
+    plan takes ``dense_passes`` passes (see :mod:`divjac._core.screen`); when not, the caller
+    checks coupling alone."""
+    with timing.stage("screening"):
+        return screen.screen(call.traced, dense_passes).detect
+
+
 def check_pattern(call: Call, pattern: SparsityPattern) -> None:
     """Raise :class:`PatternError` (:class:`PatternTypeError`) unless a given ``pattern`` is one of this call's function."""
     fname = call.spec.fname
@@ -195,7 +204,10 @@ def _jacobian_values(call: Call, mode: Mode, chunk_size: int | None) -> tuple[Ar
 
 
 def _jacobian_plan(call: Call, mode: Mode, chunk_size: int | None) -> _JacobianPlan:
-    found = call.detect(per_sample=mode in ("sparse", "auto"), auto=mode == "auto")
+    per_sample = mode == "sparse" or (
+        mode == "auto" and auto_detects(call, min(call.n_in, call.n_out))
+    )
+    found = call.detect(per_sample=per_sample, auto=mode == "auto")
     reverse = call.prefer_reverse(found)
     if found.coupling is not None:  # one pass per (sample, element), in the cheaper direction
         dense_mode = mode if mode in ("fwd", "rev") else "auto"
@@ -210,7 +222,8 @@ def _pattern_plan(
     call: Call, pattern: SparsityPattern | None, mode: Mode, reverse: bool, chunk_size: int | None
 ) -> _JacobianPlan:
     """The plan of a batch-independent call from ``pattern`` (``None``: dense) and ``mode``."""
-    the_plan = plan.jacobian_plan(mode, call.n_in, call.n_out, pattern, prefer_reverse=reverse)
+    with timing.stage("coloring"):
+        the_plan = plan.jacobian_plan(mode, call.n_in, call.n_out, pattern, prefer_reverse=reverse)
     n_seed = call.n_out if the_plan.reverse else call.n_in
     planned = seeds(call, the_plan, n_seed, chunk_size)
     if not the_plan.is_sparse:

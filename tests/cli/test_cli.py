@@ -189,6 +189,29 @@ def test_inspect_dense_function_chooses_exact(jax_module):
     assert report["jacobian"]["method"] in ("fwd", "rev") and report["jacobian"]["passes"] == 4
 
 
+def test_inspect_times_the_first_call_by_stage(jax_module):
+    """The first call of the auto transform, by stage: the conv is detected, the 4-wide dense
+    function is not (too few dense passes), and the stages add up to the first call."""
+    from divjac._core import timing
+
+    conv = inspect_json(f"{jax_module}:conv", "--shape", "2,8,8,3")["first_call"]
+    dense = inspect_json(f"{jax_module}:dense", "--shape", "5,4")
+    for call in (conv, dense["first_call"]):
+        assert call["transform"] == "divergence(method='auto')" and call["note"] == ""
+        assert list(call["stages"]) == [*timing.STAGES, "passes"]
+        assert all(s >= 0 for s in call["stages"].values()) and call["second_seconds"] > 0
+        assert sum(call["stages"].values()) == pytest.approx(call["first_seconds"])
+        assert call["stages"]["trace"] > 0 and call["stages"]["screening"] > 0
+    assert conv["stages"]["detection"] > 0 and conv["stages"]["coupling check"] == 0
+    assert dense["first_call"]["stages"]["detection"] == 0
+    assert dense["first_call"]["stages"]["coupling check"] > 0
+    assert "detection skipped: 4 dense passes" in dense["divergence"]["note"]
+    widen = inspect_json(f"{jax_module}:widen", "--shape", "4,3")["first_call"]
+    assert widen["transform"] == "jacobian(mode='auto')"
+    mixes = inspect_json(f"{jax_module}:mixes", "--shape", "4,3")["first_call"]
+    assert mixes["first_seconds"] is None and "BatchCouplingError" in mixes["note"]
+
+
 def test_inspect_reports_batch_coupling(jax_module):
     report = inspect_json(f"{jax_module}:mixes", "--shape", "4,3")
     assert report["batch_independent"] is False

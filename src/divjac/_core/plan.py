@@ -20,6 +20,7 @@ from .pattern import SparsityPattern
 __all__ = [
     "DIVERGENCE_METHODS",
     "JACOBIAN_MODES",
+    "SPARSE_GAIN",
     "STOCHASTIC_METHODS",
     "Plan",
     "choose_chunk_size",
@@ -34,8 +35,8 @@ EXACT_METHODS = ("auto", "exact", "sparse")
 STOCHASTIC_METHODS = ("hutchinson", "hutch++", "xtrace", "probing")
 DIVERGENCE_METHODS = EXACT_METHODS + STOCHASTIC_METHODS
 
-# Sparse compression pays when it saves at least this fraction of the dense passes.
-_SPARSE_GAIN = 0.8
+SPARSE_GAIN = 0.8
+"""``"auto"`` takes a sparse plan when it needs at most this fraction of the dense passes."""
 
 
 # Share of a device's free memory that the passes of one call may use at once: the estimate of
@@ -104,7 +105,7 @@ def jacobian_plan(
         sparse = by_rows
     else:
         sparse = by_columns
-    if mode == "sparse" or sparse.n_passes <= _SPARSE_GAIN * dense.n_passes:
+    if mode == "sparse" or sparse.n_passes <= SPARSE_GAIN * dense.n_passes:
         return sparse
     return dense
 
@@ -120,7 +121,7 @@ def divergence_plan(
             )
         return Plan(prefer_reverse, None, n)
     n_colors = pattern.n_diagonal_colors
-    if method == "sparse" or n_colors <= _SPARSE_GAIN * n:
+    if method == "sparse" or n_colors <= SPARSE_GAIN * n:
         return Plan(prefer_reverse, pattern.diagonal_colors, n_colors)
     return Plan(prefer_reverse, None, n)
 

@@ -3,7 +3,11 @@
 The function is called as ``f(x)`` with one array ``x`` of the given shape, the batch on axis 0
 (functions of several arguments: wrap them, e.g. ``def f(x): return net(params, x)``). The report
 gives the per-sample Jacobian pattern, its colorings, batch independence and the plans that
-``jacobian(mode="auto")`` and ``divergence(method="auto")`` would follow, with their pass counts.
+``jacobian(mode="auto")`` and ``divergence(method="auto")`` follow, with their pass counts (and,
+where ``"auto"`` skips the detection, why: :mod:`divjac._core.screen`). It times the first call
+of the ``auto`` transform (the divergence of a square Jacobian, else the Jacobian) with fresh
+caches, by stage (trace, coupling check, screening, detection, coloring, passes), against its
+second call.
 """
 
 from __future__ import annotations
@@ -21,16 +25,32 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._core import plan
+from .._core import plan, screen, timing
 from .._errors import DivjacError
-from ._common import FRAMEWORKS, UsageError, backend_or_none, format_count, require_backend
+from ._common import (
+    FRAMEWORKS,
+    UsageError,
+    backend_or_none,
+    format_count,
+    format_seconds,
+    require_backend,
+)
+from .bench._harness import block
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from .._core.pattern import SparsityPattern
 
-__all__ = ["DTYPES", "Inspection", "inspect_function", "load_function", "parse_shape", "render"]
+__all__ = [
+    "DTYPES",
+    "FirstCall",
+    "Inspection",
+    "inspect_function",
+    "load_function",
+    "parse_shape",
+    "render",
+]
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -42,6 +62,27 @@ class Plan:
     method: str
     passes: int | None
     dense_passes: int
+    note: str = ""
+
+
+@dataclass
+class FirstCall:
+    """The first call of an ``auto`` transform (fresh caches) against its second call.
+
+    Attributes:
+        transform: the transform timed.
+        first_seconds: wall time of the first call (``None``: refused).
+        second_seconds: wall time of the second call (every cache warm).
+        stages: seconds of the first call in each stage of :data:`divjac._core.timing.STAGES`
+            (0 for a stage it skipped), and ``"passes"``: the rest (planning the seeds, the
+            passes, and in JAX compiling them).
+        note: why the call was refused, if it was.
+    """
+
+    transform: str
+    first_seconds: float | None
+    second_seconds: float | None
+    stages: dict[str, float] = field(default_factory=dict)
     note: str = ""
 
 
@@ -68,6 +109,7 @@ class Inspection:
     dense_fallbacks: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     detect_seconds: float = 0.0
+    first_call: FirstCall | None = None
     spy: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -253,6 +295,14 @@ def inspect_function(
             raise UsageError(str(err)) from None
     seconds = time.perf_counter() - start
     n_out, n_in = pattern.shape
+    with warnings.catch_warnings(record=True) as timed:
+        warnings.simplefilter("always")
+        first_call = _time_first_call(api, fn, x, square=pattern.is_square)
+        traced = importlib.import_module(f"divjac.{framework}._backend").BACKEND.trace(
+            fn, (x,), {}, argnum=0, batch_axis=0, has_aux=False
+        )
+        jacobian_verdict = screen.screen(traced, min(n_in, n_out))
+        divergence_verdict = screen.screen(traced, n_in)
     coupling = None
     if pattern.coupling is not None:
         c = pattern.coupling
@@ -272,13 +322,35 @@ def inspect_function(
         column_colors=colors[0],
         row_colors=colors[1],
         diagonal_colors=diagonal,
-        jacobian=_jacobian_plan(pattern, shape[0]),
-        divergence=_divergence_plan(pattern, shape[0]),
+        jacobian=_jacobian_plan(pattern, jacobian_verdict),
+        divergence=_divergence_plan(pattern, divergence_verdict),
         dense_fallbacks=sorted(pattern.dense_fallbacks),
-        warnings=sorted({str(w.message) for w in caught}),
+        warnings=sorted({str(w.message) for w in [*caught, *timed]}),
         detect_seconds=seconds,
+        first_call=first_call,
     )
     return report, pattern
+
+
+def _time_first_call(api: ModuleType, fn: Callable[..., Any], x: Any, *, square: bool) -> FirstCall:
+    """The first call of ``divergence(fn)`` (``jacobian(fn)`` when not ``square``) with fresh
+    caches, by stage, and its second call."""
+    name = "divergence(method='auto')" if square else "jacobian(mode='auto')"
+    transform = api.divergence(fn) if square else api.jacobian(fn)
+    api.clear_caches()
+    try:
+        with timing.recording() as stages:
+            start = time.perf_counter()
+            block(transform(x))
+            first = time.perf_counter() - start
+        start = time.perf_counter()
+        block(transform(x))
+        second = time.perf_counter() - start
+    except DivjacError as err:
+        return FirstCall(name, None, None, note=f"refused ({type(err).__name__})")
+    breakdown = {stage: stages.get(stage, 0.0) for stage in timing.STAGES}
+    breakdown["passes"] = max(first - sum(breakdown.values()), 0.0)
+    return FirstCall(name, first, second, breakdown)
 
 
 _REFUSED = (
@@ -287,32 +359,35 @@ _REFUSED = (
 )
 
 
-def _jacobian_plan(pattern: SparsityPattern, batch: int) -> Plan:
+def _jacobian_plan(pattern: SparsityPattern, verdict: screen.Verdict) -> Plan:
     n_out, n_in = pattern.shape
     dense = min(n_in, n_out)
     if not pattern.is_batch_independent:
         return Plan("refused", None, dense, _REFUSED)
-    chosen = plan.jacobian_plan("auto", n_in, n_out, pattern)
+    chosen = plan.jacobian_plan("auto", n_in, n_out, pattern if verdict.detect else None)
     direction = "reverse: one VJP per row" if chosen.reverse else "forward: one JVP per column"
     if chosen.is_sparse:
         direction = "reverse, by row colors" if chosen.reverse else "forward, by column colors"
+    elif not verdict.detect:
+        direction += f"; detection skipped: {verdict.reason}"
     method = "sparse" if chosen.is_sparse else ("rev" if chosen.reverse else "fwd")
     return Plan(method, chosen.n_passes, dense, direction)
 
 
-def _divergence_plan(pattern: SparsityPattern, batch: int) -> Plan | None:
+def _divergence_plan(pattern: SparsityPattern, verdict: screen.Verdict) -> Plan | None:
     if not pattern.is_square:
         return None
     n = pattern.shape[1]
     if not pattern.is_batch_independent:
         return Plan("refused", None, n, _REFUSED)
-    chosen = plan.divergence_plan("auto", n, pattern)
+    chosen = plan.divergence_plan("auto", n, pattern if verdict.detect else None)
     method = "sparse" if chosen.is_sparse else "exact"
-    note = (
-        "one pass per diagonal color"
-        if chosen.is_sparse
-        else f"{pattern.n_diagonal_colors} diagonal colors would save too little"
-    )
+    if chosen.is_sparse:
+        note = "one pass per diagonal color"
+    elif not verdict.detect:
+        note = f"detection skipped: {verdict.reason}"
+    else:
+        note = f"{pattern.n_diagonal_colors} diagonal colors would save too little"
     return Plan(method, chosen.n_passes, n, note)
 
 
@@ -328,6 +403,18 @@ def _passes(p: Plan) -> str:
     return (
         f"sparse: {format_count(p.passes)} batched passes instead of "
         f"{format_count(p.dense_passes)} dense ({gain:.1f}x fewer; {p.note})"
+    )
+
+
+def _first_call(call: FirstCall) -> str:
+    if call.first_seconds is None:
+        return call.note
+    parts = ", ".join(
+        f"{name} {format_seconds(seconds)}" for name, seconds in call.stages.items() if seconds
+    )
+    return (
+        f"{format_seconds(call.first_seconds)} ({parts}); second call "
+        f"{format_seconds(call.second_seconds)}"
     )
 
 
@@ -368,6 +455,8 @@ def render(report: Inspection, console: Console) -> None:
             + " (no sparsity rule; the pattern is still safe)",
         )
     table.add_row("detection + coloring", f"{report.detect_seconds:.2f} s")
+    if report.first_call is not None:
+        table.add_row(f"first call, {report.first_call.transform}", _first_call(report.first_call))
     if report.spy:
         table.add_row("spy plot", escape(report.spy))
     console.print(table, soft_wrap=False)
