@@ -34,7 +34,7 @@ def run(quick: bool) -> list[Result]:
     results += _sparse(
         _pair_energy(32 if quick else 64), 96 if quick else 192, 16, "pairs", 2 if quick else 5
     )
-    side = 16 if quick else 32
+    side = 8 if quick else 32
     results += _sparse(_conv_energy(), (side, side, 3), 4, "cnn", 2 if quick else 3)
     return results
 
