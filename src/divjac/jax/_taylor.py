@@ -7,17 +7,41 @@ unit basis the summed second-order term is the Laplacian; with a factor ``S`` of
 it is ``sum_ij A_ij d2f/dx_i dx_j``; with the indicators of a diagonal coloring of a sparse
 Hessian it is again the Laplacian, in ``#colors`` directions.
 
-This version is the generic reference: second-order Taylor mode (``jvp`` of ``jvp``) batched
-over the directions with ``vmap``.
+It is collapsed second-order Taylor mode, the forward Laplacian of Li et al. (2023), "Forward
+Laplacian: a new computational framework for neural network-based variational Monte Carlo",
+generalized to weighted directions as in Dangel, Siebert, Zeinhofer & Walther (NeurIPS 2025),
+"Collapsing Taylor mode automatic differentiation". One sweep over the jaxpr of ``f`` carries,
+for every intermediate ``z``, its value, its ``K`` first-order terms ``dz[v_k]`` (a pass axis in
+front) and ONE second-order term ``sum_k w_k d2z[v_k, v_k]`` (``K`` of them, unweighted, when the
+caller keeps them apart). An equation ``z = p(a)`` maps them as
+
+    dz[v_k] = dp(a)[da[v_k]],   d2z = dp(a)[d2a] + sum_k w_k d2p(a)[da[v_k], da[v_k]].
+
+The first-order part is ``p``'s own linearization, pushed for every pass at once by
+:mod:`divjac.jax._sink` (batch-local, shared directions kept unbroadcast through the first
+linear layers). The curvature term is zero for linear and piecewise-linear primitives, is
+``p''(a) * sum_k w_k da_k^2`` for the element-wise functions with a known second derivative,
+``2 sum_k w_k p(da_k, db_k)`` for products of two dependent operands (one ``dot_general`` with
+the passes contracted), and otherwise comes from ``jvp`` of ``jvp`` of that one equation,
+batched over the passes (``custom_jvp`` functions through their rule, loops and conditionals as
+whole equations).
+
+With weights per sample (``[K, B]``) the second-order terms are kept apart through the sweep and
+summed at the end: the batch axis of an intermediate is not known to the sweep.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jcore
+
+from ._sink import _Bcast, _bind, _eval, _lift, _Passes, _real, varying_like
 
 __all__ = ["second_order_sweep"]
 
@@ -46,20 +70,25 @@ def second_order_sweep(
         ``(y, first, second)``: ``y = f(x)`` ``[B, *out]``; ``first[k] = J v_k`` ``[K, B, *out]``;
         ``second`` as ``collapse`` says.
     """
-    v = jnp.broadcast_to(directions, (directions.shape[0], *x.shape)).astype(x.dtype)
-
-    def jet(vk: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        def first(p: jax.Array) -> tuple[jax.Array, jax.Array]:
-            return jax.jvp(f, (p,), (vk,))
-
-        (y, d1), (_, d2) = jax.jvp(first, (x,), (vk,))
-        return y, d1, d2
-
-    ys, d1, d2 = jax.vmap(jet)(v)
-    y = ys[0]
-    if not collapse:
-        return y, d1, d2
-    return y, d1, _weighted_sum(d2, weights)
+    k = int(directions.shape[0])
+    v = directions.astype(x.dtype)
+    if v.shape[1] == x.shape[0]:
+        seed: Any = _Passes(varying_like(v, x))
+    else:  # shared by the samples: kept unbroadcast until an operation needs the batch
+        seed = _Bcast(_Passes(varying_like(v[:, 0], x)), tuple(x.shape), (0,))
+    apart = not collapse or (weights is not None and weights.ndim == 2)
+    w = None if weights is None or apart else weights.astype(x.dtype)
+    closed = jax.make_jaxpr(f)(x)
+    if len(closed.jaxpr.outvars) != 1:
+        closed = jax.make_jaxpr(lambda p: jnp.asarray(f(p)))(x)
+    sweep = _Sweep(w, apart)
+    ((y, t, s),) = sweep.eval(closed.jaxpr, closed.consts, [(x, seed, None)])
+    t = _real(t)
+    first = t.value if isinstance(t, _Passes) else jnp.zeros((k, *jnp.shape(y)), y.dtype)
+    if apart:
+        second = s.value if isinstance(s, _Passes) else jnp.zeros((k, *jnp.shape(y)), y.dtype)
+        return y, first, second if not collapse else _weighted_sum(second, weights)
+    return y, first, jnp.zeros_like(y) if s is None else jnp.broadcast_to(s, jnp.shape(y))
 
 
 def _weighted_sum(terms: Any, weights: jax.Array | None) -> jax.Array:
@@ -68,3 +97,246 @@ def _weighted_sum(terms: Any, weights: jax.Array | None) -> jax.Array:
         return terms.sum(0)
     w = weights.reshape(weights.shape + (1,) * (terms.ndim - weights.ndim)).astype(terms.dtype)
     return (w * terms).sum(0)
+
+
+# Linear, or piecewise linear (zero curvature almost everywhere), in the dependent operands.
+_LINEAR = {
+    "neg", "add", "add_any", "sub", "convert_element_type", "copy", "copy_p", "reduce_precision",
+    "real", "imag", "conj", "complex", "reshape", "squeeze", "broadcast_in_dim", "transpose",
+    "slice", "dynamic_slice", "gather", "concatenate", "pad", "rev", "split", "select_n",
+    "dynamic_update_slice", "scatter", "scatter-add", "scatter_add", "reduce_sum", "cumsum",
+    "reduce_window_sum", "stop_gradient", "max", "min", "abs", "sign", "floor", "ceil", "round",
+    "clamp", "reduce_max", "reduce_min", "cummax", "cummin", "sort", "reduce_window_max",
+    "reduce_window_min", "select_and_gather_add",
+}  # fmt: skip
+# Linear in each operand: linear when only one of them depends on the input.
+_BILINEAR = {"mul", "dot_general", "conv_general_dilated"}
+_CALLS = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_vjp_call"}
+
+# p''(x) of element-wise functions, from the input x, the output y and the parameters.
+_CURVATURE: dict[str, Callable[[Any, Any, dict[str, Any]], Any]] = {
+    "tanh": lambda x, y, p: -2 * y * (1 - y * y),
+    "logistic": lambda x, y, p: y * (1 - y) * (1 - 2 * y),
+    "exp": lambda x, y, p: y,
+    "exp2": lambda x, y, p: y * jnp.log(2.0).astype(y.dtype) ** 2,
+    "expm1": lambda x, y, p: y + 1,
+    "log": lambda x, y, p: -1 / (x * x),
+    "log1p": lambda x, y, p: -1 / ((1 + x) * (1 + x)),
+    "sin": lambda x, y, p: -y,
+    "cos": lambda x, y, p: -y,
+    "tan": lambda x, y, p: 2 * y * (1 + y * y),
+    "sinh": lambda x, y, p: y,
+    "cosh": lambda x, y, p: y,
+    "atan": lambda x, y, p: -2 * x / ((1 + x * x) * (1 + x * x)),
+    "sqrt": lambda x, y, p: -0.25 * y / (x * x),
+    "rsqrt": lambda x, y, p: 0.75 * y / (x * x),
+    "cbrt": lambda x, y, p: -2 / 9 * y / (x * x),
+    "square": lambda x, y, p: jnp.full_like(x, 2),
+    "erf": lambda x, y, p: -4 / jnp.sqrt(jnp.pi).astype(x.dtype) * x * jnp.exp(-x * x),
+    "integer_pow": lambda x, y, p: (
+        jnp.zeros_like(x) if p["y"] in (0, 1) else p["y"] * (p["y"] - 1) * lax.integer_pow(x, p["y"] - 2)
+    ),
+}  # fmt: skip
+
+_Value = tuple[Any, Any, Any]  # (primal, first-order terms or None, second-order term or None)
+
+
+class _Sweep:
+    """One collapsed Taylor sweep: ``w`` the weights ``[K]`` (``None``: all 1) of the summed
+    second-order term, or ``apart``: keep one second-order term per pass (unweighted)."""
+
+    def __init__(self, w: jax.Array | None, apart: bool) -> None:
+        self.w = w
+        self.apart = apart
+
+    def eval(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[_Value]) -> list[_Value]:
+        env: dict[Any, _Value] = {}
+
+        def read(v: Any) -> _Value:
+            return (v.val, None, None) if isinstance(v, jcore.Literal) else env[v]
+
+        for var, val in zip(jaxpr.constvars, consts, strict=True):
+            env[var] = (val, None, None)
+        for var, arg in zip(jaxpr.invars, args, strict=True):
+            env[var] = arg
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            dep = [i for i, (_, t, _) in enumerate(ins) if t is not None]
+            if not dep or not any(_inexact(v.aval) for v in eqn.outvars):
+                out = _bind(eqn, *(p for p, _, _ in ins))
+                outs = [(o, None, None) for o in (out if eqn.primitive.multiple_results else [out])]
+            else:
+                outs = self.equation(eqn, ins, dep)
+            for var, val in zip(eqn.outvars, outs, strict=True):
+                env[var] = val
+        return [read(v) for v in jaxpr.outvars]
+
+    def equation(self, eqn: Any, ins: list[_Value], dep: list[int]) -> list[_Value]:
+        name = eqn.primitive.name
+        if name in _CALLS:
+            sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            closed = sub if isinstance(sub, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(sub, [])
+            return self.eval(closed.jaxpr, closed.consts, ins)
+        if (
+            name in _LINEAR
+            or (name in _BILINEAR and len(dep) == 1)
+            or (name == "div" and dep == [0])
+        ):
+            return self.linear(eqn, ins, dep)
+        if name in _CURVATURE and len(ins) == 1:
+            ((y, t, s),) = self.linear(eqn, ins, dep)
+            x, tx, _ = ins[0]
+            return [(y, t, self.add(s, self.scale(_CURVATURE[name](x, y, eqn.params), tx, tx)))]
+        if name == "mul":
+            ((y, t, s),) = self.linear(eqn, ins, dep)
+            return [(y, t, self.add(s, self.scale(2, ins[0][1], ins[1][1])))]
+        if name == "div":
+            ((y, t, s),) = self.linear(eqn, ins, dep)
+            (_, ta, _), (b, tb, _) = ins
+            q = self.scale(2 * y / (b * b), tb, tb)
+            if ta is not None:
+                q = self.add(q, self.scale(-2 / (b * b), ta, tb))
+            return [(y, t, self.add(s, q))]
+        if name == "dot_general":
+            ((y, t, s),) = self.linear(eqn, ins, dep)
+            return [(y, t, self.add(s, self.dot_curvature(eqn, ins[0][1], ins[1][1])))]
+        return self.fallback(eqn, ins, dep)
+
+    def linear(self, eqn: Any, ins: list[_Value], dep: list[int]) -> list[_Value]:
+        """The values and first-order terms of ``eqn``'s outputs (its linearization pushed for
+        every pass), and the first part ``dp(a)[d2a]`` of their second-order terms."""
+        primals = [p for p, _, _ in ins]
+        fn = _partial(eqn, primals, dep)
+        ys, lin = jax.linearize(fn, *(primals[i] for i in dep))
+        closed = jax.make_jaxpr(lin)(*(primals[i] for i in dep))
+        firsts = [_tangent(o) for o in _eval(closed.jaxpr, closed.consts, [ins[i][1] for i in dep])]
+        seconds: list[Any] = [None] * len(ys)
+        if any(ins[i][2] is not None for i in dep):
+            s_in = [jnp.zeros_like(primals[i]) if ins[i][2] is None else ins[i][2] for i in dep]
+            seconds = [self.second(o) for o in _eval(closed.jaxpr, closed.consts, s_in)]
+        return [
+            (y, t, s if t is not None else None)
+            for y, t, s in zip(ys, firsts, seconds, strict=True)
+        ]
+
+    def second(self, value: Any) -> Any:
+        value = _real(value)
+        if self.apart:
+            return value if isinstance(value, _Passes) else None
+        return value
+
+    def add(self, a: Any, b: Any) -> Any:
+        if a is None or b is None:
+            return b if a is None else a
+        return _lift(jnp.add, a, b)
+
+    def scale(self, c: Any, ta: Any, tb: Any) -> Any:
+        """``c * sum_k w_k ta_k tb_k`` (``c`` an array of one pass's shape, or a number)."""
+        q = self.contract(ta, tb)
+        return _lift(lambda v: c * v, q)
+
+    def contract(self, ta: Any, tb: Any) -> Any:
+        """``sum_k w_k ta_k tb_k`` (element-wise; per pass when kept apart)."""
+        if (
+            isinstance(ta, _Bcast)
+            and isinstance(tb, _Bcast)
+            and (ta.shape, ta.new_axes) == (tb.shape, tb.new_axes)
+            and not self.apart
+        ):  # on the unbroadcast bases
+            return _Bcast(
+                self.reduce(ta.base.value * tb.base.value), ta.shape, ta.new_axes
+            ).materialize()
+        a, b = _real(ta).value, _real(tb).value
+        rank = max(a.ndim, b.ndim)
+        a = a.reshape(a.shape + (1,) * (rank - a.ndim))  # a rank-0 operand of a binary operation
+        b = b.reshape(b.shape + (1,) * (rank - b.ndim))
+        return self.reduce(a * b)
+
+    def reduce(self, terms: jax.Array) -> Any:
+        if self.apart:
+            return _Passes(terms)
+        k = terms.shape[0]
+        w = jnp.ones((1, k), terms.dtype) if self.w is None else self.w.astype(terms.dtype)[None]
+        # A product, not a reduce_sum: XLA:CPU's YNNPACK fusion runs a leading-axis reduction
+        # fused with the surrounding products several times slower.
+        return (w @ terms.reshape(k, -1)).reshape(terms.shape[1:])
+
+    def dot_curvature(self, eqn: Any, ta: Any, tb: Any) -> Any:
+        """``2 sum_k w_k dot_general(ta_k, tb_k)``: one product with the passes contracted."""
+        a, b = _real(ta).value, _real(tb).value
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        pref = eqn.params.get("preferred_element_type")
+        if self.apart:
+            dims = ((lc, rc), (lb, rb))
+            products = jax.vmap(
+                partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=pref)
+            )
+            return _Passes(2 * products(a, b))
+        if self.w is not None:
+            a = a * self.w.astype(a.dtype).reshape((-1,) + (1,) * (a.ndim - 1))
+        up = lambda axes: tuple(i + 1 for i in axes)  # noqa: E731
+        dims = (((*up(lc), 0), (*up(rc), 0)), (up(lb), up(rb)))
+        return 2 * lax.dot_general(a, b, dims, preferred_element_type=pref)
+
+    def fallback(self, eqn: Any, ins: list[_Value], dep: list[int]) -> list[_Value]:
+        """Any other equation: ``jvp`` of ``jvp`` of it, batched over the passes."""
+        primals = [p for p, _, _ in ins]
+        fn = _partial(eqn, primals, dep)
+        floats = [i for i, v in enumerate(eqn.outvars) if _inexact(v.aval)]
+        at = tuple(primals[i] for i in dep)
+
+        def g(*a: Any) -> tuple[Any, ...]:
+            out = fn(*a)
+            return tuple(out[i] for i in floats)
+
+        def h(a: tuple[Any, ...], t: tuple[Any, ...]) -> tuple[Any, ...]:
+            return jax.jvp(g, a, t)[1]
+
+        tangents = tuple(_real(ins[i][1]).value for i in dep)
+        seconds = [ins[i][2] for i in dep]
+        if self.apart:
+            s_in = tuple(
+                jnp.zeros_like(t) if s is None else s.value
+                for t, s in zip(tangents, seconds, strict=True)
+            )
+            d1, d2 = jax.vmap(lambda t, s: jax.jvp(h, (at, t), (t, s)))(tangents, s_in)
+            second = [_Passes(q) for q in d2]
+        else:
+            d1, d2 = jax.vmap(lambda t: jax.jvp(lambda a: h(a, t), (at,), (t,)))(tangents)
+            second = [self.reduce(q) for q in d2]
+            if any(s is not None for s in seconds):
+                s_in = tuple(
+                    jnp.zeros_like(a) if s is None else s for a, s in zip(at, seconds, strict=True)
+                )
+                second = [self.add(q, lq) for q, lq in zip(second, h(at, s_in), strict=True)]
+        ys = fn(*at)
+        outs: list[_Value] = [(y, None, None) for y in ys]
+        for j, i in enumerate(floats):
+            outs[i] = (ys[i], _Passes(d1[j]), second[j])
+        return outs
+
+
+def _partial(eqn: Any, primals: list[Any], dep: list[int]) -> Callable[..., list[Any]]:
+    """``eqn`` as a function of its dependent operands (the others fixed), a list of outputs."""
+
+    def fn(*args: Any) -> list[Any]:
+        full = list(primals)
+        for i, a in zip(dep, args, strict=True):
+            full[i] = a
+        out = _bind(eqn, *full)
+        return list(out) if eqn.primitive.multiple_results else [out]
+
+    return fn
+
+
+def _tangent(value: Any) -> Any:
+    """A pushed first-order value, or ``None`` where no pass reached it (a zero)."""
+    if isinstance(value, _Passes) or (
+        isinstance(value, _Bcast) and isinstance(value.base, _Passes)
+    ):
+        return value
+    return None
+
+
+def _inexact(aval: Any) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)

@@ -1,0 +1,208 @@
+"""P9 in JAX: the Laplacian by divjac's collapsed Taylor sweep against folx and the Hessian trace.
+
+Dense: MLP ``d -> 256 -> 256 -> 1`` (tanh), ``B = 256``, ``d`` in {16, 64, 256}, float32, jitted:
+the sweep over the unit basis (``[d, 1, d]``, shared by the samples, one summed second-order
+term) against ``folx.forward_laplacian`` (vmapped over the batch), ``vmap(trace(hessian))`` and
+forward-over-reverse (``jvp`` of ``grad``, vmapped over the basis).
+
+Sparse: 64 particles in 3-D, the energy a sum of pair terms (a small MLP of the distance) over
+the pairs within 3 places of each other in a chain (a cutoff on a fixed neighbour list), B = 16:
+the sweep over the indicator directions of a diagonal coloring of the per-sample Hessian (the
+pattern of ``grad(sum u)`` from :func:`divjac.jax.sparsity`) against folx with its sparsity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...jax import sparsity
+from ...jax._taylor import second_order_sweep
+from ...models import jax as models
+from ._harness import Result, interleaved_best_times
+
+
+def run(quick: bool) -> list[Result]:
+    results: list[Result] = []
+    for d in (16, 64) if quick else (16, 64, 256):
+        results += _dense(d, batch=64 if quick else 256, repeat=2 if quick else 5)
+    results += _sparse(
+        _pair_energy(32 if quick else 64), 96 if quick else 192, 16, "pairs", 2 if quick else 5
+    )
+    side = 8 if quick else 32
+    results += _sparse(_conv_energy(), (side, side, 3), 4, "cnn", 2 if quick else 3)
+    return results
+
+
+def _folx(u: Callable[[jax.Array], jax.Array], threshold: int = 0) -> Callable[[jax.Array], Any]:
+    """folx's forward Laplacian of the per-sample ``u``, vmapped over the batch."""
+    import folx
+
+    return jax.vmap(folx.forward_laplacian(u, sparsity_threshold=threshold))
+
+
+def _sweep(
+    u: Callable[[jax.Array], jax.Array], directions: jax.Array
+) -> Callable[[jax.Array], jax.Array]:
+    return lambda x: second_order_sweep(u, x, directions)[2]
+
+
+def _dense(d: int, batch: int, repeat: int) -> list[Result]:
+    params = models.init_mlp(jax.random.key(0), (d, 256, 256, 1))
+    x = jax.random.normal(jax.random.key(1), (batch, d))
+    u = lambda z: models.mlp(params, z)[..., 0]  # noqa: E731  (per sample and batched alike)
+    basis = jnp.eye(d, dtype=x.dtype)
+    ours = jax.jit(_sweep(u, basis[:, None, :]))
+    folx_lap = jax.jit(lambda x: _folx(u)(x).laplacian)
+    hess = jax.jit(jax.vmap(lambda z: jnp.trace(jax.hessian(u)(z))))
+
+    def hvp_trace(z: jax.Array) -> jax.Array:  # forward-over-reverse: d Hessian-vector products
+        hvp = lambda e: jax.jvp(jax.grad(u), (z,), (e,))[1] @ e  # noqa: E731
+        return jax.vmap(hvp)(basis).sum()
+
+    fwd_rev = jax.jit(jax.vmap(hvp_trace))
+    ref = hess(x)
+    errors = {
+        name: float(jnp.max(jnp.abs(fn(x) - ref)) / jnp.max(jnp.abs(ref)))
+        for name, fn in (("ours", ours), ("folx", folx_lap), ("fwd_rev", fwd_rev))
+    }
+    t = interleaved_best_times(
+        {
+            "ours": lambda: ours(x),
+            "folx": lambda: folx_lap(x),
+            "hess": lambda: hess(x),
+            "fwd_rev": lambda: fwd_rev(x),
+        },
+        repeat=repeat,
+    )
+    case = f"Laplacian, MLP {d}-256-256-1 tanh, B={batch}"
+    ours_label = "second_order_sweep (unit basis, collapsed)"
+    extra = {"max_rel_err_vs_hessian": errors}
+    return [
+        Result(
+            "P9",
+            case,
+            ours_label,
+            "folx.forward_laplacian",
+            t["ours"],
+            t["folx"],
+            target=1.0,
+            extra=extra,
+        ),
+        Result(
+            "P9-hess",
+            case,
+            ours_label,
+            "vmap(trace(jax.hessian))",
+            t["ours"],
+            t["hess"],
+            kind="gain",
+            target=2.0 if d == 64 else None,
+        ),
+        Result(
+            "-",
+            case,
+            ours_label,
+            "forward-over-reverse (d HVPs)",
+            t["ours"],
+            t["fwd_rev"],
+            kind="gain",
+        ),
+    ]
+
+
+def _pair_energy(n: int, reach: int = 3) -> Callable[[jax.Array], jax.Array]:
+    """``u(x)`` of ``x`` ``[..., 3 n]``: a small MLP of the distance summed over the pairs
+    ``(i, i + s)``, ``1 <= s <= reach``."""
+    rng = np.random.default_rng(0)
+    i, j = np.array([(a, a + s) for a in range(n) for s in range(1, reach + 1) if a + s < n]).T
+    w1, b1 = (
+        jnp.asarray(rng.normal(size=16), jnp.float32),
+        jnp.asarray(rng.normal(size=16), jnp.float32),
+    )
+    w2 = jnp.asarray(rng.normal(size=16) / 4, jnp.float32)
+
+    def u(x: jax.Array) -> jax.Array:
+        p = x.reshape(*x.shape[:-1], n, 3)
+        diff = p[..., i, :] - p[..., j, :]
+        r = jnp.sqrt(jnp.sum(diff * diff, -1) + 1e-2)
+        return jnp.sum(jnp.tanh(r[..., None] * w1 + b1) @ w2 * jnp.exp(-r), -1)
+
+    return u
+
+
+def _conv_energy() -> Callable[[jax.Array], jax.Array]:
+    """``u(x) = sum tanh(cnn(x))`` of images ``[..., H, W, 3]``: two 3x3 convolutions (8
+    channels, tanh), per-sample Hessian nonzero within 9x9 windows."""
+    params = models.init_cnn(jax.random.key(3), channels=8, layers=2, out_channels=1)
+
+    def u(x: jax.Array) -> jax.Array:
+        batched = x if x.ndim == 4 else x[None]
+        out = jnp.sum(jnp.tanh(models.cnn(params, batched)), axis=(1, 2, 3))
+        return out if x.ndim == 4 else out[0]
+
+    return u
+
+
+def _sparse(
+    u: Callable[[jax.Array], jax.Array], shape: Any, batch: int, name: str, repeat: int
+) -> list[Result]:
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    d = int(np.prod(shape))
+    x = jax.random.normal(jax.random.key(2), (batch, *shape)) * (2.0 if name == "pairs" else 1.0)
+    pattern = sparsity(jax.grad(lambda z: u(z).sum()))(x)  # per-sample Hessian pattern
+    colors = np.asarray(pattern.diagonal_colors).reshape(-1)
+    onehot = colors[None, :] == np.arange(pattern.n_diagonal_colors)[:, None]
+    indicators = jnp.asarray(onehot.reshape(-1, 1, *shape), x.dtype)
+    ours = jax.jit(_sweep(u, indicators))
+    threshold = 6 if name == "pairs" else 128
+    folx_sparse = jax.jit(lambda x: _folx(u, threshold)(x).laplacian)
+    fns = {"ours": ours, "folx_sparse": folx_sparse}
+    if name == "pairs":  # the dense methods, and the Hessian as reference, at this size only
+        fns["dense"] = jax.jit(_sweep(u, jnp.eye(d, dtype=x.dtype).reshape(d, 1, *shape)))
+        fns["folx_dense"] = jax.jit(lambda x: _folx(u)(x).laplacian)
+        ref = jax.jit(jax.vmap(lambda z: jnp.trace(jax.hessian(u)(z))))(x)
+    else:
+        ref = folx_sparse(x)
+    err = float(jnp.max(jnp.abs(ours(x) - ref)) / jnp.max(jnp.abs(ref)))
+    t = interleaved_best_times({k: partial(fn, x) for k, fn in fns.items()}, repeat=repeat)
+    case = (
+        f"Laplacian, {d // 3} particles, pair terms within 3 (d={d}), B={batch}"
+        if name == "pairs"
+        else f"Laplacian, sum tanh(2 conv3x3) on {'x'.join(map(str, shape))}, B={batch}"
+    )
+    label = f"second_order_sweep ({pattern.n_diagonal_colors} colours)"
+    reference = "jax.hessian" if name == "pairs" else "folx"
+    extra = {"colours": int(pattern.n_diagonal_colors), f"max_rel_err_vs_{reference}": err}
+    rows = [
+        Result(
+            "P9-sparse",
+            case,
+            label,
+            f"folx (sparsity_threshold={threshold})",
+            t["ours"],
+            t["folx_sparse"],
+            kind="gain",
+            target=3.0,
+            extra=extra,
+        )
+    ]
+    if name == "pairs":
+        rows += [
+            Result(
+                "-",
+                case,
+                label,
+                f"second_order_sweep (unit basis, {d})",
+                t["ours"],
+                t["dense"],
+                kind="gain",
+            ),
+            Result("-", case, label, "folx (dense)", t["ours"], t["folx_dense"], kind="gain"),
+        ]
+    return rows
