@@ -58,7 +58,7 @@ from ._divergence import (
     _split_randomness,
 )
 from ._errors import ArgnumsError, CoefficientError, NumProbesError, OutputError
-from ._transforms import per_argnum, shaped, tuple_of
+from ._transforms import auto_detects, per_argnum, shaped, tuple_of
 
 __all__ = [
     "SWEEP_STOCHASTIC",
@@ -163,6 +163,8 @@ def _plan(call: Call, method: str, grad_spec: Spec, stochastic_method: bool) -> 
     if method not in ("sparse", "auto"):
         return _Plan(False, None)
     grad_call = prepare(grad_spec, call.args, call.kwargs)
+    if method == "auto" and not auto_detects(grad_call, call.n_in):
+        return _Plan(False, None)  # the colours could not pay for the detection
     hess = grad_call.detect(per_sample=True, auto=method == "auto")
     if hess.coupling is not None or hess.pattern is None:  # too dense to finish (auto)
         return _Plan(False, None)

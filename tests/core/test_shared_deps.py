@@ -74,7 +74,8 @@ def programs(draw):
 def test_every_primitive_keeps_the_shared_form_exact(program):
     batch, sample, seed, steps, positions = program
     rng = np.random.default_rng(seed)
-    x = D.from_samples((batch, *sample), batch, positions=positions)
+    n = math.prod(sample)
+    x = D.from_samples((batch, *sample), batch, np.arange(n) if positions else None, n * positions)
     assert x.shared is not None
     a, b = x, full(x)
     same(a, b)
@@ -137,7 +138,7 @@ def test_a_per_sample_program_holds_one_sample():
     """The entries held do not grow with the batch (the point of the shared form)."""
 
     def held(batch):
-        x = D.from_samples((batch, 6, 6, 2), batch, positions=True)
+        x = D.from_samples((batch, 6, 6, 2), batch, np.arange(72), 72)
         y = D.window(x, [1, 3, 3, 1], [1, 1, 1, 1], [(0, 0), (1, 1), (1, 1), (0, 0)])
         y = D.reduce(D.transpose(y, (0, 3, 1, 2)), [1])
         assert y.shared is not None
@@ -149,7 +150,7 @@ def test_a_per_sample_program_holds_one_sample():
 
 
 def test_a_batch_reversal_is_held_in_full_and_read_as_coupling():
-    x = D.from_samples((3, 4), 3, positions=True)
+    x = D.from_samples((3, 4), 3, np.arange(4), 4)
     y = D.rev(x, [0])
     assert y.shared is None
     found = detect(

@@ -71,7 +71,9 @@ def seed(layout: BatchLayout, *, per_sample: bool) -> Deps:
     """
     if layout.batch_axis not in (None, 0):
         raise InternalError("the differentiated input is seeded batch first")
-    return from_samples(layout.shape, layout.batch_size, positions=per_sample)
+    n = layout.sample_size
+    labels = np.arange(n) if per_sample else None
+    return from_samples(layout.shape, layout.batch_size, labels, n if per_sample else 0)
 
 
 @dataclass(frozen=True)

@@ -117,11 +117,13 @@ def _dense_on_probes(traced: Traced) -> bool:
     k = len(positions)
     labels = np.full(n, -1, np.int64)
     labels[positions] = np.arange(k)
-    seeded = rules.from_labels(x_shape, np.tile(labels, x_shape[0]), k)
+    # Seeded like a detection (with the sample labels, held once for all samples), so the
+    # probe costs one sample whatever the batch: an element may hold k + 1 labels.
+    seeded = rules.from_samples(x_shape, x_shape[0], labels, k)
     try:
         with warnings.catch_warnings():  # the detection or the coupling check warns, not this
             warnings.simplefilter("ignore", DenseFallbackWarning)
-            out = traced._propagate(seeded, EntryLimit(0, k, density=DENSE)).out
+            out = traced._propagate(seeded, EntryLimit(0, k + 1, density=DENSE)).out
     except TooDense:
         return True
-    return out.matrix().nnz > DENSE * out.size * k
+    return out.nnz > DENSE * out.size * (k + 1)

@@ -229,28 +229,29 @@ def from_labels(shape: Sequence[int], labels: np.ndarray, n_labels: int) -> Deps
     return _make(shape, n_labels, csr)
 
 
-def from_samples(shape: Sequence[int], batch: int, *, positions: bool) -> Deps:
+def from_samples(
+    shape: Sequence[int], batch: int, labels: np.ndarray | None, n_positions: int
+) -> Deps:
     """Seed an array of ``shape``, ``batch`` samples first (``(batch, *sample)``, or one sample
-    without a batch axis): element ``(b, j)`` depends on the label of its sample ``b`` and, with
-    ``positions``, on the label of its position ``j``.
+    without a batch axis): element ``(b, j)`` depends on the label of its sample ``b`` and on
+    the position label ``labels[j]`` (none where it is ``-1``, or without ``labels``).
 
-    The labels are the positions ``0 .. n - 1`` (``n`` the sample size; none without
-    ``positions``) followed by the samples ``n .. n + B - 1``; held shared (one matrix for all
-    samples, see :class:`Shared`).
+    The labels are the positions ``0 .. n_positions - 1`` followed by the samples
+    ``n_positions .. n_positions + batch - 1``; held shared (one matrix for all samples, see
+    :class:`Shared`).
     """
     shape = tuple(int(s) for s in shape)
     n = math.prod(shape) // batch
-    n_pos = n if positions else 0
-    cols = np.stack([np.arange(n), np.full(n, n_pos)], axis=1) if positions else np.zeros((n, 1))
-    rows = sp.csr_array(
-        (
-            np.ones(cols.size, bool),
-            cols.ravel().astype(np.int32),
-            np.arange(0, cols.size + 1, cols.shape[1], dtype=np.int32),
-        ),
-        shape=(n, n_pos + 1),
+    own = np.full(n, n_positions, np.int64)
+    if labels is None:
+        cols = own[:, None]
+    else:
+        cols = np.stack([np.asarray(labels, np.int64).reshape(n), own], axis=1)
+    rows, slot = np.nonzero(cols >= 0)
+    matrix = sp.csr_array(
+        (np.ones(len(rows), bool), (rows, cols[rows, slot])), shape=(n, n_positions + 1)
     )
-    return _make_shared(shape, Layout(1, batch, n), rows, n_pos)
+    return _make_shared(shape, Layout(1, batch, n), matrix, n_positions)
 
 
 def arange(shape: Sequence[int]) -> np.ndarray:
