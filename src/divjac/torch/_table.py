@@ -99,9 +99,10 @@ _PERMUTES = {"permute", "permute_copy", "transpose", "transpose_copy", "t", "t_c
 def _view(g: Graph, node: torch.fx.Node) -> Extracted | None:
     x, out = node.args[0], node.meta.get("val")
     val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-    if not (is_tensor(val) and is_tensor(out)) or (val.dtype, val.numel()) != (
-        out.dtype,
-        out.numel(),
+    if not (
+        isinstance(val, torch.Tensor)
+        and isinstance(out, torch.Tensor)
+        and (val.dtype, val.numel()) == (out.dtype, out.numel())
     ):
         return _moved(g, node)
     ndim = val.ndim
