@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from jax.extend import core as jcore
 
 from .._core import rules as D
 from .._core.detection import EntryLimit
@@ -23,7 +24,23 @@ from ._derive import per_slice, via_jvp, via_vjp
 from ._jaxpr import Scope, concrete, is_inexact, open_jaxpr, shape
 from ._table import TABLE
 
-__all__ = ["Interpreter"]
+__all__ = ["Interpreter", "last_uses"]
+
+
+def last_uses(jaxpr: Any) -> list[list[Any]]:
+    """Per equation, the variables no later equation reads (its inputs read for the last time,
+    its outputs never read), the program's outputs excepted: their dependency sets are
+    released once it ran, so that a detection holds only what is still to be read."""
+    kept = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    last: dict[Any, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        last.update((v, i) for v in eqn.invars if not isinstance(v, jcore.Literal))
+        last.update((v, i) for v in eqn.outvars)
+    done: list[list[Any]] = [[] for _ in jaxpr.eqns]
+    for var, i in last.items():
+        if var not in kept:
+            done[i].append(var)
+    return done
 
 
 class Interpreter:
@@ -88,16 +105,19 @@ class Interpreter:
             scope.deps[var] = dep
             if in_values is not None and in_values[i] is not None:
                 scope.values.set(var, in_values[i])
-        for eqn in jaxpr.eqns:
+        for eqn, done in zip(jaxpr.eqns, last_uses(jaxpr), strict=True):
             ins = [scope.read(v) for v in eqn.invars]
-            if all(d.is_empty for d in ins) and eqn.primitive.name not in ("while", "scan"):
-                continue  # constants and parameters: nothing depends on the labels
-            outs = self._eqn(scope, eqn, ins)
-            for var, dep in zip(eqn.outvars, outs, strict=True):
-                if is_inexact(var.aval) and not dep.is_empty:
-                    if self.limit is not None:
-                        self.limit.check(dep, eqn.primitive.name)
-                    scope.deps[var] = dep
+            # (constants and parameters: nothing depends on the labels)
+            if not all(d.is_empty for d in ins) or eqn.primitive.name in ("while", "scan"):
+                outs = self._eqn(scope, eqn, ins)
+                for var, dep in zip(eqn.outvars, outs, strict=True):
+                    if is_inexact(var.aval) and not dep.is_empty:
+                        if self.limit is not None:
+                            self.limit.check(dep, eqn.primitive.name)
+                        scope.deps[var] = dep
+            del ins
+            for var in done:
+                scope.release(var)
         return [scope.read(v) for v in jaxpr.outvars]
 
     def warn_fallbacks(self) -> None:

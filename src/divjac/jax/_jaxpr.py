@@ -13,6 +13,7 @@ from jax.extend import core as jcore
 
 from .._core import rules as D
 from .._core.rules import Deps
+from .._errors import InternalError
 
 __all__ = [
     "Runner",
@@ -109,6 +110,9 @@ class Scope:
     def __init__(self, interp: Runner, jaxpr: jcore.Jaxpr) -> None:
         self.interp = interp
         self.deps: dict[Any, Deps] = {}
+        # Variables that depended on the labels and whose dependency sets were released
+        # after their last use (:meth:`release`): they never fold, and cannot be read.
+        self.released: set[Any] = set()
         self.values: D.Folded[Any] = D.Folded(self._fold)
         self.producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
         # Captured integer/boolean constants of the traced program, by variable: (position
@@ -119,7 +123,14 @@ class Scope:
         if isinstance(var, jcore.Literal):
             return D.empty(shape(var.aval), self.interp.n_labels)
         found = self.deps.get(var)
+        if found is None and var in self.released:
+            raise InternalError(f"the dependency sets of {var} were read after their last use")
         return found if found is not None else D.empty(shape(var.aval), self.interp.n_labels)
+
+    def release(self, var: Any) -> None:
+        """Drop the dependency sets of ``var`` (no equation left reads them)."""
+        if self.deps.pop(var, None) is not None:
+            self.released.add(var)
 
     def value(self, var: Any) -> np.ndarray | None:
         """The constant value of ``var`` if it is known at trace time (folded lazily)."""
@@ -133,7 +144,7 @@ class Scope:
             self.interp.read_consts.add(position)
             return concrete(const)
         eqn = self.producers.get(var)
-        if eqn is None or not self.read(var).is_empty or eqn.effects:
+        if eqn is None or var in self.released or not self.read(var).is_empty or eqn.effects:
             return None
         if not D.foldable(math.prod(shape(v.aval)) for v in eqn.outvars):
             return None

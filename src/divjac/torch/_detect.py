@@ -375,7 +375,10 @@ def trace(
         it = iter(dyn_leaves)
         full = [next(it) if d else leaf for leaf, d in zip(leaves, dynamic, strict=True)]
         xb = full[x_leaf]
-        full[x_leaf] = xb[0] if batch_axis is None else torch.movedim(xb, 0, batch_axis)
+        if batch_axis is None:
+            full[x_leaf] = xb[0]
+        elif batch_axis:  # (a batch already first would trace an identity permute)
+            full[x_leaf] = torch.movedim(xb, 0, batch_axis)
         call_args, call_kwargs = pytree.tree_unflatten(full, treedef)
         out = fun(*call_args, **call_kwargs)
         out_tree.append(
@@ -389,7 +392,7 @@ def trace(
             return torch.zeros(0)  # reported by the caller from out_tree
         if batch_axis is None:
             return y[None]
-        return torch.movedim(y, batch_axis, 0) if y.ndim > batch_axis else y
+        return torch.movedim(y, batch_axis, 0) if batch_axis and y.ndim > batch_axis else y
 
     ran: list[nn.Module] = []
     with outside_transforms():

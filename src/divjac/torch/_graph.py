@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from .._core import rules as D
 from .._core.detection import EntryLimit
 from .._core.rules import Deps
+from .._errors import InternalError
 from ._aten import bind, inexact, is_tensor, outputs, packet, shape
 
 __all__ = ["Graph", "Moved"]
@@ -66,6 +67,9 @@ class Graph:
         self.fallbacks: set[str] = set()
         self.read: set[str] = set()
         self._deps: dict[torch.fx.Node, Any] = {}
+        # Nodes that depended on the labels and whose dependency sets were released after
+        # their last use (:meth:`release`): they never fold, and cannot be read.
+        self._released: set[torch.fx.Node] = set()
         self._values: D.Folded[torch.fx.Node] = D.Folded(self._fold)
 
     def deps(self, arg: Any) -> Deps:
@@ -74,6 +78,8 @@ class Graph:
             found = self._deps.get(arg)
             if isinstance(found, Deps):
                 return found
+            if arg in self._released:
+                raise InternalError(f"the dependency sets of {arg} were read after their last use")
             val = arg.meta.get("val")
             if is_tensor(val):
                 return D.empty(shape(val), self.n_labels)
@@ -82,7 +88,14 @@ class Graph:
         return D.empty((), self.n_labels)
 
     def has_deps(self, arg: Any) -> bool:
-        return isinstance(arg, torch.fx.Node) and not self.deps(arg).is_empty
+        return isinstance(arg, torch.fx.Node) and (
+            arg in self._released or not self.deps(arg).is_empty
+        )
+
+    def release(self, node: torch.fx.Node) -> None:
+        """Drop the dependency sets of ``node`` (no node left reads them)."""
+        if self._deps.pop(node, None) is not None:
+            self._released.add(node)
 
     def value(self, arg: Any) -> Any:
         """The concrete value of a graph value that does not depend on the input, else ``None``.

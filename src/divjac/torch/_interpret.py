@@ -38,7 +38,7 @@ from ._graph import Graph
 from ._table import TABLE, tensor_args
 from ._table_nn import is_convolution
 
-__all__ = ["REGISTRY", "Interpreter", "decompositions", "is_convolution"]
+__all__ = ["REGISTRY", "Interpreter", "decompositions", "is_convolution", "last_uses"]
 
 REGISTRY = D.Registry("ATen operation")
 
@@ -63,6 +63,17 @@ def decompositions() -> dict[Any, Callable[..., Any]]:
     }
 
 
+def last_uses(nodes: Sequence[torch.fx.Node]) -> list[list[torch.fx.Node]]:
+    """Per node (of a graph, in order), the nodes no later one reads: its inputs read for the
+    last time, itself if nothing reads it. Their dependency sets are released once it ran, so
+    that a detection holds only what is still to be read."""
+    order = {node: i for i, node in enumerate(nodes)}
+    done: list[list[torch.fx.Node]] = [[] for _ in nodes]
+    for node in nodes:
+        done[max((order[user] for user in node.users), default=order[node])].append(node)
+    return done
+
+
 def _user_args(g: Graph, node: torch.fx.Node) -> tuple[list[Any], dict[str, Any]]:
     """A registered rule's inputs (the tensor arguments, in schema order) and parameters."""
     schema = node.target._schema  # type: ignore[union-attr]
@@ -80,7 +91,8 @@ class Interpreter(Graph):
         """Dependency sets of the graph's (single tensor) output, given those of its inputs."""
         placeholders = iter(in_deps)
         result: Deps | None = None
-        for node in gm.graph.nodes:
+        nodes = list(gm.graph.nodes)
+        for node, done in zip(nodes, last_uses(nodes), strict=True):
             if node.op == "placeholder":
                 given = next(placeholders)
                 if not given.is_empty:
@@ -90,6 +102,8 @@ class Interpreter(Graph):
             elif node.op == "output":
                 out = next(a for a in pytree.tree_leaves(node.args) if isinstance(a, torch.fx.Node))
                 result = self.deps(out)
+            for dead in done:
+                self.release(dead)
         if result is None:
             raise InternalError("an ATen graph without output")
         return result

@@ -65,6 +65,11 @@ add(  # same shape in and out, each output element a function of its input eleme
 )  # fmt: skip
 
 
+# Element-wise but not tagged so: kept whole (the decomposition of ``complex`` writes into
+# views of an empty tensor in place, which the functional graph does not follow).
+add(["complex", "polar"], D.elementwise_rule, tensor_args)
+
+
 def _fill(g: Graph, node: torch.fx.Node) -> Extracted:
     return [bind(node).get("value")], {}
 
@@ -83,20 +88,58 @@ def _moved(g: Graph, node: torch.fx.Node) -> Extracted | None:
     return sources, {"src": src}
 
 
+# Reshapes keep every element's dependency row (no copy, as JAX's ``reshape``); axis
+# permutations are one gather (none when the permutation is the identity, as the batch-first
+# ``movedim`` of a batch already first). Other views (of another dtype) run on positions.
+_RESHAPES = {"view", "_unsafe_view", "reshape", "view_copy", "_unsafe_view_copy", "reshape_copy",
+             "unsqueeze", "squeeze", "unsqueeze_copy", "squeeze_copy", "alias_copy"}  # fmt: skip
+_PERMUTES = {"permute", "permute_copy", "transpose", "transpose_copy", "t", "t_copy"}
+
+
+def _view(g: Graph, node: torch.fx.Node) -> Extracted | None:
+    x, out = node.args[0], node.meta.get("val")
+    val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if not (
+        isinstance(val, torch.Tensor)
+        and isinstance(out, torch.Tensor)
+        and (val.dtype, val.numel()) == (out.dtype, out.numel())
+    ):
+        return _moved(g, node)
+    ndim = val.ndim
+    order = list(range(ndim))
+    name = packet(node.target)
+    if name in ("permute", "permute_copy"):
+        order = dims(bind(node)["dims"], ndim)
+    elif name in ("transpose", "transpose_copy"):
+        b = bind(node)
+        i, j = int(b["dim0"]) % max(ndim, 1), int(b["dim1"]) % max(ndim, 1)
+        if ndim:
+            order[i], order[j] = j, i
+    elif name in ("t", "t_copy"):
+        order.reverse()
+    return [x], {"permutation": None if order == list(range(ndim)) else order}
+
+
+def _view_rule(op: Op) -> list[Deps]:
+    """A reshape after a permutation (params ``permutation``, see
+    :func:`~divjac._core.rules.reshape_rule`), or a gather (params ``src``)."""
+    if "src" in op.params:
+        return D.gather_rule(op)
+    return D.reshape_rule(op)
+
+
+add(sorted(_RESHAPES | _PERMUTES), _view_rule, _view)
 add(
-    ["view", "_unsafe_view", "reshape", "_reshape_alias", "permute", "transpose", "t",
-     "expand", "unsqueeze", "squeeze", "cat", "concat", "stack", "slice", "select", "narrow",
+    ["_reshape_alias", "expand", "cat", "concat", "stack", "slice", "select", "narrow",
      "flip", "roll", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d",
      "reflection_pad3d", "replication_pad1d", "replication_pad2d", "replication_pad3d",
      "split", "split_with_sizes", "chunk", "tensor_split", "diagonal", "diag_embed",
      "diag", "repeat", "repeat_interleave", "unfold", "im2col", "movedim", "pixel_shuffle",
      "pixel_unshuffle", "channel_shuffle", "native_channel_shuffle", "rot90", "tril", "triu",
      "slice_scatter", "select_scatter", "diagonal_scatter", "copy", "copy_", "masked_select",
-     "view_copy", "_unsafe_view_copy", "reshape_copy", "permute_copy", "transpose_copy",
-     "t_copy", "expand_copy", "unsqueeze_copy", "squeeze_copy", "slice_copy", "select_copy",
-     "split_copy", "split_with_sizes_copy", "diagonal_copy", "unfold_copy",
-     "alias_copy", "as_strided", "as_strided_copy", "as_strided_scatter", "expand_as",
-     "view_as", "swapaxes", "swapdims"],
+     "expand_copy", "slice_copy", "select_copy", "split_copy", "split_with_sizes_copy",
+     "diagonal_copy", "unfold_copy", "as_strided", "as_strided_copy", "as_strided_scatter",
+     "expand_as", "view_as", "swapaxes", "swapdims"],
     D.gather_rule,
     _moved,
 )  # fmt: skip
