@@ -259,19 +259,35 @@ def arange(shape: Sequence[int]) -> np.ndarray:
     return np.arange(math.prod(shape), dtype=np.int64).reshape(tuple(shape))
 
 
+# Rows are gathered this many entries at a time (bounds the int64 temporaries).
+_GATHER_CHUNK = 1 << 22
+
+
 def _gather_rows(csr: sp.csr_array, src: np.ndarray) -> sp.csr_array:
-    """Rows ``csr[src[r]]`` for every ``r`` (an empty row where ``src[r] < 0``)."""
-    indptr = csr.indptr.astype(np.int64, copy=False)
+    """Rows ``csr[src[r]]`` for every ``r`` (an empty row where ``src[r] < 0``).
+
+    Indices are int32 where they fit; the entry positions are computed a chunk of rows at a
+    time, so the temporaries stay small next to the result.
+    """
+    indptr = csr.indptr
     valid = src >= 0
     safe = np.where(valid, src, 0)
-    starts = indptr[safe]
+    starts = indptr[safe].astype(np.int64)
     lengths = np.where(valid, indptr[safe + 1] - starts, 0)
     new_indptr = np.zeros(len(src) + 1, dtype=np.int64)
     np.cumsum(lengths, out=new_indptr[1:])
     total = int(new_indptr[-1])
-    pos = np.arange(total, dtype=np.int64) + np.repeat(starts - new_indptr[:-1], lengths)
+    index_type = np.int32 if max(total, csr.shape[1]) < np.iinfo(np.int32).max else np.int64
+    indices = np.empty(total, dtype=index_type)
+    step = max(1, _GATHER_CHUNK * len(src) // max(total, 1))
+    for lo in range(0, len(src), step):
+        hi = min(lo + step, len(src))
+        first, last = new_indptr[lo], new_indptr[hi]
+        pos = np.repeat(starts[lo:hi] - new_indptr[lo:hi], lengths[lo:hi])
+        pos += np.arange(first, last, dtype=np.int64)
+        indices[first:last] = csr.indices[pos]
     out = sp.csr_array(
-        (np.ones(total, dtype=bool), csr.indices[pos], new_indptr),
+        (np.ones(total, dtype=bool), indices, new_indptr.astype(index_type)),
         shape=(len(src), csr.shape[1]),
     )
     out.has_sorted_indices = True
