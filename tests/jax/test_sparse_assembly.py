@@ -48,6 +48,11 @@ def _rows_win(x):
     return jnp.concatenate([x[:-1] * x[1:], jnp.sum(jnp.sin(x))[None]])
 
 
+def _strided(x):
+    """Strided slices and a concatenation: on a shared tangent they stay unbroadcast."""
+    return jnp.concatenate([2.0 * x[::2], x[1::3] - x[: x.size // 3]])
+
+
 def _cases(rng):
     params = _convnet_params(rng)
     return {
@@ -57,10 +62,11 @@ def _cases(rng):
         "square": lambda x: x**2,
         "conv2d_squared": _conv2d_squared,
         "rows_win": _rows_win,
+        "strided": _strided,
     }
 
 
-CASES = ["heat", "convnet", "rosenbrock_hessian", "square", "conv2d_squared", "rows_win"]
+CASES = ["heat", "convnet", "rosenbrock_hessian", "square", "conv2d_squared", "rows_win", "strided"]
 
 
 def _size(name, n):

@@ -165,7 +165,9 @@ def _data(matrix: Any) -> Any:
 
 
 def _timed(fns: dict[str, Callable[[], Any]], quick: bool) -> dict[str, float]:
-    return interleaved_best_times(fns, repeat=3 if quick else 9, min_time=0.02)
+    """Interleaved best times; a few warm-up calls each (the first calls of a jitted program
+    are slower for a while, whatever the library)."""
+    return interleaved_best_times(fns, repeat=3 if quick else 9, warmup=5, min_time=0.02)
 
 
 def _versus_asdex(quick: bool) -> list[Result]:
