@@ -234,12 +234,19 @@ class Backend(abc.ABC, Generic[TracedT]):
 
     @abc.abstractmethod
     def indicators(
-        self, colors: np.ndarray | None, n: int, n_passes: int, like: Array
+        self,
+        colors: np.ndarray | None,
+        n: int,
+        n_passes: int,
+        like: Array,
+        *,
+        indexed: bool = True,
     ) -> tuple[Array, Callable[[Array], Array]]:
         """The passes' inputs and the flat indicator (length ``n``) of the elements of each.
 
         Pass ``c`` takes the elements of color ``c`` (element ``c`` with ``colors=None``), in
-        the dtype of ``like``.
+        the dtype of ``like``. With ``indexed=False`` the passes' finish reads only the tangent,
+        never the input, so the inputs may be the rows of a constant seed matrix.
         """
 
     @abc.abstractmethod
@@ -267,7 +274,8 @@ class Backend(abc.ABC, Generic[TracedT]):
 
     @abc.abstractmethod
     def take_entries(self, compressed: Array, which: np.ndarray, within: np.ndarray) -> Array:
-        """``compressed[which, :, within]``: one entry per sample of the given passes."""
+        """``compressed[which, :, within].T``: per sample (``(B, nnz)``), the entries of the
+        passes ``(k, B, m)`` at the given (unique) pairs of pass and element."""
 
     @abc.abstractmethod
     def densify(

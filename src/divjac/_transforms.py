@@ -126,9 +126,15 @@ class Seeds:
     chunk: int
 
 
-def seeds(call: Call, the_plan: plan.Plan, n_seed: int, chunk_size: int | None) -> Seeds:
-    """The seeds of ``the_plan``'s passes, over ``n_seed`` elements."""
-    inputs, indicator = call.backend.indicators(the_plan.colors, n_seed, the_plan.n_passes, call.xb)
+def seeds(
+    call: Call, the_plan: plan.Plan, n_seed: int, chunk_size: int | None, *, indexed: bool = True
+) -> Seeds:
+    """The seeds of ``the_plan``'s passes, over ``n_seed`` elements (``indexed=False``: the
+    passes' finish never reads the pass's input, see
+    :meth:`~divjac._backend.Backend.indicators`)."""
+    inputs, indicator = call.backend.indicators(
+        the_plan.colors, n_seed, the_plan.n_passes, call.xb, indexed=indexed
+    )
     return Seeds(the_plan.reverse, inputs, indicator, call.chunk(the_plan.n_passes, chunk_size))
 
 
@@ -225,7 +231,7 @@ def _pattern_plan(
     with timing.stage("coloring"):
         the_plan = plan.jacobian_plan(mode, call.n_in, call.n_out, pattern, prefer_reverse=reverse)
     n_seed = call.n_out if the_plan.reverse else call.n_in
-    planned = seeds(call, the_plan, n_seed, chunk_size)
+    planned = seeds(call, the_plan, n_seed, chunk_size, indexed=False)  # finished by _rows
     if not the_plan.is_sparse:
         return _JacobianPlan(the_plan.reverse, planned)
     if pattern is None or the_plan.colors is None:
@@ -247,7 +253,7 @@ def _planned_jacobian(call: Call, planned: _JacobianPlan) -> tuple[Array, Any]:
     if planned.entries is None:
         return backend.moveaxis(passes, 0, 1 if planned.reverse else 2), aux
     rows, cols, which, within = planned.entries
-    values = backend.take_entries(passes, which, within).T
+    values = backend.take_entries(passes, which, within)
     shape = (call.batch_size, call.n_out, call.n_in)
     return backend.densify(values, rows, cols, shape), aux
 
@@ -373,7 +379,7 @@ def sparse_jacobian(
             if found.coupling is not None:  # coupling="exact": the detected entries of the blocks
                 blocks, aux = _coupled_jacobian(call, call.prefer_reverse(found), chunk_size)
                 rows, cols = _nonzeros(found.pattern)
-                values = backend.take_entries(backend.moveaxis(blocks, 0, 1), rows, cols).T
+                values = backend.take_entries(backend.moveaxis(blocks, 0, 1), rows, cols)
             else:
                 planned = _pattern_plan(
                     call, found.pattern, "sparse", call.prefer_reverse(found), chunk_size
@@ -382,7 +388,7 @@ def sparse_jacobian(
                     raise InternalError("a sparse plan without its seeds")
                 passes, aux = compressed(call, planned.seeds)
                 rows, cols, which, within = planned.entries
-                values = backend.take_entries(passes, which, within).T
+                values = backend.take_entries(passes, which, within)
             matrix = backend.sparse_matrix(
                 rows,
                 cols,

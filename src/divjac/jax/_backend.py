@@ -27,7 +27,10 @@ from . import _taylor
 from ._detect import Traced, is_array, trace
 from ._sink import pushes, varying_axes
 
-__all__ = ["BACKEND", "JaxBackend"]
+__all__ = ["BACKEND", "SEED_MATRIX_ELEMENTS", "JaxBackend"]
+
+#: Largest seed matrix (passes x elements) built as a constant (see ``JaxBackend.indicators``).
+SEED_MATRIX_ELEMENTS = 1 << 20
 
 
 class _Linearized(Linear):
@@ -190,9 +193,22 @@ class JaxBackend(Backend[Traced]):
         return jax.grad(lambda x: jnp.sum(fn(x)))(x)
 
     def indicators(
-        self, colors: np.ndarray | None, n: int, n_passes: int, like: Array
+        self,
+        colors: np.ndarray | None,
+        n: int,
+        n_passes: int,
+        like: Array,
+        *,
+        indexed: bool = True,
     ) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+        """Unindexed seeds up to :data:`SEED_MATRIX_ELEMENTS` are the rows of a constant seed
+        matrix: XLA folds the passes of a linear prefix (all of a linear function) into
+        constants, which it does not do for indicators computed from the pass index."""
         dtype = like.dtype
+        if not indexed and n_passes * n <= SEED_MATRIX_ELEMENTS:
+            labels_np = np.arange(n) if colors is None else np.asarray(colors)
+            matrix = labels_np[None, :] == np.arange(n_passes)[:, None]
+            return jnp.asarray(matrix, dtype), lambda row: row
         if colors is None:
             return jnp.arange(n_passes), lambda c: jax.nn.one_hot(c, n, dtype=dtype)
         labels = jnp.asarray(colors)
@@ -228,13 +244,44 @@ class JaxBackend(Backend[Traced]):
 
         return read
 
-    def take_entries(self, compressed: jax.Array, which: np.ndarray, within: np.ndarray) -> Any:
-        return compressed[which, :, within]
+    def take_entries(
+        self, compressed: jax.Array, which: np.ndarray, within: np.ndarray
+    ) -> jax.Array:
+        """One gather with constant indices, in bounds and unique (no index normalization),
+        straight into the ``(B, nnz)`` layout."""
+        n_passes, batch, m = compressed.shape
+        pairs = np.stack([which, within], axis=1).astype(_index_dtype((n_passes, m)))
+        dnums = lax.GatherDimensionNumbers(
+            offset_dims=(0,), collapsed_slice_dims=(0, 2), start_index_map=(0, 2)
+        )
+        return lax.gather(
+            compressed,
+            jnp.asarray(pairs),
+            dnums,
+            slice_sizes=(1, batch, 1),
+            unique_indices=True,
+            mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+        )
 
     def densify(
         self, values: jax.Array, rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int, int]
     ) -> jax.Array:
-        return jnp.zeros(shape, values.dtype).at[:, rows, cols].set(values)
+        """One scatter at the sorted, unique flat positions ``rows * n_in + cols``."""
+        batch, n_out, n_in = shape
+        flat = (rows * n_in + cols).astype(_index_dtype((n_out * n_in,)))
+        dnums = lax.ScatterDimensionNumbers(
+            update_window_dims=(0,), inserted_window_dims=(1,), scatter_dims_to_operand_dims=(1,)
+        )
+        dense = lax.scatter(
+            jnp.zeros((batch, n_out * n_in), values.dtype),
+            jnp.asarray(flat[:, None]),
+            values,
+            dnums,
+            indices_are_sorted=True,
+            unique_indices=True,
+            mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+        )
+        return dense.reshape(shape)
 
     def is_randomness(self, x: Any) -> bool:
         """A typed key (``jax.random.key``) or a raw ``uint32`` one (``jax.random.PRNGKey``)."""
@@ -276,10 +323,18 @@ class JaxBackend(Backend[Traced]):
         single: bool,
         sparse_format: Any,
     ) -> jsparse.BCOO:
-        indices = jnp.asarray(np.stack([rows, cols], axis=1)[None], dtype=jnp.int32)
+        """The indices are a constant, shared by the batch (a batch axis of size 1), flagged
+        sorted and unique so that no BCOO operation sorts or deduplicates them again."""
+        indices = jnp.asarray(np.stack([rows, cols], axis=1).astype(_index_dtype(shape[1:])))
+        flags = {"indices_sorted": True, "unique_indices": True}
         if single:
-            return jsparse.BCOO((values[0], indices[0]), shape=shape[1:])
-        return jsparse.BCOO((values, indices), shape=shape)
+            return jsparse.BCOO((values[0], indices), shape=shape[1:], **flags)
+        return jsparse.BCOO((values, indices[None]), shape=shape, **flags)
+
+
+def _index_dtype(shape: Sequence[int]) -> type[np.signedinteger[Any]]:
+    """int32 for indices into ``shape`` (and its flat size) where they fit, else int64."""
+    return np.int32 if math.prod(shape) < np.iinfo(np.int32).max else np.int64
 
 
 BACKEND = JaxBackend()

@@ -15,7 +15,7 @@ act on a batch-constant array, so computing them on the broadcast array repeats 
 ``B`` times; XLA does not sink the broadcast through a dot or a convolution. Hand-written
 ``vmap(jacfwd(f))`` does not pay this: its basis is unbatched. With ``shared``, a value may be a
 :class:`_Bcast` (a base and the axes broadcast over), and dot products, convolutions,
-element-wise operations, transposes, concatenations and sums are computed on the base. A value
+element-wise operations, transposes, slices, concatenations and sums are computed on the base. A value
 is materialized (broadcast for real) only where an operation needs it, typically the first
 product with a batch-dependent residual.
 
@@ -227,6 +227,8 @@ def _eqn(eqn: Any, ins: list[Any]) -> list[Any] | None:
         kept = x.kept()
         base_perm = [kept.index(a) for a in perm if a not in x.new_axes]
         return [_Bcast(_lift(lambda b: jnp.transpose(b, base_perm), x.base), out_shape, new)]
+    if name == "slice":
+        return _slice(p, ins[0], out_shape)
     if name == "reduce_sum":
         (x,) = ins
         axes = tuple(p["axes"])
@@ -258,6 +260,25 @@ def _eqn(eqn: Any, ins: list[Any]) -> list[Any] | None:
         closed = sub if isinstance(sub, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(sub, [])
         return _eval(closed.jaxpr, closed.consts, ins)
     return None
+
+
+def _slice(p: dict[str, Any], x: _Bcast, out_shape: tuple[int, ...]) -> list[Any] | None:
+    """A slice that keeps the broadcast axes whole is a slice of the base."""
+    starts, limits = p["start_indices"], p["limit_indices"]
+    strides = p["strides"] or (1,) * len(starts)
+    if any((starts[a], limits[a], strides[a]) != (0, x.shape[a], 1) for a in x.new_axes):
+        return None
+    kept = x.kept()
+    base = _lift(
+        lambda b: lax.slice(
+            b,
+            [starts[a] for a in kept],
+            [limits[a] for a in kept],
+            [strides[a] for a in kept],
+        ),
+        x.base,
+    )
+    return [_Bcast(base, out_shape, x.new_axes)]
 
 
 def _broadcast_in_dim(eqn: Any, x: Any) -> list[Any] | None:

@@ -705,10 +705,17 @@ class TorchBackend(Backend[Traced]):
         return torch.func.grad(lambda x: torch.sum(fn(x)))(x)
 
     def indicators(
-        self, colors: np.ndarray | None, n: int, n_passes: int, like: torch.Tensor
+        self,
+        colors: np.ndarray | None,
+        n: int,
+        n_passes: int,
+        like: torch.Tensor,
+        *,
+        indexed: bool = True,
     ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
         """Small seed matrices are built once (and cached) and sliced by ``vmap``; larger ones
-        are built one row per pass, from the pass index."""
+        are built one row per pass, from the pass index. No finish of this backend reads a
+        pass's input (the divergence masks with the tangent), so ``indexed`` is not needed."""
         device, dtype = like.device, like.dtype
         key = (None if colors is None else id(colors), n, n_passes, device, dtype)
         cached = _SEEDS.get(key)
@@ -747,7 +754,7 @@ class TorchBackend(Backend[Traced]):
         device = compressed.device
         return compressed[
             torch.as_tensor(which, device=device), :, torch.as_tensor(within, device=device)
-        ]
+        ].T
 
     def densify(
         self,
