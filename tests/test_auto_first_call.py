@@ -196,9 +196,9 @@ def seeded(fw: Framework, monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, i
     made: list[tuple[bool, int]] = []
     indicators = type(fw.backend).indicators
 
-    def spy(self: Any, colors: Any, n: int, n_passes: int, like: Any) -> Any:
+    def spy(self: Any, colors: Any, n: int, n_passes: int, like: Any, **options: Any) -> Any:
         made.append((colors is not None, n_passes))
-        return indicators(self, colors, n, n_passes, like)
+        return indicators(self, colors, n, n_passes, like, **options)
 
     monkeypatch.setattr(type(fw.backend), "indicators", spy)
     return made
