@@ -129,10 +129,14 @@ class JaxBackend(Backend[Traced]):
         return math.prod(mesh.shape[a] for a in axes if a not in manual)
 
     def memory_available(self, x: Array) -> int | None:
-        """``bytes_limit - bytes_in_use`` of the device (the least of the devices of a sharded
-        array; the default device for a tracer), where it reports them (not on CPU)."""
+        """``bytes_limit - bytes_in_use`` of the device (the least of this process's devices of
+        a sharded array; this process's default device for a tracer), where it reports them
+        (not on CPU). Only addressable devices are asked: under ``jax.distributed`` the other
+        processes' devices cannot report, and their shards have the same shape."""
         sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
-        devices = jax.devices()[:1] if sharding is None else list(sharding.device_set)
+        devices = (
+            jax.local_devices()[:1] if sharding is None else list(sharding.addressable_devices)
+        )
         free = []
         for device in devices:
             stats = device.memory_stats()
