@@ -152,6 +152,10 @@ class Backend(abc.ABC, Generic[TracedT]):
     def moveaxis(self, x: Array, source: int, destination: int) -> Array:
         """``x`` with axis ``source`` moved to ``destination``."""
 
+    def reshape_batch(self, x: Array, shape: Sequence[int]) -> Array:
+        """``x`` reshaped to ``shape``, whose leading axis (the batch) is ``x``'s."""
+        return x.reshape(tuple(shape))
+
     @abc.abstractmethod
     def zeros_like(self, x: Array) -> Array:
         """Zeros of the shape, dtype (and device) of ``x``."""

@@ -288,7 +288,7 @@ def _coupled_jacobian(call: Call, reverse: bool, chunk_size: int | None) -> tupl
 
 def _shaped_jacobian(call: Call, flat: Array) -> Array:
     """Flat per-sample Jacobians ``(B, n_out, n_in)`` in the caller's shapes."""
-    jac = flat.reshape((call.batch_size, *call.out_sample, *call.in_sample))
+    jac = call.backend.reshape_batch(flat, (call.batch_size, *call.out_sample, *call.in_sample))
     return jac[0] if call.spec.batch_axis is None else jac
 
 

@@ -23,7 +23,7 @@ from jax.experimental import sparse as jsparse
 from .._backend import Array, Backend, Finish, Linear, Point, Seed
 from .._core import plan
 from .._errors import OptionError
-from . import _taylor
+from . import _sharding, _taylor
 from ._detect import Traced, is_array, trace
 from ._sink import pushes, varying_axes
 
@@ -105,6 +105,9 @@ class JaxBackend(Backend[Traced]):
 
     def moveaxis(self, x: Array, source: int, destination: int) -> jax.Array:
         return jnp.moveaxis(x, source, destination)
+
+    def reshape_batch(self, x: Array, shape: Sequence[int]) -> jax.Array:
+        return _sharding.reshape(x, shape, _sharding.sharded_like(x, slice(1)))
 
     def zeros_like(self, x: Array) -> jax.Array:
         return jnp.zeros_like(x)
@@ -276,8 +279,9 @@ class JaxBackend(Backend[Traced]):
         dnums = lax.ScatterDimensionNumbers(
             update_window_dims=(0,), inserted_window_dims=(1,), scatter_dims_to_operand_dims=(1,)
         )
+        zeros = jnp.zeros_like(values[:, :1])  # sharded like the batch of values
         dense = lax.scatter(
-            jnp.zeros((batch, n_out * n_in), values.dtype),
+            jnp.broadcast_to(zeros, (batch, n_out * n_in)),
             jnp.asarray(flat[:, None]),
             values,
             dnums,
@@ -285,7 +289,7 @@ class JaxBackend(Backend[Traced]):
             unique_indices=True,
             mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
         )
-        return dense.reshape(shape)
+        return self.reshape_batch(dense, shape)
 
     def is_randomness(self, x: Any) -> bool:
         """A typed key (``jax.random.key``) or a raw ``uint32`` one (``jax.random.PRNGKey``)."""

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
+from . import _sharding
 from ._sink import _Bcast, _bind, _eval, _lift, _Passes, _real, varying_like
 
 __all__ = ["second_order_sweep"]
@@ -259,7 +260,10 @@ class _Sweep:
         w = jnp.ones((1, k), terms.dtype) if self.w is None else self.w.astype(terms.dtype)[None]
         # A product, not a reduce_sum: XLA:CPU's YNNPACK fusion runs a leading-axis reduction
         # fused with the surrounding products several times slower.
-        return (w @ terms.reshape(k, -1)).reshape(terms.shape[1:])
+        reduced = w @ terms.reshape(k, -1)
+        return _sharding.reshape(
+            reduced, terms.shape[1:], _sharding.sharded_like(terms, slice(1, None))
+        )
 
     def dot_curvature(self, eqn: Any, ta: Any, tb: Any) -> Any:
         """``2 sum_k w_k dot_general(ta_k, tb_k)``: one product with the passes contracted."""
