@@ -228,7 +228,7 @@ def _check_output(spec: Spec, out: Any, x_shape: tuple[int, ...], axis: int | No
         if not (isinstance(out, tuple | list) and len(out) == 2):
             raise OutputError(
                 f"{fname}: has_aux=True needs the function to return a pair (output, aux); "
-                f"got {type(out).__name__}."
+                f"got {_described(backend, out)}."
             )
         out = out[0]
     if not backend.is_array_spec(out):
@@ -243,6 +243,15 @@ def _check_output(spec: Spec, out: Any, x_shape: tuple[int, ...], axis: int | No
         raise InternalError("a batch axis normalized to None")
     if out.shape[out_axis] != x_shape[axis]:
         raise checks.batch_size_mismatch(x_shape, axis, out.shape, out_axis, fname=fname)
+
+
+def _described(backend: Backend[Any], out: Any) -> str:
+    """What the function returned, for a message (``out``: its tree of array specs)."""
+    if backend.is_array_spec(out):
+        return f"one {backend.array_noun} of shape {tuple(out.shape)}"
+    if isinstance(out, tuple | list):
+        return f"a {type(out).__name__} of {len(out)} elements"
+    return type(out).__name__
 
 
 def check_floating_output(backend: Backend[Any], dtype: Any, fname: str) -> None:

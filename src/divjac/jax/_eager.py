@@ -12,7 +12,10 @@ instead, cached in :data:`CACHE` on everything the program depends on:
   (:func:`~divjac.jax._detect.fingerprint`) and the values of its integer and boolean
   constants (indices and masks that detection reads);
 - the argument tree, its non-array leaves (static, as ``jax.jit``'s ``static_argnums``) and
-  the shapes, dtypes and shardings of the arrays (``jax.jit``'s own cache).
+  the shapes, dtypes and shardings of the arrays (``jax.jit``'s own cache);
+- the tree of what the function returns (an aux's dict keys, a tuple or a list) and which of
+  its leaves are arrays. Its other leaves (a Python ``int`` or ``float`` aux) are not part of
+  the program: each call returns the values its own trace of the function produced.
 
 The floating-point constants the function captures (weights), its random keys and scalar
 constants (step counters) are arguments of the compiled program, not part of the key: updated
@@ -25,7 +28,7 @@ again, so a cached program can never read stale values.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,24 +80,39 @@ def compiled_when_eager(
         except TypeError:
             return transformed(*args, **kwargs)  # an unhashable option or argument: not cached
         fun = functional(f)
+        outputs: list[_Outputs] = []
 
-        def flat_f(*dyn_leaves: Any) -> Any:
+        def flat_f(*dyn_leaves: Any) -> list[Any]:
             a, kw = _rebuild(leaves, dynamic, treedef, dyn_leaves)
-            return fun(*a, **kw)
+            out_leaves, out_def = jax.tree_util.tree_flatten(fun(*a, **kw))
+            arrays = tuple(is_array(leaf) for leaf in out_leaves)
+            others = [leaf for leaf, d in zip(out_leaves, arrays, strict=True) if not d]
+            outputs.append(_Outputs(out_def, arrays, others))
+            return [leaf for leaf, d in zip(out_leaves, arrays, strict=True) if d]
 
         try:
-            closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*dyn)
+            closed = jax.make_jaxpr(flat_f)(*dyn)
         except Exception:  # f fails at these arguments: the transform reports it
             return transformed(*args, **kwargs)
+        out = outputs[-1]
         consts = list(closed.consts)
         weights = [i for i, c in enumerate(consts) if _is_weight(c)]
         fixed = tuple(digest(c) for i, c in enumerate(consts) if i not in weights)
-        key = (options, fingerprint(closed), fixed, treedef, static, tuple(dynamic), skip)
+        key = (
+            (options, fingerprint(closed), fixed, treedef, static, tuple(dynamic), skip),
+            (out.treedef, out.arrays),
+        )
+        inputs = ([consts[i] for i in weights], list(args[:skip]), dyn)
         program = CACHE.get(key)
-        if program is None:
-            program = _program(make, closed, weights, leaves, dynamic, treedef, out_shape, skip)
-            CACHE.put(key, program)
-        return program([consts[i] for i in weights], list(args[:skip]), dyn)
+        if program is not None:
+            return program(*inputs, out.others)
+        program = _Program(make, closed, weights, leaves, dynamic, treedef, out)
+        try:
+            result = program(*inputs, out.others)
+        except Exception:  # what the transform refuses, it reports on the caller's function
+            return transformed(*args, **kwargs)
+        CACHE.put(key, program)
+        return result
 
     return call
 
@@ -118,34 +136,68 @@ def _rebuild(leaves: list[Any], dynamic: list[bool], treedef: Any, dyn: Any) -> 
     )
 
 
-def _program(
-    make: Callable[[Callable[..., Any]], Callable[..., Any]],
-    closed: Any,
-    weights: list[int],
-    leaves: list[Any],
-    dynamic: list[bool],
-    treedef: Any,
-    out_shape: Any,
-    skip: int,
-) -> Callable[..., Any]:
-    """The jitted call: ``(weights, randomness, array leaves) -> result``, the function being
-    the traced program with the given weights (the other constants are those traced)."""
-    fixed = {i: c for i, c in enumerate(closed.consts) if i not in weights}
-    jaxpr, n_consts = closed.jaxpr, len(closed.consts)  # not the traced weights themselves
-    out_tree = jax.tree_util.tree_structure(out_shape)
-    static = [None if d else leaf for leaf, d in zip(leaves, dynamic, strict=True)]
+class _Outputs(NamedTuple):
+    """What one trace of the caller's function returned: its tree, which of its leaves are
+    arrays, and the values of the others (Python scalars, strings)."""
 
-    def run(given: list[Any], ours: list[Any], dyn: list[Any]) -> Any:
-        values = dict(zip(weights, given, strict=True))
-        consts = [values[i] if i in values else fixed[i] for i in range(n_consts)]
-        program = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, consts))
+    treedef: Any
+    arrays: tuple[bool, ...]
+    others: list[Any]
 
-        def traced_f(*a: Any, **kw: Any) -> Any:
-            flat = jax.tree_util.tree_leaves((a, kw))
-            out = program(*(leaf for leaf, d in zip(flat, dynamic, strict=True) if d))
-            return jax.tree_util.tree_unflatten(out_tree, out)
 
-        a, kw = _rebuild(static, dynamic, treedef, dyn)
-        return make(traced_f)(*ours, *a, **kw)
+class _Slot:
+    """Stands for the ``index``-th non-array leaf of the function's output inside the compiled
+    program, which returns arrays only; each call puts its own value there."""
 
-    return jax.jit(run)
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Program:
+    """The jitted call: ``(weights, randomness, array leaves, non-array outputs) -> result``,
+    the function being the traced program with the given weights (the other constants are
+    those traced)."""
+
+    def __init__(
+        self,
+        make: Callable[[Callable[..., Any]], Callable[..., Any]],
+        closed: Any,
+        weights: list[int],
+        leaves: list[Any],
+        dynamic: list[bool],
+        treedef: Any,
+        out: _Outputs,
+    ) -> None:
+        fixed = {i: c for i, c in enumerate(closed.consts) if i not in weights}
+        jaxpr, n_consts = closed.jaxpr, len(closed.consts)  # not the traced weights themselves
+        static = [None if d else leaf for leaf, d in zip(leaves, dynamic, strict=True)]
+        # The result's tree, with the position of each slot among its leaves (set when traced).
+        self._layout: list[tuple[Any, list[int | None]]] = []
+
+        def run(given: list[Any], ours: list[Any], dyn: list[Any]) -> list[Any]:
+            values = dict(zip(weights, given, strict=True))
+            consts = [values[i] if i in values else fixed[i] for i in range(n_consts)]
+            program = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, consts))
+
+            def traced_f(*a: Any, **kw: Any) -> Any:
+                flat = jax.tree_util.tree_leaves((a, kw))
+                computed = iter(
+                    program(*(leaf for leaf, d in zip(flat, dynamic, strict=True) if d))
+                )
+                slots = iter(range(len(out.others)))
+                out_leaves = [next(computed) if d else _Slot(next(slots)) for d in out.arrays]
+                return jax.tree_util.tree_unflatten(out.treedef, out_leaves)
+
+            a, kw = _rebuild(static, dynamic, treedef, dyn)
+            result, result_def = jax.tree_util.tree_flatten(make(traced_f)(*ours, *a, **kw))
+            where = [leaf.index if isinstance(leaf, _Slot) else None for leaf in result]
+            self._layout[:] = [(result_def, where)]
+            return [leaf for leaf in result if not isinstance(leaf, _Slot)]
+
+        self._jitted = jax.jit(run)
+
+    def __call__(self, given: list[Any], ours: list[Any], dyn: list[Any], others: list[Any]) -> Any:
+        arrays = iter(self._jitted(given, ours, dyn))
+        result_def, where = self._layout[0]
+        leaves = [next(arrays) if i is None else others[i] for i in where]
+        return jax.tree_util.tree_unflatten(result_def, leaves)
