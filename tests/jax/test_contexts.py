@@ -4,7 +4,7 @@ Brute force is ``vmap(jacfwd)`` of the per-sample function for first order and
 ``vmap(jax.hessian)`` for second order; stochastic methods get fixed probes and are compared to
 the same estimate computed from the brute-force matrices. The contexts: an eager call then the
 same under ``jit``, ``jit`` first then eager, an outer ``vmap``, ``jax.grad`` through the
-transform w.r.t. the parameters, float32, and a Python float argument.
+transform w.r.t. the parameters (eager and under ``jit``), float32, and a Python float argument.
 
 The default run covers every transform on the MLP (eager then jit), two sparse transforms on
 the CNN, and each context once; the whole product is ``@pytest.mark.slow``:
@@ -97,7 +97,15 @@ TRANSFORMS: dict[
     "hessian": (lambda u: dj.hessian(u, 1), "hessian", True, False),
 }
 CORE = ("jacobian-auto", "divergence-auto", "divergence-hutchinson", "laplacian-auto", "hessian")
-CONTEXTS = ("eager-then-jit", "jit-then-eager", "vmap", "grad", "float32", "python-float")
+CONTEXTS = (
+    "eager-then-jit",
+    "jit-then-eager",
+    "vmap",
+    "grad",
+    "jit-grad",
+    "float32",
+    "python-float",
+)
 
 
 def _scalar(model: Model) -> Callable[..., jax.Array]:
@@ -194,15 +202,29 @@ def check(model_name: str, transform_name: str, context: str) -> None:
         xs = jnp.stack([x, 0.5 * x + 0.1])
         same(jax.vmap(call, (None, 0))(params, xs), jax.vmap(expected, (None, 0))(params, xs))
     else:
-        assert context == "grad"
-        got = jax.grad(lambda p: _total(call(p, x)))(params)
+        assert context in ("grad", "jit-grad")
+        grad = jax.grad(lambda p: _total(call(p, x)))
+        got = (jax.jit(grad) if context == "jit-grad" else grad)(params)
         same(got, jax.grad(lambda p: _total(expected(p, x)))(params))
 
 
 DEFAULT = (
-    [("mlp", t, "eager-then-jit") for t in TRANSFORMS]
-    + [("cnn", t, "jit-then-eager") for t in ("divergence-sparse", "laplacian-sparse")]
-    + [("mlp", "divergence-auto", c) for c in CONTEXTS if c != "eager-then-jit"]
+    [
+        ("mlp", t, "eager-then-jit")
+        for t in (
+            "jacobian-auto",
+            "jacobian-rev",
+            "divergence-exact-fwd",
+            "divergence-hutchinson",
+            "value_and_divergence",
+            "grad_divergence",
+            "laplacian-exact",
+            "hessian_diagonal-hutchinson",
+            "hessian",
+        )
+    ]
+    + [("cnn", "divergence-sparse", "jit-then-eager")]
+    + [("mlp", "divergence-auto", c) for c in ("vmap", "jit-grad", "float32", "python-float")]
 )
 FULL = [(m, t, "eager-then-jit") for m in ZOO for t in TRANSFORMS] + [
     (m, t, c) for m in ZOO for t in CORE for c in CONTEXTS if c != "eager-then-jit"

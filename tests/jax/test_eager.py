@@ -143,3 +143,39 @@ def test_a_python_scalar_aux_comes_back_as_the_value_of_this_call(monkeypatch):
     assert len(compiled) == 1
     _, aux = jax.jit(divergence(lambda x: (jnp.sin(x), 3), has_aux=True))(x)
     assert int(aux) == 3  # under jit, as jax.jit returns a Python int: an array
+
+
+def test_a_new_python_float_argument_is_fresh_and_compiles_nothing(monkeypatch):
+    compiled = _programs(monkeypatch)
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(4, 3)))
+    div = divergence(lambda x, t: jnp.sin(t * x) + t, method="sparse")
+    for t in (0.1, 0.2, 0.3):
+        np.testing.assert_allclose(div(x, t), jnp.sum(t * jnp.cos(t * x), axis=1), rtol=1e-12)
+    assert len(compiled) == 1  # the float is a weak-typed argument, as under jax.jit
+
+
+def test_a_changed_closed_over_float_is_fresh(monkeypatch):
+    compiled = _programs(monkeypatch)
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(4, 3)))
+    scale = 0.5
+    div = divergence(lambda x: jnp.sin(scale * x) ** 2.0, method="exact")
+    for scale in (0.5, 0.6, 0.7, 0.8):  # the closure reads it
+        expected = jnp.sum(scale * jnp.sin(2 * scale * x), axis=1)
+        np.testing.assert_allclose(div(x), expected, rtol=1e-12)
+    # compiled in first; once it changed, an argument of the program (the 2.0 stays compiled in)
+    assert len(compiled) == 2
+
+
+def test_a_float_that_picks_a_python_branch_is_a_constant():
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(4, 3)))
+
+    def f(x, t):
+        return jnp.sin(x) * t if t > 0.5 else jnp.cos(x) * t
+
+    div = divergence(f)
+    for t in (0.3, 0.4, 0.7, 0.9, 0.3):
+        expected = t * jnp.sum(jnp.cos(x) if t > 0.5 else -jnp.sin(x), axis=1)
+        np.testing.assert_allclose(div(x, t), expected, rtol=1e-12)
+    n_div = divergence(lambda x, n: jnp.tile(x, n)[:, :3] * n, method="sparse")
+    for n in (1, 2, 3):  # an int sets a shape
+        np.testing.assert_allclose(n_div(x, n), n * np.full(4, 3.0), rtol=1e-12)
