@@ -194,6 +194,47 @@ def test_num_probes_errors(backend: Backend) -> None:
         dj.divergence(lambda x: x, method="hutchinson")(backend.ones((16, 3, 4)), x)
 
 
+def test_num_probes_zero_is_refused_not_the_default(backend: Backend) -> None:
+    dj = backend.dj
+    for num_probes, said in ((0, "got 0"), (-2, "got -2"), (2.0, "of type float")):
+        for transform in (dj.divergence, dj.laplacian, dj.hessian_diagonal, dj.grad_divergence):
+            with pytest.raises(divjac.NumProbesError, match=said):
+                transform(lambda x: x, method="hutchinson", num_probes=num_probes)
+
+
+def test_probes_passed_to_method_exact_are_a_divjac_error_not_fs(backend: Backend) -> None:
+    dj, x = backend.dj, backend.ones((4, 3))
+    probes = backend.ones((2, 4, 3))
+    calls = [
+        (dj.divergence(lambda x: x**2, method="exact"), probes),
+        (dj.divergence(lambda x: x**2), backend.randomness()),
+        (dj.value_and_divergence(lambda x: x**2, method="sparse"), probes),
+        (dj.laplacian(lambda x: (x**3).sum(1), method="exact"), probes),
+        (dj.jacobian(lambda x: x**2), backend.randomness()),
+    ]
+    for call, randomness in calls:
+        with pytest.raises(divjac.UnexpectedRandomnessError, match="Only a stochastic method") as info:
+            call(randomness, x)
+        assert isinstance(info.value, TypeError)
+    # a function that does take two arrays is called with both
+    jac = dj.jacobian(lambda v, x: v.sum(0) * x, argnums=1)(probes, x)
+    np.testing.assert_allclose(backend.to_numpy(jac)[0], 2 * np.eye(3))
+    with pytest.raises(TypeError, match="positional argument") as wrong:  # f's own error
+        dj.divergence(lambda x: x, method="exact")(x, x, x)
+    assert not isinstance(wrong.value, divjac.DivjacError)
+
+
+def test_an_int_aux_comes_back_as_the_int(backend: Backend) -> None:
+    x = backend.ones((4, 3))
+    for transform in (backend.dj.divergence, backend.dj.value_and_divergence):
+        result = transform(lambda x: (x**2, 3), has_aux=True)(x)
+        aux = result[0][1] if transform is backend.dj.value_and_divergence else result[1]
+        assert aux == 3 and type(aux) is int
+    for transform in (backend.dj.laplacian, backend.dj.grad_divergence):
+        _, aux = transform(lambda x: (x**3, 7), has_aux=True)(x)
+        assert aux == 7 and type(aux) is int
+
+
 # --- batch coupling -------------------------------------------------------------------------
 
 

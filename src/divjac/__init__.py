@@ -27,6 +27,7 @@ from ._errors import (
     PatternTypeError as PatternTypeError,
     RetraceWarning as RetraceWarning,
     RuleError as RuleError,
+    UnexpectedRandomnessError as UnexpectedRandomnessError,
 )
 
 __version__ = "0.1.0"
@@ -68,6 +69,7 @@ __all__ = [
     "PatternTypeError",
     "RetraceWarning",
     "RuleError",
+    "UnexpectedRandomnessError",
     "__version__",
     "clear_caches",
 ]

@@ -12,7 +12,9 @@ Imports the backend interface and the core, never a transform (nor a framework).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import numbers
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +23,15 @@ from typing import Any, Literal, TypeAlias
 from ._backend import Array, Backend, Point
 from ._core import checks, plan, timing
 from ._core.detection import AUTO_DETECTION_ENTRIES, Detection, Traced
-from ._errors import ArgnumsError, BatchAxisError, InternalError, OptionError, OutputError
+from ._errors import (
+    ArgnumsError,
+    BatchAxisError,
+    InternalError,
+    NumProbesError,
+    OptionError,
+    OutputError,
+    UnexpectedRandomnessError,
+)
 
 __all__ = [
     "Call",
@@ -35,6 +45,7 @@ __all__ = [
     "Spec",
     "WeightedMethod",
     "check_floating_output",
+    "check_num_probes",
     "check_option",
     "from_axis",
     "prepare",
@@ -81,6 +92,23 @@ def check_option(name: str, value: object, options: Any, *, fname: str) -> None:
     choices = typing.get_args(options)
     if value not in choices:
         raise OptionError(f"{fname}: {name} must be one of {choices}; got {value!r}.")
+
+
+def check_num_probes(num_probes: object, *, fname: str) -> None:
+    """Raise :class:`NumProbesError` unless ``num_probes`` is ``None`` (the method's default) or
+    a positive integer (each method checks what else it needs, such as a multiple of 3)."""
+    if num_probes is None:
+        return
+    if isinstance(num_probes, bool) or not isinstance(num_probes, numbers.Integral):
+        raise NumProbesError(
+            f"{fname}: num_probes must be a positive integer, or None for the method's default; "
+            f"got {num_probes!r} of type {type(num_probes).__name__}."
+        )
+    if num_probes < 1:
+        raise NumProbesError(
+            f"{fname}: num_probes must be a positive integer, or None for the method's default; "
+            f"got {num_probes}. A stochastic method needs at least one probe."
+        )
 
 
 @dataclass(frozen=True)
@@ -181,6 +209,8 @@ def to_axis(backend: Backend[Any], t: Array, axis: int | None) -> Array:
 def prepare(spec: Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     """Check the arguments of one call, trace ``spec.fun`` batch first and bind it."""
     backend, fname = spec.backend, spec.fname
+    if args and backend.is_randomness(args[0]):
+        _check_no_randomness(spec, args, kwargs)
     argnum = checks.normalize_argnum(spec.argnums, len(args), fname=fname)
     x = args[argnum]
     if not backend.is_array(x):
@@ -206,7 +236,13 @@ def prepare(spec: Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         )
     fun, has_aux = backend.functional(spec.fun), spec.has_aux
     with timing.stage("trace"):
-        traced = backend.trace(fun, args, kwargs, argnum=argnum, batch_axis=axis, has_aux=has_aux)
+        try:
+            traced = backend.trace(
+                fun, args, kwargs, argnum=argnum, batch_axis=axis, has_aux=has_aux
+            )
+        except TypeError as error:  # f's own error, unless the caller passed probes to f
+            _check_no_randomness(spec, args, kwargs, error)
+            raise
     _check_output(spec, traced.out_tree, x_shape, axis)
     if axis != spec.batch_axis:
         spec = dataclasses.replace(spec, batch_axis=axis)
@@ -221,6 +257,44 @@ def prepare(spec: Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     return Call(g, xb, traced, has_aux, args, kwargs, spec)
 
 
+def _check_no_randomness(
+    spec: Spec, args: tuple[Any, ...], kwargs: dict[str, Any], error: TypeError | None = None
+) -> None:
+    """Raise :class:`UnexpectedRandomnessError` where the call's first argument is a key, a
+    generator or probes (a floating array) that the function does not take: its signature
+    binds the call's arguments without the first one, and not with it."""
+    backend = spec.backend
+    first: Any = args[0] if args else None
+    if backend.is_randomness(first):
+        what = f"a source of randomness ({type(first).__name__})"
+    elif backend.is_array(first) and backend.is_floating_input(first.dtype):
+        noun = backend.array_noun
+        article = "an" if noun[0] in "aeiou" else "a"
+        what = f"{article} {noun} of shape {tuple(first.shape)} (probes?)"
+    else:
+        return
+    try:
+        signature = inspect.signature(spec.fun)
+    except (TypeError, ValueError):  # no signature to read (a builtin): f reports the call
+        return
+    try:
+        signature.bind(*args, **kwargs)
+        return
+    except TypeError:
+        pass
+    try:
+        signature.bind(*args[1:], **kwargs)
+    except TypeError:
+        return
+    raise UnexpectedRandomnessError(
+        f"{spec.fname}: the call's first argument is {what}, which the function does not take. "
+        "Only a stochastic method (method='hutchinson', 'hutch++', 'xtrace', 'probing', or "
+        "'stde' for a Laplacian) takes a key, generator or probes first; with this method, call "
+        "the transformed function with the function's own arguments only, or choose a "
+        "stochastic method to use these probes."
+    ) from error
+
+
 def _check_output(spec: Spec, out: Any, x_shape: tuple[int, ...], axis: int | None) -> None:
     """Check what the traced function returned (``out``: its tree of array specs)."""
     backend, fname = spec.backend, spec.fname
@@ -228,7 +302,7 @@ def _check_output(spec: Spec, out: Any, x_shape: tuple[int, ...], axis: int | No
         if not (isinstance(out, tuple | list) and len(out) == 2):
             raise OutputError(
                 f"{fname}: has_aux=True needs the function to return a pair (output, aux); "
-                f"got {type(out).__name__}."
+                f"got {_described(backend, out)}."
             )
         out = out[0]
     if not backend.is_array_spec(out):
@@ -243,6 +317,15 @@ def _check_output(spec: Spec, out: Any, x_shape: tuple[int, ...], axis: int | No
         raise InternalError("a batch axis normalized to None")
     if out.shape[out_axis] != x_shape[axis]:
         raise checks.batch_size_mismatch(x_shape, axis, out.shape, out_axis, fname=fname)
+
+
+def _described(backend: Backend[Any], out: Any) -> str:
+    """What the function returned, for a message (``out``: its tree of array specs)."""
+    if backend.is_array_spec(out):
+        return f"one {backend.array_noun} of shape {tuple(out.shape)}"
+    if isinstance(out, tuple | list):
+        return f"a {type(out).__name__} of {len(out)} elements"
+    return type(out).__name__
 
 
 def check_floating_output(backend: Backend[Any], dtype: Any, fname: str) -> None:

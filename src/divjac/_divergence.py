@@ -24,6 +24,7 @@ from ._call import (
     Distribution,
     Method,
     Spec,
+    check_num_probes,
     check_option,
     prepare,
 )
@@ -303,6 +304,7 @@ def _check_options(ds: _DivSpec, coupling: Coupling, fname: str) -> None:
     check_option("mode", ds.mode, Direction, fname=fname)
     check_option("distribution", ds.distribution, Distribution, fname=fname)
     check_option("coupling", coupling, Coupling, fname=fname)
+    check_num_probes(ds.num_probes, fname=fname)
 
 
 def _divergences(

@@ -67,7 +67,8 @@ ARGS: dict[str, str] = {
 }
 
 _ARG_RAISES = """ArgnumsError, BatchAxisError, BatchSizeMismatchError, InputDtypeError,
-        OutputError: the arguments do not fit (the message says how to fix them)."""
+        OutputError, UnexpectedRandomnessError: the arguments do not fit (the message says how
+        to fix them)."""
 _COUPLED = """BatchCouplingError: ``f`` mixes samples (with ``coupling="raise"``)."""
 _OPTION = """OptionError: an option (``mode``, ``method``, ``coupling``, ...) has a value it
         does not take."""

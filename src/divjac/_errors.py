@@ -76,6 +76,11 @@ class MissingKeyError(DivjacError, TypeError):
     """A stochastic method was called without its randomness (a key, generator or probes) first."""
 
 
+class UnexpectedRandomnessError(DivjacError, TypeError):
+    """A key, generator or probes came first in the call of a transform that takes none (an
+    exact method), where the function does not take it."""
+
+
 class DetectionMemoryError(DivjacError, MemoryError):
     """Sparsity detection (or the passes) would need more memory than its budget allows."""
 

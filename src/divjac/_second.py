@@ -45,6 +45,7 @@ from ._call import (
     Mode,
     Spec,
     WeightedMethod,
+    check_num_probes,
     check_option,
     prepare,
 )
@@ -337,6 +338,7 @@ def _check_options(opts: _Options, coupling: Coupling, methods: Any, fname: str)
     check_option("method", opts.method, methods, fname=fname)
     check_option("distribution", opts.distribution, Distribution, fname=fname)
     check_option("coupling", coupling, Coupling, fname=fname)
+    check_num_probes(opts.num_probes, fname=fname)
 
 
 def laplacian(

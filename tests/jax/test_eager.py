@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from divjac._core import plan
-from divjac.jax import _eager, clear_caches, divergence, sparse_jacobian
+from divjac._errors import OutputError
+from divjac.jax import _eager, clear_caches, divergence, sparse_jacobian, value_and_divergence
 from divjac.models import jax as models
 from tests.reference import jax_diagonal_blocks, traces
 
@@ -19,13 +22,13 @@ def _expected(params, x):
 
 def test_eager_calls_reuse_one_program_and_read_the_current_weights(monkeypatch):
     compiled = []
-    program = _eager._program
+    program = _eager._Program
 
     def counting(*args, **kwargs):
         compiled.append(1)
         return program(*args, **kwargs)
 
-    monkeypatch.setattr(_eager, "_program", counting)
+    monkeypatch.setattr(_eager, "_Program", counting)
     clear_caches()
     x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)))
     params = models.init_mlp(jax.random.key(0), (3, 8, 3), dtype=jnp.float64)
@@ -66,3 +69,113 @@ def test_the_budget_is_half_the_free_device_memory(monkeypatch, available, budge
     assert plan.choose_chunk_size(10**6, 1 << 20, None, available=available) == budget >> 20
     monkeypatch.setenv("DIVJAC_MEMORY_BUDGET_MB", "16")
     assert plan.memory_budget(available) == 16 << 20  # the setting wins
+
+
+def _programs(monkeypatch) -> list[int]:
+    """Counts the programs compiled from now on."""
+    compiled: list[int] = []
+    program = _eager._Program
+
+    def counting(*args, **kwargs):
+        compiled.append(1)
+        return program(*args, **kwargs)
+
+    monkeypatch.setattr(_eager, "_Program", counting)
+    return compiled
+
+
+def test_value_and_divergence_with_another_aux_structure_is_another_program(monkeypatch):
+    compiled = _programs(monkeypatch)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 4)))
+    auxes = {
+        "loss_reg": lambda x: {"loss": jnp.sum(x), "reg": jnp.sum(x**2)},
+        "a_b": lambda x: {"a": jnp.sum(x), "b": jnp.sum(x**2)},
+        "tuple": lambda x: (jnp.sum(x), jnp.sum(x**2)),
+        "list": lambda x: [jnp.sum(x), jnp.sum(x**2)],
+    }
+    for name, aux in auxes.items():
+
+        def f(x, aux=aux):
+            return jnp.sin(x), aux(x)
+
+        transform = value_and_divergence(f, has_aux=True)
+        for call in (transform, jax.jit(transform)) if name == "a_b" else (transform,):
+            (y, got), div = call(x)
+            expected = aux(x)
+            assert type(got) is type(expected), name
+            assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(expected)
+            np.testing.assert_allclose(div, jnp.sum(jnp.cos(x), axis=1), rtol=1e-12)
+            np.testing.assert_allclose(y, jnp.sin(x), rtol=1e-12)
+    assert len(compiled) == len(auxes)  # the same program for the same trace, another for each
+
+
+def test_an_output_that_is_not_a_pair_names_what_the_function_returned():
+    x = jnp.ones((3, 4))
+    returned = {
+        "one array of shape (3, 4)": lambda x: jnp.sin(x),
+        "a tuple of 3 elements": lambda x: (jnp.sin(x), 1, 2),
+        "got dict": lambda x: {"y": jnp.sin(x)},
+    }
+    for said, f in returned.items():
+        for call in (value_and_divergence(f, has_aux=True), jax.jit(divergence(f, has_aux=True))):
+            with pytest.raises(OutputError, match=re.escape(said)):
+                call(x)
+    # after a program for a pair, a function returning one array is refused, not served by it
+    value_and_divergence(lambda x: (jnp.sin(x), jnp.sum(x)), has_aux=True)(x)
+    with pytest.raises(OutputError, match="one array of shape"):
+        value_and_divergence(lambda x: jnp.sin(x), has_aux=True)(x)
+
+
+def test_a_python_scalar_aux_comes_back_as_the_value_of_this_call(monkeypatch):
+    compiled = _programs(monkeypatch)
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(3, 4)))
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return jnp.sin(x), {"step": len(calls), "name": "sin", "scale": 0.5 * len(calls)}
+
+    transform = divergence(f, has_aux=True, method="sparse")
+    for _ in range(3):
+        div, aux = transform(x)
+        assert aux == {"step": len(calls), "name": "sin", "scale": 0.5 * len(calls)}
+        np.testing.assert_allclose(div, jnp.sum(jnp.cos(x), axis=1), rtol=1e-12)
+    assert len(compiled) == 1
+    _, aux = jax.jit(divergence(lambda x: (jnp.sin(x), 3), has_aux=True))(x)
+    assert int(aux) == 3  # under jit, as jax.jit returns a Python int: an array
+
+
+def test_a_new_python_float_argument_is_fresh_and_compiles_nothing(monkeypatch):
+    compiled = _programs(monkeypatch)
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(4, 3)))
+    div = divergence(lambda x, t: jnp.sin(t * x) + t, method="sparse")
+    for t in (0.1, 0.2, 0.3):
+        np.testing.assert_allclose(div(x, t), jnp.sum(t * jnp.cos(t * x), axis=1), rtol=1e-12)
+    assert len(compiled) == 1  # the float is a weak-typed argument, as under jax.jit
+
+
+def test_a_changed_closed_over_float_is_fresh(monkeypatch):
+    compiled = _programs(monkeypatch)
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(4, 3)))
+    scale = 0.5
+    div = divergence(lambda x: jnp.sin(scale * x) ** 2.0, method="exact")
+    for scale in (0.5, 0.6, 0.7, 0.8):  # the closure reads it
+        expected = jnp.sum(scale * jnp.sin(2 * scale * x), axis=1)
+        np.testing.assert_allclose(div(x), expected, rtol=1e-12)
+    # compiled in first; once it changed, an argument of the program (the 2.0 stays compiled in)
+    assert len(compiled) == 2
+
+
+def test_a_float_that_picks_a_python_branch_is_a_constant():
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(4, 3)))
+
+    def f(x, t):
+        return jnp.sin(x) * t if t > 0.5 else jnp.cos(x) * t
+
+    div = divergence(f)
+    for t in (0.3, 0.4, 0.7, 0.9, 0.3):
+        expected = t * jnp.sum(jnp.cos(x) if t > 0.5 else -jnp.sin(x), axis=1)
+        np.testing.assert_allclose(div(x, t), expected, rtol=1e-12)
+    n_div = divergence(lambda x, n: jnp.tile(x, n)[:, :3] * n, method="sparse")
+    for n in (1, 2, 3):  # an int sets a shape
+        np.testing.assert_allclose(n_div(x, n), n * np.full(4, 3.0), rtol=1e-12)

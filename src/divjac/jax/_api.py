@@ -525,4 +525,5 @@ def clear_caches() -> None:
     """
     _detect.CACHE.clear()
     _eager.CACHE.clear()
+    _eager.VARYING.clear()
     stochastic.clear_plans()

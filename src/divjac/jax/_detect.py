@@ -212,10 +212,13 @@ def trace(
         call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
         out = fun(*call_args, **call_kwargs)
         out_tree.append(
-            jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), out)
+            jax.tree_util.tree_map(
+                lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype) if is_array(a) else a, out
+            )
         )
-        y = out[0] if has_aux else out
-        if not isinstance(y, jax.Array):
+        pair = isinstance(out, tuple | list) and len(out) == 2
+        y = out[0] if has_aux and pair else out
+        if not isinstance(y, jax.Array) or (has_aux and not pair):
             return jnp.zeros((0,))  # reported by the caller from out_tree
         return y[None] if batch_axis is None else _move_first(y, batch_axis)
 

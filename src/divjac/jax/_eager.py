@@ -12,7 +12,10 @@ instead, cached in :data:`CACHE` on everything the program depends on:
   (:func:`~divjac.jax._detect.fingerprint`) and the values of its integer and boolean
   constants (indices and masks that detection reads);
 - the argument tree, its non-array leaves (static, as ``jax.jit``'s ``static_argnums``) and
-  the shapes, dtypes and shardings of the arrays (``jax.jit``'s own cache).
+  the shapes, dtypes and shardings of the arrays (``jax.jit``'s own cache);
+- the tree of what the function returns (an aux's dict keys, a tuple or a list) and which of
+  its leaves are arrays. Its other leaves (a Python ``int`` or ``float`` aux) are not part of
+  the program: each call returns the values its own trace of the function produced.
 
 The floating-point constants the function captures (weights), its random keys and scalar
 constants (step counters) are arguments of the compiled program, not part of the key: updated
@@ -25,19 +28,25 @@ again, so a cached program can never read stale values.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
 
 from .._core.detection import LRU
 from ._detect import digest, fingerprint, is_array
+from ._jaxpr import is_inexact
 
-__all__ = ["CACHE", "compiled_when_eager"]
+__all__ = ["CACHE", "VARYING", "compiled_when_eager"]
 
 CACHE: LRU[Callable[..., Any]] = LRU(64)
 """Compiled eager calls, keyed as described in this module's docstring."""
+
+VARYING: LRU[tuple[tuple[Hashable, ...], frozenset[int]]] = LRU(64)
+"""By program (its key without the values of its floating-point literals): the literal values
+of its first call and the positions of those that have changed since (:func:`_varying`)."""
 
 
 def compiled_when_eager(
@@ -69,34 +78,127 @@ def compiled_when_eager(
             return transformed(*args, **kwargs)  # already traced: the caller's jit compiles
         if len(args) < skip or not all(randomness(a) for a in args[:skip]):
             return transformed(*args, **kwargs)  # no key: the transform says what is missing
-        dynamic = [is_array(leaf) for leaf in leaves]
-        static = tuple(leaf for leaf, d in zip(leaves, dynamic, strict=True) if not d)
-        dyn = [leaf for leaf, d in zip(leaves, dynamic, strict=True) if d]
+        arrays = [is_array(leaf) for leaf in leaves]
         try:
-            hash((options, static))
+            hash((options, _static_key(leaves, arrays)))
         except TypeError:
             return transformed(*args, **kwargs)  # an unhashable option or argument: not cached
         fun = functional(f)
-
-        def flat_f(*dyn_leaves: Any) -> Any:
-            a, kw = _rebuild(leaves, dynamic, treedef, dyn_leaves)
-            return fun(*a, **kw)
-
-        try:
-            closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*dyn)
-        except Exception:  # f fails at these arguments: the transform reports it
+        # Python floats as weak-typed arguments, as jax.jit takes them; as constants where f
+        # needs their value (the trace with them as arguments fails: a shape, a branch).
+        floats = [
+            a or isinstance(leaf, float | complex) for leaf, a in zip(leaves, arrays, strict=True)
+        ]
+        traced = _trace(fun, leaves, treedef, floats) if floats != arrays else None
+        if traced is None:
+            traced = _trace(fun, leaves, treedef, arrays)
+        if traced is None:  # f fails at these arguments: the transform reports it
             return transformed(*args, **kwargs)
+        closed, out, dynamic = traced
+        dyn = [leaf for leaf, d in zip(leaves, dynamic, strict=True) if d]
+        closed, n_captured = _literals_as_constants(closed)
         consts = list(closed.consts)
-        weights = [i for i, c in enumerate(consts) if _is_weight(c)]
-        fixed = tuple(digest(c) for i, c in enumerate(consts) if i not in weights)
-        key = (options, fingerprint(closed), fixed, treedef, static, tuple(dynamic), skip)
+        captured = [i for i in range(n_captured) if _is_weight(consts[i])]
+        fixed = tuple(digest(consts[i]) for i in range(n_captured) if i not in captured)
+        program_key = (
+            (options, fingerprint(closed), fixed, treedef, _static_key(leaves, dynamic), skip),
+            (tuple(dynamic), out.treedef, out.arrays),
+        )
+        literals = tuple(_value(c) for c in consts[n_captured:])
+        varying = _varying(program_key, literals)
+        weights = captured + [n_captured + j for j in sorted(varying)]
+        key = (program_key, varying, tuple(v for j, v in enumerate(literals) if j not in varying))
+        inputs = ([consts[i] for i in weights], list(args[:skip]), dyn)
         program = CACHE.get(key)
-        if program is None:
-            program = _program(make, closed, weights, leaves, dynamic, treedef, out_shape, skip)
-            CACHE.put(key, program)
-        return program([consts[i] for i in weights], list(args[:skip]), dyn)
+        if program is not None:
+            return program(*inputs, out.others)
+        program = _Program(make, closed, weights, leaves, dynamic, treedef, out)
+        try:
+            result = program(*inputs, out.others)
+        except Exception:  # what the transform refuses, it reports on the caller's function
+            return transformed(*args, **kwargs)
+        CACHE.put(key, program)
+        return result
 
     return call
+
+
+def _trace(
+    fun: Callable[..., Any], leaves: list[Any], treedef: Any, dynamic: list[bool]
+) -> tuple[Any, _Outputs, list[bool]] | None:
+    """The jaxpr of ``fun`` with the ``dynamic`` leaves as its inputs (``None`` if tracing
+    fails), what it returned, and ``dynamic``."""
+    outputs: list[_Outputs] = []
+
+    def flat_f(*dyn_leaves: Any) -> list[Any]:
+        a, kw = _rebuild(leaves, dynamic, treedef, dyn_leaves)
+        out_leaves, out_def = jax.tree_util.tree_flatten(fun(*a, **kw))
+        arrays = tuple(is_array(leaf) for leaf in out_leaves)
+        others = [leaf for leaf, d in zip(out_leaves, arrays, strict=True) if not d]
+        outputs.append(_Outputs(out_def, arrays, others))
+        return [leaf for leaf, d in zip(out_leaves, arrays, strict=True) if d]
+
+    try:
+        closed = jax.make_jaxpr(flat_f)(
+            *(leaf for leaf, d in zip(leaves, dynamic, strict=True) if d)
+        )
+    except Exception:
+        return None
+    return closed, outputs[-1], dynamic
+
+
+def _static_key(leaves: list[Any], dynamic: list[bool]) -> tuple[Any, ...]:
+    """The static leaves, as part of a key: Python numbers by their type only (a program
+    depends on their values only through its jaxpr, whose constants and literals are keyed)."""
+    return tuple(
+        type(leaf) if isinstance(leaf, int | float | complex) else leaf
+        for leaf, d in zip(leaves, dynamic, strict=True)
+        if not d
+    )
+
+
+def _literals_as_constants(closed: Any) -> tuple[Any, int]:
+    """The program with its floating-point scalar literals (the Python floats it computed
+    with: closed over, or derived from static arguments) turned into constants appended to its
+    own, and the number of its own. Only those of the top-level program: the literals of nested
+    programs (a ``scan`` body, an inner ``jit``) stay literals, part of the key."""
+    jaxpr = closed.jaxpr
+    new_vars: list[Any] = []
+    values: list[Any] = []
+    eqns = []
+    for eqn in jaxpr.eqns:
+        invars = list(eqn.invars)
+        for k, v in enumerate(invars):
+            if isinstance(v, jcore.Literal) and not np.shape(v.val) and is_inexact(v.aval):
+                invars[k] = jcore.Var(v.aval)
+                new_vars.append(invars[k])
+                values.append(v.val)
+        eqns.append(eqn if invars == list(eqn.invars) else eqn.replace(invars=invars))
+    n = len(closed.consts)
+    if not new_vars:
+        return closed, n
+    lifted = jaxpr.replace(constvars=[*jaxpr.constvars, *new_vars], eqns=eqns)
+    return jcore.ClosedJaxpr(lifted, [*closed.consts, *values]), n
+
+
+def _value(c: Any) -> Hashable:
+    data = np.asarray(c)
+    return (str(data.dtype), data.tobytes())
+
+
+def _varying(key: Hashable, literals: tuple[Hashable, ...]) -> frozenset[int]:
+    """The literals of the program ``key`` whose values have been seen to change between calls:
+    arguments of its compiled program from then on (the others are compiled in, as constants
+    that XLA folds: ``x ** 2.0`` stays a square)."""
+    seen = VARYING.get(key)
+    if seen is None:
+        VARYING.put(key, (literals, frozenset()))
+        return frozenset()
+    first, varying = seen
+    changed = varying | {j for j, (a, b) in enumerate(zip(first, literals, strict=True)) if a != b}
+    if changed != varying:
+        VARYING.put(key, (first, frozenset(changed)))
+    return frozenset(changed)
 
 
 def _is_weight(c: Any) -> bool:
@@ -118,34 +220,68 @@ def _rebuild(leaves: list[Any], dynamic: list[bool], treedef: Any, dyn: Any) -> 
     )
 
 
-def _program(
-    make: Callable[[Callable[..., Any]], Callable[..., Any]],
-    closed: Any,
-    weights: list[int],
-    leaves: list[Any],
-    dynamic: list[bool],
-    treedef: Any,
-    out_shape: Any,
-    skip: int,
-) -> Callable[..., Any]:
-    """The jitted call: ``(weights, randomness, array leaves) -> result``, the function being
-    the traced program with the given weights (the other constants are those traced)."""
-    fixed = {i: c for i, c in enumerate(closed.consts) if i not in weights}
-    jaxpr, n_consts = closed.jaxpr, len(closed.consts)  # not the traced weights themselves
-    out_tree = jax.tree_util.tree_structure(out_shape)
-    static = [None if d else leaf for leaf, d in zip(leaves, dynamic, strict=True)]
+class _Outputs(NamedTuple):
+    """What one trace of the caller's function returned: its tree, which of its leaves are
+    arrays, and the values of the others (Python scalars, strings)."""
 
-    def run(given: list[Any], ours: list[Any], dyn: list[Any]) -> Any:
-        values = dict(zip(weights, given, strict=True))
-        consts = [values[i] if i in values else fixed[i] for i in range(n_consts)]
-        program = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, consts))
+    treedef: Any
+    arrays: tuple[bool, ...]
+    others: list[Any]
 
-        def traced_f(*a: Any, **kw: Any) -> Any:
-            flat = jax.tree_util.tree_leaves((a, kw))
-            out = program(*(leaf for leaf, d in zip(flat, dynamic, strict=True) if d))
-            return jax.tree_util.tree_unflatten(out_tree, out)
 
-        a, kw = _rebuild(static, dynamic, treedef, dyn)
-        return make(traced_f)(*ours, *a, **kw)
+class _Slot:
+    """Stands for the ``index``-th non-array leaf of the function's output inside the compiled
+    program, which returns arrays only; each call puts its own value there."""
 
-    return jax.jit(run)
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Program:
+    """The jitted call: ``(weights, randomness, array leaves, non-array outputs) -> result``,
+    the function being the traced program with the given weights (the other constants are
+    those traced)."""
+
+    def __init__(
+        self,
+        make: Callable[[Callable[..., Any]], Callable[..., Any]],
+        closed: Any,
+        weights: list[int],
+        leaves: list[Any],
+        dynamic: list[bool],
+        treedef: Any,
+        out: _Outputs,
+    ) -> None:
+        fixed = {i: c for i, c in enumerate(closed.consts) if i not in weights}
+        jaxpr, n_consts = closed.jaxpr, len(closed.consts)  # not the traced weights themselves
+        static = [None if d else leaf for leaf, d in zip(leaves, dynamic, strict=True)]
+        # The result's tree, with the position of each slot among its leaves (set when traced).
+        self._layout: list[tuple[Any, list[int | None]]] = []
+
+        def run(given: list[Any], ours: list[Any], dyn: list[Any]) -> list[Any]:
+            values = dict(zip(weights, given, strict=True))
+            consts = [values[i] if i in values else fixed[i] for i in range(n_consts)]
+            program = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, consts))
+
+            def traced_f(*a: Any, **kw: Any) -> Any:
+                flat = jax.tree_util.tree_leaves((a, kw))
+                computed = iter(
+                    program(*(leaf for leaf, d in zip(flat, dynamic, strict=True) if d))
+                )
+                slots = iter(range(len(out.others)))
+                out_leaves = [next(computed) if d else _Slot(next(slots)) for d in out.arrays]
+                return jax.tree_util.tree_unflatten(out.treedef, out_leaves)
+
+            a, kw = _rebuild(static, dynamic, treedef, dyn)
+            result, result_def = jax.tree_util.tree_flatten(make(traced_f)(*ours, *a, **kw))
+            where = [leaf.index if isinstance(leaf, _Slot) else None for leaf in result]
+            self._layout[:] = [(result_def, where)]
+            return [leaf for leaf in result if not isinstance(leaf, _Slot)]
+
+        self._jitted = jax.jit(run)
+
+    def __call__(self, given: list[Any], ours: list[Any], dyn: list[Any], others: list[Any]) -> Any:
+        arrays = iter(self._jitted(given, ours, dyn))
+        result_def, where = self._layout[0]
+        leaves = [next(arrays) if i is None else others[i] for i in where]
+        return jax.tree_util.tree_unflatten(result_def, leaves)

@@ -696,12 +696,14 @@ class TorchBackend(Backend[Traced]):
         self, fn: Callable[[torch.Tensor], Any], x: torch.Tensor, *, has_aux: bool
     ) -> Any:
         if has_aux:
+            tensors_only, rebuild = _split_aux(fn)
 
             def summed_and_aux(x: torch.Tensor) -> tuple[torch.Tensor, Any]:
-                values, aux = fn(x)
-                return torch.sum(values), aux
+                values, tensors = tensors_only(x)
+                return torch.sum(values), tensors
 
-            return torch.func.grad(summed_and_aux, has_aux=True)(x)
+            grad, tensors = torch.func.grad(summed_and_aux, has_aux=True)(x)
+            return grad, rebuild(tensors)
         return torch.func.grad(lambda x: torch.sum(fn(x)))(x)
 
     def indicators(

@@ -115,14 +115,27 @@ def interleaved_best_times(
     min_time: float = 0.05,
 ) -> dict[str, float]:
     """Best times of several functions measured in alternation (fair under machine noise)."""
+    times = interleaved_times(fns, repeat=repeat, warmup=warmup, min_time=min_time)
+    return {name: min(ts) for name, ts in times.items()}
+
+
+def interleaved_times(
+    fns: Mapping[str, Callable[[], Any]],
+    *,
+    repeat: int = 7,
+    warmup: int = 1,
+    min_time: float = 0.05,
+) -> dict[str, list[float]]:
+    """All ``repeat`` times of several functions measured in alternation (for a median on a
+    machine that others load)."""
     for fn in fns.values():
         for _ in range(warmup):
             block(fn())
-    best = dict.fromkeys(fns, float("inf"))
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
-            best[name] = min(best[name], best_time(fn, repeat=1, warmup=0, min_time=min_time))
-    return best
+            times[name].append(best_time(fn, repeat=1, warmup=0, min_time=min_time))
+    return times
 
 
 ESTIMATOR_BUDGET = 24

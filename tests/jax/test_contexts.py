@@ -1,0 +1,243 @@
+"""Every transform x method x context on a model zoo, against brute force (issue 22).
+
+Brute force is ``vmap(jacfwd)`` of the per-sample function for first order and
+``vmap(jax.hessian)`` for second order; stochastic methods get fixed probes and are compared to
+the same estimate computed from the brute-force matrices. The contexts: an eager call then the
+same under ``jit``, ``jit`` first then eager, an outer ``vmap``, ``jax.grad`` through the
+transform w.r.t. the parameters (eager and under ``jit``), float32, and a Python float argument.
+
+The default run covers every transform on the MLP (eager then jit), two sparse transforms on
+the CNN, and each context once; the whole product is ``@pytest.mark.slow``:
+``pytest -m slow tests/jax/test_contexts.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import divjac.jax as dj
+from tests.jax.zoo import ZOO, Model
+
+K = 3  # probes of the stochastic methods
+
+# name -> (transform of (f or u), what it computes, whether it takes u, whether it takes probes)
+TRANSFORMS: dict[
+    str, tuple[Callable[[Callable[..., Any]], Callable[..., Any]], str, bool, bool]
+] = {
+    "jacobian-fwd": (lambda f: dj.jacobian(f, 1, mode="fwd"), "jacobian", False, False),
+    "jacobian-rev": (lambda f: dj.jacobian(f, 1, mode="rev"), "jacobian", False, False),
+    "jacobian-sparse": (lambda f: dj.jacobian(f, 1, mode="sparse"), "jacobian", False, False),
+    "jacobian-auto": (lambda f: dj.jacobian(f, 1), "jacobian", False, False),
+    "divergence-exact-fwd": (
+        lambda f: dj.divergence(f, 1, method="exact", mode="fwd"),
+        "divergence",
+        False,
+        False,
+    ),
+    "divergence-exact-rev": (
+        lambda f: dj.divergence(f, 1, method="exact", mode="rev"),
+        "divergence",
+        False,
+        False,
+    ),
+    "divergence-sparse": (
+        lambda f: dj.divergence(f, 1, method="sparse"),
+        "divergence",
+        False,
+        False,
+    ),
+    "divergence-auto": (lambda f: dj.divergence(f, 1), "divergence", False, False),
+    "divergence-hutchinson": (
+        lambda f: dj.divergence(f, 1, method="hutchinson", num_probes=K),
+        "hutchinson-divergence",
+        False,
+        True,
+    ),
+    "value_and_divergence": (
+        lambda f: dj.value_and_divergence(f, 1),
+        "value-divergence",
+        False,
+        False,
+    ),
+    "grad_divergence": (lambda f: dj.grad_divergence(f, 1), "grad-divergence", False, False),
+    "laplacian-exact": (lambda u: dj.laplacian(u, 1, method="exact"), "laplacian", True, False),
+    "laplacian-sparse": (lambda u: dj.laplacian(u, 1, method="sparse"), "laplacian", True, False),
+    "laplacian-auto": (lambda u: dj.laplacian(u, 1), "laplacian", True, False),
+    "laplacian-hutchinson": (
+        lambda u: dj.laplacian(u, 1, method="hutchinson", num_probes=K),
+        "hutchinson-laplacian",
+        True,
+        True,
+    ),
+    "hessian_diagonal-exact": (
+        lambda u: dj.hessian_diagonal(u, 1, method="exact"),
+        "hessian-diagonal",
+        True,
+        False,
+    ),
+    "hessian_diagonal-sparse": (
+        lambda u: dj.hessian_diagonal(u, 1, method="sparse"),
+        "hessian-diagonal",
+        True,
+        False,
+    ),
+    "hessian_diagonal-hutchinson": (
+        lambda u: dj.hessian_diagonal(u, 1, method="hutchinson", num_probes=K),
+        "hutchinson-diagonal",
+        True,
+        True,
+    ),
+    "hessian": (lambda u: dj.hessian(u, 1), "hessian", True, False),
+}
+CORE = ("jacobian-auto", "divergence-auto", "divergence-hutchinson", "laplacian-auto", "hessian")
+CONTEXTS = (
+    "eager-then-jit",
+    "jit-then-eager",
+    "vmap",
+    "grad",
+    "jit-grad",
+    "float32",
+    "python-float",
+)
+
+
+def _scalar(model: Model) -> Callable[..., jax.Array]:
+    """``u``: one scalar per sample from the model's output."""
+
+    def u(p: Any, x: jax.Array, scale: float = 1.0) -> jax.Array:
+        y = jnp.sin(model.f(p, x, scale))
+        return jnp.sum(y.reshape(y.shape[0], -1), axis=1)
+
+    return u
+
+
+def _brute_force(
+    kind: str, fun: Callable[..., Any], params: Any, x: jax.Array, extra: tuple, probes: Any
+) -> Any:
+    """What the transform computes, from ``vmap(jacfwd)`` / ``vmap(hessian)`` of one sample."""
+    B, sample = x.shape[0], x.shape[1:]
+    n = math.prod(sample)
+
+    def one(p: Any, xs: jax.Array) -> jax.Array:
+        return fun(p, xs[None], *extra)[0]
+
+    if kind in ("jacobian", "divergence", "value-divergence", "hutchinson-divergence"):
+        J = jax.vmap(jax.jacfwd(one, 1), (None, 0))(params, x)
+        square = J.reshape(B, n, n)
+        if kind == "jacobian":
+            return J
+        if kind == "hutchinson-divergence":
+            v = probes.reshape(K, B, n)
+            return jnp.einsum("kbi,bij,kbj->b", v, square, v) / K
+        div = jnp.trace(square, axis1=1, axis2=2)
+        return (fun(params, x, *extra), div) if kind == "value-divergence" else div
+    if kind == "grad-divergence":
+
+        def trace(xs: jax.Array) -> jax.Array:
+            return jnp.trace(jax.jacfwd(one, 1)(params, xs).reshape(n, n))
+
+        return jax.vmap(jax.grad(trace))(x)
+    H = jax.vmap(jax.hessian(one, 1), (None, 0))(params, x)
+    square = H.reshape(B, n, n)
+    if kind == "hessian":
+        return H
+    if kind == "laplacian":
+        return jnp.trace(square, axis1=1, axis2=2)
+    if kind == "hessian-diagonal":
+        return jnp.diagonal(square, axis1=1, axis2=2).reshape(x.shape)
+    v = probes.reshape(K, B, n)
+    if kind == "hutchinson-laplacian":
+        return jnp.einsum("kbi,bij,kbj->b", v, square, v) / K
+    return (jnp.einsum("kbi,bij,kbj->bi", v, square, v) / K).reshape(x.shape)
+
+
+def _total(tree: Any) -> jax.Array:
+    return sum(jnp.sum(leaf) for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def check(model_name: str, transform_name: str, context: str) -> None:
+    model = ZOO[model_name]
+    build, kind, takes_u, stochastic = TRANSFORMS[transform_name]
+    dtype = jnp.float32 if context == "float32" else jnp.float64
+    tol = {"rtol": 2e-4, "atol": 2e-5} if dtype == jnp.float32 else {"rtol": 1e-9, "atol": 1e-11}
+    params, x = model.init(dtype)
+    fun = _scalar(model) if takes_u else model.f
+    transformed = build(fun)
+    extra = (0.7,) if context == "python-float" else ()
+    probes = None
+    if stochastic:
+        signs = np.random.default_rng(1).choice([-1.0, 1.0], size=(K, *x.shape))
+        probes = jnp.asarray(signs, dtype)
+    lead = (probes,) if stochastic else ()
+
+    def call(p: Any, x: jax.Array) -> Any:
+        return transformed(*lead, p, x, *extra)
+
+    def expected(p: Any, x: jax.Array) -> Any:
+        return _brute_force(kind, fun, p, x, extra, probes)
+
+    def same(got: Any, want: Any) -> None:
+        assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+        for g, w in zip(
+            jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True
+        ):
+            assert g.dtype == w.dtype, (g.dtype, w.dtype)
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), **tol)
+
+    want = expected(params, x)
+    if context in ("eager-then-jit", "float32", "python-float"):
+        same(call(params, x), want)
+        same(jax.jit(call)(params, x), want)
+    elif context == "jit-then-eager":
+        same(jax.jit(call)(params, x), want)
+        same(call(params, x), want)
+    elif context == "vmap":
+        xs = jnp.stack([x, 0.5 * x + 0.1])
+        same(jax.vmap(call, (None, 0))(params, xs), jax.vmap(expected, (None, 0))(params, xs))
+    else:
+        assert context in ("grad", "jit-grad")
+        grad = jax.grad(lambda p: _total(call(p, x)))
+        got = (jax.jit(grad) if context == "jit-grad" else grad)(params)
+        same(got, jax.grad(lambda p: _total(expected(p, x)))(params))
+
+
+DEFAULT = (
+    [
+        ("mlp", t, "eager-then-jit")
+        for t in (
+            "jacobian-auto",
+            "jacobian-rev",
+            "divergence-exact-fwd",
+            "divergence-hutchinson",
+            "value_and_divergence",
+            "grad_divergence",
+            "laplacian-exact",
+            "hessian_diagonal-hutchinson",
+            "hessian",
+        )
+    ]
+    + [("cnn", "divergence-sparse", "jit-then-eager")]
+    + [("mlp", "divergence-auto", c) for c in ("vmap", "jit-grad", "float32", "python-float")]
+)
+FULL = [(m, t, "eager-then-jit") for m in ZOO for t in TRANSFORMS] + [
+    (m, t, c) for m in ZOO for t in CORE for c in CONTEXTS if c != "eager-then-jit"
+]
+SLOW = [case for case in FULL if case not in DEFAULT]
+
+
+@pytest.mark.parametrize(("model", "transform", "context"), DEFAULT)
+def test_context(model: str, transform: str, context: str) -> None:
+    check(model, transform, context)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "transform", "context"), SLOW)
+def test_context_matrix(model: str, transform: str, context: str) -> None:
+    check(model, transform, context)
