@@ -458,7 +458,9 @@ def _weighted_values(
     planned = backend.ahead(_plan, call, "exact", grad_spec, opts.method == "hutchinson")
     M, per_sample = _coefficient(call, coefficient, is_factor)
     shape = call.in_sample
-    if opts.method == "hutchinson":
+    # A budget of as many directions as the exact sum (n, or the factor's r) computes it.
+    exact_directions = int(M.shape[-1]) if is_factor else n
+    if opts.method == "hutchinson" and _num_probes(opts, n) < exact_directions:
         k = _num_probes(opts, n)
         if is_factor:
             if _is_probes(backend, randomness):

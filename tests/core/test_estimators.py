@@ -401,7 +401,8 @@ def test_hutchinson_matches_explicit_formula(distribution: str) -> None:
     np.testing.assert_allclose(estimate, terms.mean(axis=-1), rtol=1e-12)
     sample = terms.var(axis=-1, ddof=1)
     formula = np.array([_explicit_term_variance(j[b], probes[b]) for b in range(40)])
-    expected = t_factor(4) * np.sqrt(np.maximum(sample, formula) / 5)
+    floor = 2 * np.mean(np.sum((j @ probes) ** 2, axis=1), axis=-1) / 5
+    expected = t_factor(4) * np.sqrt(np.maximum(np.maximum(sample, formula), floor) / 5)
     np.testing.assert_allclose(stderr, expected, rtol=1e-10)
     assert np.any(sample > formula) and np.any(sample < formula)
 
@@ -453,6 +454,7 @@ def test_degenerate_rademacher_case_is_covered() -> None:
     old = t_factor(1) * terms.std(axis=-1, ddof=1) / np.sqrt(2)
     assert np.mean(np.abs(estimate - 3.0) <= 2 * old) < 0.8
     assert np.mean(np.abs(estimate - 3.0) <= 2 * stderr) >= 0.94
+    assert np.all(stderr > 0)  # the floor: coinciding probes leave no collapsed interval
 
 
 def test_check_stderr_budget() -> None:
@@ -517,7 +519,9 @@ def test_hutch_plus_plus_matches_explicit_formula() -> None:
         expected[b] = np.trace(q.T @ j[b] @ q) + terms.mean()
         # The Hutchinson terms g^T (P J P) g: the variance formula of P J P in the probes g.
         formula = _explicit_term_variance(p @ j[b] @ p, g)
-        expected_stderr[b] = t_factor(m - 1) * np.sqrt(max(terms.var(ddof=1), formula) / m)
+        floor = 2 * np.mean(np.sum((p @ j[b] @ p @ g) ** 2, axis=0)) / m
+        variance = max(terms.var(ddof=1), formula, floor)
+        expected_stderr[b] = t_factor(m - 1) * np.sqrt(variance / m)
     estimate, stderr = est.hutch_plus_plus(lambda v: j @ v, probes)
     np.testing.assert_allclose(estimate, expected, rtol=1e-12)
     np.testing.assert_allclose(stderr, expected_stderr, rtol=1e-10)

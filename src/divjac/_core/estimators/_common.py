@@ -148,25 +148,30 @@ def mean_and_variance(terms: Array, xp: Any) -> tuple[Array, Array]:
     return mean, xp.sum(deviations * deviations, axis=-1) / (k * (k - 1))
 
 
-def mean_and_stderr(
-    terms: Array, xp: Any, images: Array, probes: Array
-) -> tuple[Array, Array]:
+def mean_and_stderr(terms: Array, xp: Any, images: Array, probes: Array) -> tuple[Array, Array]:
     """Mean of ``(B, k)`` independent Hutchinson terms ``v^T A v`` over ``k`` and its standard
     error, from the ``(B, n, k)`` probes ``v`` and their ``images``, the columns ``A v``.
 
     The variance of one term is estimated twice, both times without bias: by the terms' sample
     variance ``s^2``, and by :func:`term_variance`, the exact variance formula of the probe
     distribution estimated from the images and the cross products ``v_a^T A v_b``, which does
-    not collapse when the terms happen to agree (few-valued or skewed terms). The standard
-    error is ``kappa(k - 1) sqrt(max(s^2, u) / k)``. A single term has neither: its standard
-    error is ``sqrt(2) ||A v||``, an estimate of the upper bound ``sqrt(2) ||A||_F``.
+    not collapse when the terms happen to agree (few-valued or skewed terms); the larger is
+    kept. Both can still vanish together when the probes coincide up to sign (Rademacher probes
+    at small ``n``), so the variance of the mean is also kept above ``g / k^2``, with
+    ``g = 2 mean ||A v||^2`` an unbiased estimate of the upper bound ``2 ||A||_F^2`` of the
+    variance of one term: a floor ``k`` times below that bound's own ``g / k``, which matters
+    only at a few probes. The standard error is
+    ``kappa(k - 1) sqrt(max(s^2 / k, u / k, g / k^2))``. A single term has neither estimate:
+    its standard error is ``sqrt(g)``, documented but refused by the transforms
+    (:func:`~divjac._core.estimators.check_stderr_budget`).
     """
     k = terms.shape[-1]
     if k == 1:
         return xp.mean(terms, axis=-1), single_term_stderr(images, xp)
     mean, variance = mean_and_variance(terms, xp)
     bound = term_variance(probes, images, xp)
-    return mean, t_factor(k - 1) * xp.sqrt(xp.maximum(variance, bound / k))
+    floor = 2 * xp.sum(images * images, axis=(-2, -1)) / k**3
+    return mean, t_factor(k - 1) * xp.sqrt(xp.maximum(xp.maximum(variance, bound / k), floor))
 
 
 def term_variance(probes: Array, images: Array, xp: Any) -> Array:

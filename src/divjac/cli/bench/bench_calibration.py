@@ -142,6 +142,12 @@ def _rosenbrock_hessians(d: int = 10) -> Case:
     return Case(h, (d,), True)
 
 
+def _low_rank_noise(n: int = 40, rank: int = 3) -> np.ndarray:
+    rng = _rng("lowrank")
+    low = rng.standard_normal((n, rank)) @ rng.standard_normal((rank, n)) / 6.0
+    return low + 0.05 * rng.standard_normal((n, n))
+
+
 def _spectrum(n: int, eigenvalues: np.ndarray, name: str) -> np.ndarray:
     q, _ = np.linalg.qr(_rng(name).standard_normal((n, n)))
     return (q * eigenvalues) @ q.T
@@ -173,10 +179,7 @@ CASES: dict[str, Callable[[], Case]] = {
         np.eye(30) + 0.1 * _rng("residual").standard_normal((30, 30))
     ),
     "N(0, 1) entries (n=20)": lambda: _single(_rng("gauss").standard_normal((20, 20))),
-    "rank 3 + 0.05 noise (n=40)": lambda: _single(
-        (lambda r: r.standard_normal((40, 3)) @ r.standard_normal((3, 40)) / 6.0
-         + 0.05 * r.standard_normal((40, 40)))(_rng("lowrank"))
-    ),  # fmt: skip
+    "rank 3 + 0.05 noise (n=40)": lambda: _single(_low_rank_noise()),
     "skew-symmetric + diagonal (n=16)": lambda: _single(
         (lambda e: e - e.T + np.diag(np.arange(16.0)))(_rng("skew").standard_normal((16, 16)))
     ),
@@ -283,6 +286,13 @@ Laplacian's Taylor sweep); ``stde``: random coordinates; ``hessian_diagonal``: B
 per coordinate."""
 
 
+def _from_terms(terms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Hutchinson from its terms ``(k, draws)`` alone, as the Taylor-sweep methods compute it."""
+    estimate, stderr = est.hutchinson_from_terms(terms)
+    assert stderr is not None
+    return estimate, stderr
+
+
 def _core_estimate(
     estimator: str, case: Case, budget: int, reps: int, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float | None] | None:
@@ -308,20 +318,22 @@ def _core_estimate(
         dof = None if low_rank >= n else float(max(terms - 1, 1))
         return estimate, stderr, exact, dof
     if estimator == "probing":
-        pattern = SparsityPattern(sp.csr_array(np.any(j != 0, axis=0)), case.shape, case.shape, batch)
+        pattern = SparsityPattern(
+            sp.csr_array(np.any(j != 0, axis=0)), case.shape, case.shape, batch
+        )
         colors, is_exact, num = stochastic.probing_plan(
             pattern, case.shape, num_probes=budget, probing_distance=None
         )
         signs = _draw(rng, "rademacher", (reps * batch, n, num))
         estimate, stderr = est.probing(matvec, colors, signs, exact=is_exact)
         return estimate, stderr, exact, None if is_exact else float(max(num - 1, 1))
-    if not case.hessian or budget >= n and not estimator.startswith("stde"):
+    if not case.hessian or (budget >= n and not estimator.startswith("stde")):
         return None
     if estimator.startswith("sweep terms"):
         distribution = "gaussian" if "gaussian" in estimator else "rademacher"
         probes = _draw(rng, distribution, (reps * batch, n, budget))
         terms = np.sum(probes * matvec(probes), axis=-2)  # (R B, k)
-        estimate, stderr = est.hutchinson_from_terms(terms.T)
+        estimate, stderr = _from_terms(terms.T)
         return estimate, stderr, exact, float(budget - 1)
     if estimator == "stde":
         if budget >= n:
@@ -329,11 +341,11 @@ def _core_estimate(
         order = np.argsort(rng.random((reps * batch, n)), axis=-1)[:, :budget]
         diagonal = np.tile(np.diagonal(j, axis1=1, axis2=2), (reps, 1))
         terms = n * np.take_along_axis(diagonal, order, axis=-1)
-        estimate, stderr = est.hutchinson_from_terms(terms.T)
+        estimate, stderr = _from_terms(terms.T)
         return estimate, stderr * math.sqrt(1 - budget / n), exact, float(budget - 1)
     probes = _draw(rng, "rademacher", (reps * batch, n, budget))
     products = probes * matvec(probes)  # (R B, n, k): v * H v
-    estimate, stderr = est.hutchinson_from_terms(np.moveaxis(products, -1, 0).reshape(budget, -1))
+    estimate, stderr = _from_terms(np.moveaxis(products, -1, 0).reshape(budget, -1))
     diagonal = np.broadcast_to(np.diagonal(j, axis1=1, axis2=2), (reps, batch, n)).reshape(-1)
     return estimate, stderr, diagonal, float(budget - 1)
 
@@ -450,7 +462,9 @@ def _torch_functions() -> tuple[Any, dict[str, tuple[Callable[..., Any], np.ndar
     return (dt, torch), out
 
 
-def _transform(lib: Any, what: str, fn: Callable[..., Any], budget: int, n: int) -> Callable[..., Any]:
+def _transform(
+    lib: Any, what: str, fn: Callable[..., Any], budget: int, n: int
+) -> Callable[..., Any]:
     transform, method = what.split(" ")[:2]
     distribution = "gaussian" if "gaussian" in what else "rademacher"
     options = dict(method=method, num_probes=budget, distribution=distribution, return_stderr=True)
@@ -481,17 +495,24 @@ def _truth(what: str, case: Case, n: int) -> np.ndarray:
     return np.array(np.trace(h))
 
 
-def framework_cells(framework: str, draws: int = 2000) -> Iterator[Cell]:
+def framework_cells(
+    framework: str, draws: int = 2000, only: list[str] | None = None
+) -> Iterator[Cell]:
     """End-to-end cells of ``"jax"`` or ``"torch"``: ``draws`` samples of one batch, each with
-    its own probes, every transform x method x budget x function."""
+    its own probes, every transform x method x budget x function (``only``: these transforms
+    and methods, as named in :data:`FRAMEWORK_CELLS`)."""
     if framework == "jax":
-        (lib, jax, _), functions = _jax_functions()
-        jax.config.update("jax_enable_x64", True)
+        import jax
+
+        jax.config.update("jax_enable_x64", True)  # before the weights become arrays
+        (lib, _, _), functions = _jax_functions()
         randomness: Any = jax.random.key(0)
     else:
         (lib, torch), functions = _torch_functions()
         randomness = torch.Generator().manual_seed(0)
     for what, kind, budgets in FRAMEWORK_CELLS:
+        if only is not None and what not in only:
+            continue
         for name, (fn, x, scalar) in functions.items():
             if scalar != (kind == "scalar"):
                 continue
@@ -505,7 +526,9 @@ def framework_cells(framework: str, draws: int = 2000) -> Iterator[Cell]:
                 except NumProbesError:  # a budget the method refuses at this n
                     continue
                 estimate, stderr = np.asarray(estimate), np.asarray(stderr)
-                coverage, beyond, count = _score(estimate, stderr, np.broadcast_to(truth, estimate.shape))
+                coverage, beyond, count = _score(
+                    estimate, stderr, np.broadcast_to(truth, estimate.shape)
+                )
                 yield Cell(what, framework, name, budget, count, coverage, beyond, float("nan"))
 
 
