@@ -152,8 +152,11 @@ def _stochastic_divergence(
     else:
         num = ds.num_probes or stochastic.default_num_probes(ds.method, n)
         k = est.num_random_vectors(ds.method, num, n)
+        if ds.return_stderr:
+            est.check_stderr_budget(ds.method, num, n, fname=call.spec.fname)
         columns = _draw(call, randomness, k, ds.distribution)
-        if ds.method == "hutchinson" and (k > 1 or not ds.return_stderr):
+        if ds.method == "hutchinson" and k < n and not ds.return_stderr:
+            # Only the terms: the standard error needs the images J v (est.hutchinson).
             terms = _probe_terms(call, linear, columns, ds.chunk_size)
             estimate, stderr = est.hutchinson_from_terms(terms, stderr=ds.return_stderr)
         else:

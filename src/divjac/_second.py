@@ -288,7 +288,8 @@ def _laplacian_values(
     """``(Laplacian, stderr or None)``, batch first ``(B, *out)``."""
     stochastic_method = opts.method in SWEEP_STOCHASTIC
     planned = call.backend.ahead(_plan, call, opts.method, grad_spec, stochastic_method)
-    if opts.method == "hutchinson":
+    # A budget of n directions or more pays for the exact sweep (n directions, no error).
+    if opts.method == "hutchinson" and _num_probes(opts, call.n_in) < call.n_in:
         probes = _draw(call, randomness, _num_probes(opts, call.n_in), opts.distribution)
         terms = _sweep(call, probes, None, False, opts.chunk_size)
         return _mean_and_stderr(call, terms, opts.return_stderr)
@@ -459,7 +460,9 @@ def _weighted_values(
     planned = backend.ahead(_plan, call, "exact", grad_spec, opts.method == "hutchinson")
     M, per_sample = _coefficient(call, coefficient, is_factor)
     shape = call.in_sample
-    if opts.method == "hutchinson":
+    # A budget of as many directions as the exact sum (n, or the factor's r) computes it.
+    exact_directions = int(M.shape[-1]) if is_factor else n
+    if opts.method == "hutchinson" and _num_probes(opts, n) < exact_directions:
         k = _num_probes(opts, n)
         if is_factor:
             if _is_probes(backend, randomness):
@@ -635,7 +638,9 @@ def _diagonal_values(
     hutchinson = opts.method == "hutchinson"
     planned = backend.ahead(_plan, call, opts.method, grad_spec, hutchinson)
     backend.ahead(_require_scalar, call)
-    if hutchinson:  # Bekas, Kokiopoulou & Saad: E[v * H v] = diag(H) when E[v v^T] = I
+    # Bekas, Kokiopoulou & Saad: E[v * H v] = diag(H) when E[v v^T] = I; a budget of n
+    # probes or more pays for the exact diagonal (n directions, no error).
+    if hutchinson and _num_probes(opts, n) < n:
         k = _num_probes(opts, n)
         probes = _draw(call, randomness, k, opts.distribution)
         terms = _own_products(call, grad_spec, probes, _itself, k, opts.chunk_size, shared=False)

@@ -8,21 +8,21 @@ to be read as a confidence interval: ``estimate +- 2 * stderr`` must cover the e
 90-99 % of the ``R * B`` times, at small budgets (3-8 matvecs) as at moderate ones. Everything is
 seeded: the tests are deterministic.
 
-Measured coverage (8000 intervals each, Rademacher probes; Gaussian and sphere probes alike),
-before and after the calibrated standard errors, over the three models:
+Measured coverage (8000 intervals each, Rademacher probes), over the three models:
 
-==========  ======  ==========  ====================================================
-method      budget  before      after
-==========  ======  ==========  ====================================================
-hutchinson  3-8     0.80-0.92   0.94-0.95
-hutchinson  16-32   0.94-0.95   0.94-0.95
-hutch++     3       0 (NaN)     0.976-0.999 (documented conservative single-term bound)
-hutch++     6-24    0.71-0.92   0.93-0.95
-xtrace      2       0 (NaN)     0.977-0.999 (documented conservative single-term bound)
-xtrace      4-24    0.69-0.93   0.93-0.97
-xtrace      n       inexact     exact, stderr 0 (the n identity columns)
-probing     4-24    0.69-0.90   0.92-0.96
-==========  ======  ==========  ====================================================
+==========  ======  ==========  ==========  ===============================================
+method      budget  first       second      now
+==========  ======  ==========  ==========  ===============================================
+hutchinson  3-8     0.80-0.92   0.94-0.95   0.978-1.000 (the larger of two variance estimates)
+hutchinson  16-32   0.94-0.95   0.94-0.95   0.961-0.974
+hutch++     6-24    0.71-0.92   0.93-0.95   0.977-1.000
+xtrace      4-24    0.69-0.93   0.93-0.97   0.937-0.975 (never below its naive estimate)
+probing     4-24    0.69-0.90   0.92-0.96   0.919-0.966 (unchanged)
+==========  ======  ==========  ==========  ===============================================
+
+The calibration set of ``divjac.cli.bench.bench_calibration`` (21 matrices, the degenerate
+Rademacher cases among them) is checked on its named cases here, in seconds; its full table and
+the end-to-end per-framework one are docs/calibration.md's.
 """
 
 from __future__ import annotations
@@ -187,11 +187,46 @@ CASES = [
 ]
 
 
+LOWEST = {"hutchinson": 0.955, "hutch++": 0.97, "xtrace": 0.93, "probing": 0.91}
+"""The least coverage each method reaches on these models (8000 intervals: +-0.005)."""
+
+
 @pytest.mark.parametrize(("model", "method", "budget"), CASES)
 def test_two_stderr_interval_is_a_confidence_interval(model: str, method: str, budget: int) -> None:
     estimate, stderr, exact = _repeat(model, method, budget)
     assert np.all(stderr > 0)
-    assert 0.9 <= _coverage(estimate, stderr, exact) <= 0.99
+    coverage = _coverage(estimate, stderr, exact)
+    assert coverage >= LOWEST[method]
+    # Conservative at a few probes (the variance formula and its floor dominate), close to
+    # the nominal level from 16 on.
+    assert budget < 16 or coverage <= 0.99
+
+
+NAMED = [
+    "Hessian of x0^2 + x0 x1 (d=2)",
+    "PINN Hessian (d=2)",
+    "rand(10, 10)",
+    "rand(15, 15)",
+    "tanh(x @ A) + 0.5 x (n=64)",
+]
+"""The cases of issue 22, in the calibration set of the benchmark."""
+
+
+def test_issue_cases_are_calibrated() -> None:
+    """Every budget of Hutchinson (Rademacher, Gaussian), Hutch++ and XTrace on the cases of
+    issue 22, 2000 draws per cell: coverage >= 0.94 up to the sampling error of 2000 draws
+    (2 standard errors: 0.011), and beyond 3 stderr no more often than the estimator's Student
+    model predicts plus that error. Before: 0.49 (x0^2 + x0 x1, 2 Rademacher probes), 0.86-0.92
+    (rand), Hutch++ 0.94 with 2.6 % beyond 3 stderr."""
+    from divjac.cli.bench.bench_calibration import core_cells
+
+    methods = ["hutchinson (rademacher)", "hutchinson (gaussian)", "hutch++", "xtrace"]
+    cells = list(core_cells(2000, estimators=methods, cases=NAMED))
+    assert len(cells) > 80
+    for cell in cells:
+        assert cell.draws >= 2000
+        assert cell.coverage >= 0.94 - 0.011, cell
+        assert cell.beyond3 <= cell.predicted3 + 0.006, cell
 
 
 @pytest.mark.slow
@@ -204,7 +239,8 @@ def test_two_stderr_interval_with_other_probe_distributions(
     model: str, method: str, budget: int, distribution: str
 ) -> None:
     estimate, stderr, exact = _repeat(model, method, budget, distribution)
-    assert 0.9 <= _coverage(estimate, stderr, exact) <= 0.99
+    coverage = _coverage(estimate, stderr, exact)
+    assert coverage >= 0.9 and (budget < 16 or coverage <= 0.99)
 
 
 @pytest.mark.parametrize("model", list(BUILDERS))
@@ -250,3 +286,28 @@ def test_mean_of_repetitions_converges_to_the_trace(model: str, method: str, bud
     # The mean of the first quarter is farther off than the mean of all R: it converges.
     first = np.abs(estimate[: R // 4].mean(axis=0) - exact)
     assert np.sqrt(np.mean(error**2)) < np.sqrt(np.mean(first**2))
+
+
+FIXED = [
+    "divergence hutchinson (rademacher)",
+    "divergence hutchinson (gaussian)",
+    "divergence hutch++",
+    "divergence xtrace",
+]
+"""The transforms whose standard errors rest on the variance formula (the matvec estimators)."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_issue_cases_are_calibrated_end_to_end(framework: str) -> None:
+    """The public ``divergence`` of each framework on the issue's functions (x0^2 + x0 x1's
+    gradient is not square: the rand(10, 10) map and tanh(x @ A) + 0.5 x), every budget, 2000
+    draws (the samples of one batch): the bench's end-to-end cells, >= 0.94 up to 2000 draws'
+    sampling error."""
+    pytest.importorskip(framework)
+    from divjac.cli.bench.bench_calibration import framework_cells
+
+    cells = list(framework_cells(framework, 2000, only=FIXED))
+    assert len(cells) >= 20
+    for cell in cells:
+        assert cell.coverage >= 0.94 - 0.011, cell

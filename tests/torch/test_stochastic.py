@@ -34,17 +34,18 @@ METHODS = [
 @pytest.mark.parametrize(("method", "distribution", "num_probes"), METHODS)
 def test_unbiased_over_many_generator_seeds(method, distribution, num_probes):
     params, x, exact = _case()
+    # Hutch++ at 3 matvecs (its only estimate at n = 6) rests on one term: no stderr.
+    with_stderr = (method, num_probes) != ("hutch++", 3)
     div = divergence(
         models.mlp,
         1,
         method=method,
         distribution=distribution,
         num_probes=num_probes,
-        return_stderr=True,
+        return_stderr=with_stderr,
     )
-    estimates = torch.stack(
-        [div(torch.Generator().manual_seed(s), params, x)[0] for s in range(300)]
-    ).numpy()
+    draws = [div(torch.Generator().manual_seed(s), params, x) for s in range(300)]
+    estimates = torch.stack([d[0] if with_stderr else d for d in draws]).numpy()
     mean = estimates.mean(0)
     sem = estimates.std(0, ddof=1) / np.sqrt(len(estimates))
     assert np.all(np.abs(mean - exact) <= 4.5 * sem + 1e-12), (mean, exact, sem)
@@ -52,13 +53,16 @@ def test_unbiased_over_many_generator_seeds(method, distribution, num_probes):
 
 def test_stderr_is_calibrated():
     params, x, _ = _case()
-    div = divergence(models.mlp, 1, method="hutchinson", num_probes=8, return_stderr=True)
+    # 5 < n = 6 probes: an estimate (8 would pay for the exact trace).
+    div = divergence(models.mlp, 1, method="hutchinson", num_probes=5, return_stderr=True)
     draws = [div(torch.Generator().manual_seed(s), params, x) for s in range(300)]
     estimates = torch.stack([d[0] for d in draws]).numpy()
     reported = torch.stack([d[1] for d in draws]).numpy()
     spread = estimates.std(0, ddof=1)
     ratio = np.sqrt((reported**2).mean(0)) / spread
-    assert np.all((ratio > 0.8) & (ratio < 1.25)), ratio
+    # Student's factor (1.3 at 4 degrees of freedom) and the larger of two variance estimates:
+    # conservative at a few probes (docs/calibration.md), never below the spread.
+    assert np.all((ratio > 1.0) & (ratio < 2.5)), ratio
 
 
 def test_same_seed_same_estimate_and_noise_can_be_kept_fixed():

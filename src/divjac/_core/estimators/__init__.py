@@ -55,6 +55,7 @@ from __future__ import annotations
 from ._budget import (
     DISTRIBUTIONS as DISTRIBUTIONS,
     METHODS as METHODS,
+    check_stderr_budget as check_stderr_budget,
     estimate_trace as estimate_trace,
     normalize_probes as normalize_probes,
     num_random_vectors as num_random_vectors,
@@ -68,6 +69,7 @@ from .tang2012probing import probe_matrix as probe_matrix, probing as probing
 __all__ = [
     "DISTRIBUTIONS",
     "METHODS",
+    "check_stderr_budget",
     "estimate_trace",
     "hutch_plus_plus",
     "hutchinson",

@@ -13,7 +13,14 @@ from .epperly2024xtrace import xtrace
 from .hutchinson import hutchinson
 from .meyer2020hutchpp import hutch_plus_plus
 
-__all__ = ["DISTRIBUTIONS", "METHODS", "estimate_trace", "normalize_probes", "num_random_vectors"]
+__all__ = [
+    "DISTRIBUTIONS",
+    "METHODS",
+    "check_stderr_budget",
+    "estimate_trace",
+    "normalize_probes",
+    "num_random_vectors",
+]
 
 
 METHODS: tuple[str, ...] = ("hutchinson", "hutch++", "xtrace")
@@ -85,6 +92,38 @@ def num_random_vectors(
             f"(or use num_probes <= {divisor * n})."
         )
     return {"hutchinson": num_probes, "hutch++": 2 * rank, "xtrace": rank}[method]
+
+
+def check_stderr_budget(method: str, num_probes: int, n: int, *, fname: str) -> None:
+    """Refuse a standard error that would rest on a single stochastic term.
+
+    One term ``v^T J v`` has no sample variance, and no bound computed from it holds: for a
+    nearly rank-one ``J`` the probe can miss the dominant direction, and then both the term and
+    its image ``J v`` are small (measured coverage of the single-term bound: 0.78-0.88,
+    docs/calibration.md). Hutchinson needs 2 probes for a standard error, Hutch++ 6 matvecs,
+    XTrace 4, unless the budget pays for the exact trace.
+
+    Raises:
+        NumProbesError: ``num_probes`` leaves a single term (``method`` and ``num_probes``
+            are checked by :func:`num_random_vectors` first).
+
+    Example:
+        >>> check_stderr_budget("xtrace", 4, 10, fname="divergence")
+        >>> check_stderr_budget("hutchinson", 1, 1, fname="divergence")  # exact: n = 1
+    """
+    k = num_random_vectors(method, num_probes, n)
+    terms, exact = {
+        "hutchinson": (k, k >= n),
+        "hutch++": (k // 2, 3 * (k // 2) >= n),
+        "xtrace": (k, 2 * k >= n),
+    }[method]
+    if terms == 1 and not exact:
+        least = {"hutchinson": 2, "hutch++": 6, "xtrace": 4}[method]
+        raise NumProbesError(
+            f"{fname}: return_stderr=True with method={method!r} needs num_probes >= {least}; "
+            f"got num_probes={num_probes}, which leaves a single stochastic term, and one term "
+            "has no trustworthy error bar. Pass more probes, or return_stderr=False."
+        )
 
 
 def normalize_probes(raw: Array, distribution: str) -> Array:

@@ -34,6 +34,7 @@ __all__ = [
     "namespace",
     "single_term_stderr",
     "t_factor",
+    "term_variance",
 ]
 
 Array: TypeAlias = Any
@@ -147,17 +148,56 @@ def mean_and_variance(terms: Array, xp: Any) -> tuple[Array, Array]:
     return mean, xp.sum(deviations * deviations, axis=-1) / (k * (k - 1))
 
 
-def mean_and_stderr(terms: Array, xp: Any, images: Callable[[], Array]) -> tuple[Array, Array]:
-    """Mean of ``(B, k)`` independent terms over ``k`` and its standard error.
+def mean_and_stderr(terms: Array, xp: Any, images: Array, probes: Array) -> tuple[Array, Array]:
+    """Mean of ``(B, k)`` independent Hutchinson terms ``v^T A v`` over ``k`` and its standard
+    error, from the ``(B, n, k)`` probes ``v`` and their ``images``, the columns ``A v``.
 
-    ``kappa(k - 1)`` times the sample standard deviation over ``sqrt(k)``; for ``k == 1``, the
-    single-term estimate from ``images()``, the columns ``A v`` of the term ``v^T A v``.
+    The variance of one term is estimated twice, both times without bias: by the terms' sample
+    variance ``s^2``, and by :func:`term_variance`, the exact variance formula of the probe
+    distribution estimated from the images and the cross products ``v_a^T A v_b``, which does
+    not collapse when the terms happen to agree (few-valued or skewed terms); the larger is
+    kept. Both can still vanish together when the probes coincide up to sign (Rademacher probes
+    at small ``n``), so the variance of the mean is also kept above ``g / k^2``, with
+    ``g = 2 mean ||A v||^2`` an unbiased estimate of the upper bound ``2 ||A||_F^2`` of the
+    variance of one term: a floor ``k`` times below that bound's own ``g / k``, which matters
+    only at a few probes. The standard error is
+    ``kappa(k - 1) sqrt(max(s^2 / k, u / k, g / k^2))``. A single term has neither estimate:
+    its standard error is ``sqrt(g)``, documented but refused by the transforms
+    (:func:`~divjac._core.estimators.check_stderr_budget`).
     """
     k = terms.shape[-1]
     if k == 1:
-        return xp.mean(terms, axis=-1), single_term_stderr(images(), xp)
+        return xp.mean(terms, axis=-1), single_term_stderr(images, xp)
     mean, variance = mean_and_variance(terms, xp)
-    return mean, t_factor(k - 1) * xp.sqrt(variance)
+    bound = term_variance(probes, images, xp)
+    floor = 2 * xp.sum(images * images, axis=(-2, -1)) / k**3
+    return mean, t_factor(k - 1) * xp.sqrt(xp.maximum(xp.maximum(variance, bound / k), floor))
+
+
+def term_variance(probes: Array, images: Array, xp: Any) -> Array:
+    """``(B,)`` unbiased estimate of ``Var(v^T A v)`` from ``k >= 2`` probes ``(B, n, k)`` and
+    their images ``A v``, for Gaussian or (where every entry is +-1) Rademacher probes.
+
+    For Gaussian ``v``, ``Var(v^T A v) = ||A||_F^2 + tr(A^2)``; for Rademacher ``v`` the
+    diagonal does not vary (``v_i^2 = 1``): ``Var = ||A||_F^2 + tr(A^2) - 2 sum_i A_ii^2``.
+    With independent probes ``v_a, v_b`` (``E[v v^T] = I``), ``||A v_a||^2`` is unbiased for
+    ``||A||_F^2``, ``(v_a^T A v_b) (v_b^T A v_a)`` for ``tr(A^2)`` and ``d_a . d_b``
+    (``d_a = v_a * A v_a``, each an unbiased estimate of the diagonal, Bekas, Kokiopoulou &
+    Saad 2007) for ``sum_i A_ii^2``; each is averaged over the probes or their pairs
+    (``O(B n k^2)`` work, no matvec). For probes on the sphere of radius ``sqrt(n)`` the
+    Gaussian formula is an upper bound.
+    """
+    k = images.shape[-1]
+    squares = xp.sum(images * images, axis=(-2, -1)) / k
+    cross = xp.matrix_transpose(probes) @ images  # v_a^T A v_b, (B, k, k)
+    pairs = xp.sum(cross * xp.matrix_transpose(cross), axis=(-2, -1))
+    ones = xp.sum(column_dots(probes, images) ** 2, axis=-1)  # the pairs a == b
+    trace_square = (pairs - ones) / (k * (k - 1))
+    d = probes * images
+    total = xp.sum(d, axis=-1)
+    diagonal = (xp.sum(total * total, axis=-1) - xp.sum(d * d, axis=(-2, -1))) / (k * (k - 1))
+    signs = xp.all(probes * probes == 1, axis=(-2, -1))
+    return squares + trace_square - xp.where(signs, 2 * diagonal, xp.zeros_like(diagonal))
 
 
 def single_term_stderr(images: Array, xp: Any) -> Array:

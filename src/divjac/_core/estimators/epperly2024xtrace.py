@@ -133,11 +133,11 @@ def xtrace(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
     trace_h = xp.sum(column_dots(q, z), axis=-1)
     terms = trace_h[..., None] - column_dots(s, h @ s) + residual
     if m == 1:
-        return mean_and_stderr(terms, xp, lambda: y)
+        return mean_and_stderr(terms, xp, y, probes)
     mean, variance = mean_and_variance(terms, xp)
     covariance = _xtrace_covariance(s, w, r, h, t, c, xp)
     corrected = variance + covariance
-    return mean, t_factor(m - 1) * xp.sqrt(xp.maximum(corrected, variance / 2))
+    return mean, t_factor(m - 1) * xp.sqrt(xp.maximum(corrected, variance))
 
 
 def _xtrace_covariance(

@@ -15,7 +15,18 @@ References:
 from __future__ import annotations
 
 from ..._errors import InternalError
-from ._common import Array, Matvec, apply, check_probes, column_dots, mean_and_stderr, namespace
+from ._common import (
+    Array,
+    Matvec,
+    apply,
+    check_probes,
+    column_dots,
+    exact_trace,
+    mean_and_stderr,
+    mean_and_variance,
+    namespace,
+    t_factor,
+)
 
 __all__ = ["hutchinson", "hutchinson_from_terms"]
 
@@ -30,11 +41,17 @@ def hutchinson(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
         matvec: Batched matvec, ``(B, n, k) -> (B, n, k)``, ``W[b] = J_b @ V[b]``.
         probes: The probes, shape ``(B, n, k)``; ``k`` matvecs, in one call.
 
+    When the budget pays for the exact answer (``k >= n``), the ``n`` identity columns are
+    passed to ``matvec`` instead (``n <= k`` matvecs) and the exact trace is returned with a
+    standard error of 0, as :func:`xtrace` does; the values of ``probes`` are then not used.
+
     Returns:
         ``(estimate, stderr)``, each of shape ``(B,)``: the mean of the ``k`` independent terms
-        and their sample standard deviation (``ddof=1``) over ``sqrt(k)``, times Student's
-        ``kappa(k - 1)`` (package docstring). With ``k == 1``: the conservative single-term
-        estimate ``sqrt(2) ||J v||``.
+        and ``kappa(k - 1) sqrt(max(s^2, bound) / k)`` (package docstring): ``s^2`` is the
+        terms' sample variance, ``bound`` an unbiased estimate of an upper bound of the
+        variance of one term from the images ``J v`` (``2 mean ||J v||^2``; for sign probes
+        ``2 sum_{i != j} J_ij^2``, which does not count the diagonal). With ``k == 1``:
+        ``sqrt(bound)``.
 
     Raises:
         NumProbesError: ``probes`` is not 3-d.
@@ -44,25 +61,35 @@ def hutchinson(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
     Example:
         >>> import numpy as np
         >>> rng = np.random.default_rng(0)
-        >>> J = rng.standard_normal((2, 5, 5))
-        >>> probes = rng.choice([-1.0, 1.0], size=(2, 5, 2000))
+        >>> J = rng.standard_normal((2, 50, 50))
+        >>> probes = rng.choice([-1.0, 1.0], size=(2, 50, 40))
         >>> estimate, stderr = hutchinson(lambda V: J @ V, probes)
         >>> estimate.shape, stderr.shape
         ((2,), (2,))
         >>> bool(np.all(np.abs(estimate - np.trace(J, axis1=1, axis2=2)) < 5 * stderr))
         True
+        >>> probes = rng.choice([-1.0, 1.0], size=(2, 50, 50))  # k >= n: the exact trace
+        >>> estimate, stderr = hutchinson(lambda V: J @ V, probes)
+        >>> np.allclose(estimate, np.trace(J, axis1=1, axis2=2)), stderr.tolist()
+        (True, [0.0, 0.0])
     """
     xp = namespace(probes)
     check_probes(probes, "probes", xp)
+    if probes.shape[-1] >= probes.shape[-2]:  # the budget pays for the n identity columns
+        return exact_trace(matvec, probes, xp)
     products = apply(matvec, probes)
-    return mean_and_stderr(column_dots(probes, products), xp, lambda: products)
+    return mean_and_stderr(column_dots(probes, products), xp, products, probes)
 
 
 def hutchinson_from_terms(terms: Array, *, stderr: bool = True) -> tuple[Array, Array | None]:
     """Hutchinson's estimate from its terms ``v^T J v``, ``(k, B)`` (``k`` independent probes
-    per sample, probe-major as passes give them), as :func:`hutchinson` computes it; the
-    standard error with ``stderr`` (which needs ``k >= 2``: the single-term bound needs the
-    images ``J v``), else ``None``.
+    per sample, probe-major as passes give them); the standard error with ``stderr``, else
+    ``None``.
+
+    Without the images ``J v`` there is no variance bound: the standard error is the terms'
+    own, ``kappa(k - 1) s / sqrt(k)`` (``s``: their sample standard deviation), which needs
+    ``k >= 2`` and holds only where the terms are not few-valued or strongly skewed (see
+    docs/calibration.md); :func:`hutchinson` is the estimator that bounds the variance.
 
     Raises:
         InternalError: ``stderr`` for a single term.
@@ -75,4 +102,5 @@ def hutchinson_from_terms(terms: Array, *, stderr: bool = True) -> tuple[Array, 
             "(hutchinson computes it)"
         )
     xp = namespace(terms)
-    return mean_and_stderr(xp.permute_dims(terms, (1, 0)), xp, lambda: terms)
+    mean, variance = mean_and_variance(xp.permute_dims(terms, (1, 0)), xp)
+    return mean, t_factor(terms.shape[0] - 1) * xp.sqrt(variance)

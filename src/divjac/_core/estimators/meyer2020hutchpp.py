@@ -87,7 +87,8 @@ def hutch_plus_plus(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
     products = apply(matvec, xp.concat([q, projected], axis=-1))
     exact_part = xp.sum(column_dots(q, products[..., :m]), axis=-1)
     images = products[..., m:]  # J P g; P J P g = P (J P g) for the single-term bound
+    # g^T (P J P) g: Hutchinson terms of P J P in the raw probes g, with images P J P g.
     estimate, stderr = mean_and_stderr(
-        column_dots(projected, images), xp, lambda: images - q @ (qt @ images)
+        column_dots(projected, images), xp, images - q @ (qt @ images), gauss
     )
     return exact_part + estimate, stderr
