@@ -15,7 +15,16 @@ References:
 from __future__ import annotations
 
 from ..._errors import InternalError
-from ._common import Array, Matvec, apply, check_probes, column_dots, mean_and_stderr, namespace
+from ._common import (
+    Array,
+    Matvec,
+    apply,
+    check_probes,
+    column_dots,
+    mean_and_stderr,
+    namespace,
+    single_term_stderr,
+)
 
 __all__ = ["hutchinson", "hutchinson_from_terms"]
 
@@ -58,21 +67,36 @@ def hutchinson(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
     return mean_and_stderr(column_dots(probes, products), xp, lambda: products)
 
 
-def hutchinson_from_terms(terms: Array, *, stderr: bool = True) -> tuple[Array, Array | None]:
-    """Hutchinson's estimate from its terms ``v^T J v``, ``(k, B)`` (``k`` independent probes
+def hutchinson_from_terms(
+    terms: Array,
+    *,
+    stderr: bool = True,
+    psd: bool = False,
+    squared_images: Array | None = None,
+) -> tuple[Array, Array | None]:
+    """Hutchinson's estimate from its terms ``v^T A v``, ``(k, B)`` (``k`` independent probes
     per sample, probe-major as passes give them), as :func:`hutchinson` computes it; the
-    standard error with ``stderr`` (which needs ``k >= 2``: the single-term bound needs the
-    images ``J v``), else ``None``.
+    standard error with ``stderr``, else ``None``.
+
+    A single term has no sample variance; its conservative standard error (package docstring)
+    is ``sqrt(2) ||A v||`` from ``squared_images``, the ``||A v||^2`` ``(k, B)`` of the terms,
+    or, with ``psd`` (``A = J^T J``, terms ``||J v||^2``, trace ``||J||_F^2``),
+    ``sqrt(2) * term``: ``Var(v^T A v) <= 2 ||A||_F^2 <= 2 tr(A)^2`` for ``A >= 0``, and
+    ``E[term^2] >= tr(A)^2``.
 
     Raises:
-        InternalError: ``stderr`` for a single term.
+        InternalError: ``stderr`` for a single term, with neither ``psd`` nor
+            ``squared_images``.
     """
     if not stderr:
         return (terms[0] if terms.shape[0] == 1 else terms.mean(0)), None
+    xp = namespace(terms)
+    if terms.shape[0] == 1 and (psd or squared_images is not None):
+        images = terms[0] if psd else xp.sqrt(squared_images[0])
+        return terms[0], single_term_stderr(images[:, None, None], xp)
     if terms.shape[0] < 2:
         raise InternalError(
             "hutchinson_from_terms: the standard error of a single term needs its image "
             "(hutchinson computes it)"
         )
-    xp = namespace(terms)
     return mean_and_stderr(xp.permute_dims(terms, (1, 0)), xp, lambda: terms)
