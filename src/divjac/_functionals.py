@@ -19,6 +19,7 @@ Imports neither JAX nor PyTorch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +38,7 @@ from ._call import (
 )
 from ._core import checks, estimators as est, plan, stochastic, timing
 from ._core.estimators._common import namespace
-from ._divergence import _draw, _itself, _pushed, _split_randomness
+from ._divergence import _draw, _is_probes, _itself, _pushed, _split_randomness
 from ._errors import ArgnumsError
 
 __all__ = [
@@ -128,7 +129,7 @@ def _stochastic_norms(
     reverse = backend.ahead(_direction, call)
     sample = call.out_sample if reverse else call.in_sample
     linear = backend.linearize(call, reverse)
-    k = options.num_probes or stochastic.default_num_probes("hutchinson", call.n_in)
+    k = _num_probes(call, options, randomness, sample)
     probes = _draw(call, randomness, k, options.distribution, sample)
     chunk = backend.ahead(Call.chunk, call, k, options.chunk_size)
     finish = _norm_finish(call.batch_size, options.with_divergence, backend)
@@ -144,6 +145,17 @@ def _stochastic_norms(
     if div_se is None or norm_se is None:
         return linear.value, estimates, None, linear.aux
     return linear.value, estimates, backend.concatenate([div_se[None], norm_se[None]]), linear.aux
+
+
+def _num_probes(call: Call, options: _Options, randomness: Any, sample: tuple[int, ...]) -> int:
+    """Probes per sample: ``num_probes``, else as many as the caller's probes hold (one when
+    shaped as a single probe), else the default budget."""
+    if options.num_probes is not None:
+        return options.num_probes
+    if _is_probes(call.backend, randomness):
+        one = stochastic.caller_shape(sample, call.batch_size, call.spec.batch_axis)
+        return 1 if tuple(randomness.shape) == one else int(randomness.shape[0])
+    return stochastic.default_num_probes("hutchinson", math.prod(sample))
 
 
 def _direction(call: Call) -> bool:
@@ -277,7 +289,7 @@ def _slq_log_abs_det(
     backend, B, n, shape = call.backend, call.batch_size, call.n_in, call.in_sample
     backend.ahead(_direction, call)  # samples must not mix
     columns, rows = backend.linearize(call, False), backend.linearize(call, True)
-    k = options.num_probes or stochastic.default_num_probes("hutchinson", n)
+    k = _num_probes(call, options, randomness, shape)
     steps = options.lanczos_steps or min(n, _DEFAULT_LANCZOS_STEPS)
     probes = _draw(call, randomness, k, options.distribution)  # (k, B, *in)
     chunk = backend.ahead(Call.chunk, call, k, options.chunk_size)

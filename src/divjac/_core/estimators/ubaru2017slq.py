@@ -36,6 +36,9 @@ from ._common import (
 
 __all__ = ["slq_log_abs_det"]
 
+_DEAD, _GOLDEN = 0.5772156649015329, 1.618033988749895
+"""The entries of dead Lanczos steps: ``_DEAD + j * _GOLDEN`` (unlikely eigenvalues)."""
+
 
 def slq_log_abs_det(
     gram_matvec: Matvec, probes: Array, num_steps: int, *, stderr: bool = True
@@ -102,19 +105,20 @@ def _quadrature(gram_matvec: Matvec, q: Array, m: int) -> Array:
     for j in range(m):
         w = apply(gram_matvec, q)
         alpha = xp.sum(q * w, axis=-2)
-        # A dead step (after a breakdown) gets a decoupled entry j + 1: weight 0, log finite,
-        # and distinct eigenvalues (the derivative of eigh divides by their gaps).
-        alphas.append(xp.where(alive, alpha, xp.full_like(alpha, float(j + 1))))
+        # A dead step (after a breakdown) gets a decoupled constant entry: weight 0, log finite,
+        # and distinct from the others (the derivative of eigh divides by eigenvalue gaps).
+        alphas.append(xp.where(alive, alpha, xp.full_like(alpha, _DEAD + j * _GOLDEN)))
         if j == m - 1:
             break
         for _ in range(2):  # full reorthogonalization; twice is enough (Giraud et al. 2005)
             for v in basis:
                 w = w - xp.sum(v * w, axis=-2)[..., None, :] * v
-        norm = xp.sqrt(xp.sum(w * w, axis=-2))
-        alive = alive & (norm > 1e3 * info.eps * (xp.abs(alphas[0]) + norm))
-        one = xp.ones_like(norm)
+        squared = xp.sum(w * w, axis=-2)
+        alive = alive & (squared > (1e3 * info.eps * xp.abs(alphas[0])) ** 2)
+        # the root of 1 where dead: a finite derivative (that of sqrt at 0 is not)
+        norm = xp.sqrt(xp.where(alive, squared, xp.ones_like(squared)))
         betas.append(xp.where(alive, norm, xp.zeros_like(norm)))
-        q = xp.where(alive[..., None, :], w / xp.where(alive, norm, one)[..., None, :], 0 * w)
+        q = xp.where(alive[..., None, :], w / norm[..., None, :], 0 * w)
         basis.append(q)
     theta, U = xp.linalg.eigh(_tridiagonal(alphas, betas))
     weights = U[..., 0, :] * U[..., 0, :]
