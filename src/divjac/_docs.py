@@ -376,7 +376,10 @@ _DOCS: dict[str, _Doc] = {
         """A function with ``f``'s signature returning ``(value, div, sq_frobenius)``
         (``(value, aux)`` in place of ``value`` with ``has_aux``; with ``return_stderr`` each of
         ``div`` and ``sq_frobenius`` is ``(estimate, stderr)``).""",
-        (*_FROBENIUS_RAISES, """NonSquareJacobianError: output and input samples differ in shape."""),
+        (
+            *_FROBENIUS_RAISES,
+            """NonSquareJacobianError: output and input samples differ in shape.""",
+        ),
         stochastic=True,
         own_args=(
             ("argnums", "position of the differentiated array argument (one)."),
@@ -406,9 +409,12 @@ _DOCS: dict[str, _Doc] = {
         """A function with ``f``'s signature returning ``log|det J_b|``, shape ``(B,)`` (with
         ``return_stderr``, ``(values, stderr)``: the stderr of ``"slq"`` covers its probes'
         randomness, not the quadrature error of few Lanczos steps).""",
-        (*_FROBENIUS_RAISES, """NonSquareJacobianError: output and input samples differ in shape.""",
-         """NumProbesError: ``lanczos_steps`` is not in ``1 .. n``, or a standard error with one
-        probe."""),
+        (
+            *_FROBENIUS_RAISES,
+            """NonSquareJacobianError: output and input samples differ in shape.""",
+            """NumProbesError: ``lanczos_steps`` is not in ``1 .. n``, or a standard error with one
+        probe.""",
+        ),
         stochastic=True,
         own_args=(_LOGDET_METHOD, _FROBENIUS_MODE, _LOGDET_PROBES, _LANCZOS_STEPS),
     ),

@@ -258,7 +258,9 @@ def test_rnode_torch_penalties_are_the_brute_force_integrands(torch_float64):
     _, div, sq = example.value_divergence_and_frobenius(example.velocity, argnums=1)(params, x, t)
     J = torch.stack(
         [
-            torch.autograd.functional.jacobian(lambda z: example.velocity(params, z[None], t)[0], xb)
+            torch.autograd.functional.jacobian(
+                lambda z: example.velocity(params, z[None], t)[0], xb
+            )
             for xb in x
         ]
     )
@@ -275,7 +277,10 @@ def test_flow_log_det_exact_is_slogdet_and_slq_is_close(torch_float64):
     params = [(w.detach(), b.detach()) for w, b in out["params"]]
     x = out["x"]
     J = torch.stack(
-        [torch.autograd.functional.jacobian(lambda z: example.flow(params, z[None])[0], xb) for xb in x]
+        [
+            torch.autograd.functional.jacobian(lambda z: example.flow(params, z[None])[0], xb)
+            for xb in x
+        ]
     )
     np.testing.assert_allclose(out["exact"], torch.linalg.slogdet(J)[1], rtol=1e-10)
     slq, stderr = out["slq"]

@@ -97,7 +97,7 @@ def test_gradients_to_inputs_and_params():
     for method in ("exact", "sparse"):
         norm = squared_frobenius_norm(f, 1, method=method)
         both = value_divergence_and_frobenius(f, 1, method=method, mode="rev")
-        g_p, g_x = jax.jit(jax.grad(lambda p, xx: norm(p, xx).sum(), (0, 1)))(params, x)
+        g_p, g_x = jax.jit(jax.grad(lambda p, xx, n=norm: n(p, xx).sum(), (0, 1)))(params, x)
         e_p, e_x = jax.grad(lambda p, xx: brute(p, xx)[0], (0, 1))(params, x)
         for a, b in zip(jax.tree.leaves((g_p, g_x)), jax.tree.leaves((e_p, e_x)), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)
@@ -208,9 +208,9 @@ def test_slq_with_n_steps_is_the_quadratic_form_and_its_gradient():
         slq(V, params, x), _quadrature_reference(ref(params, x), V).mean(1), rtol=1e-9
     )
     g = jax.jit(jax.grad(lambda p, xx: slq(V, p, xx).sum(), (0, 1)))(params, x)
-    e = jax.jit(
-        jax.grad(lambda p, xx: _quadrature_reference(ref(p, xx), V).mean(1).sum(), (0, 1))
-    )(params, x)
+    e = jax.jit(jax.grad(lambda p, xx: _quadrature_reference(ref(p, xx), V).mean(1).sum(), (0, 1)))(
+        params, x
+    )
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(e), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-10)
 
