@@ -91,9 +91,10 @@ def hutchinson_from_terms(
     if not stderr:
         return (terms[0] if terms.shape[0] == 1 else terms.mean(0)), None
     xp = namespace(terms)
-    if terms.shape[0] == 1 and (psd or squared_images is not None):
-        images = terms[0] if psd else xp.sqrt(squared_images[0])
-        return terms[0], single_term_stderr(images[:, None, None], xp)
+    if terms.shape[0] == 1 and psd:
+        return terms[0], single_term_stderr(terms[0][:, None, None], xp)
+    if terms.shape[0] == 1 and squared_images is not None:
+        return terms[0], single_term_stderr(xp.sqrt(squared_images[0])[:, None, None], xp)
     if terms.shape[0] < 2:
         raise InternalError(
             "hutchinson_from_terms: the standard error of a single term needs its image "
