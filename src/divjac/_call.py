@@ -39,7 +39,9 @@ __all__ = [
     "DiagonalMethod",
     "Direction",
     "Distribution",
+    "FrobeniusMethod",
     "LaplacianMethod",
+    "LogDetMethod",
     "Method",
     "Mode",
     "Spec",
@@ -78,6 +80,15 @@ estimated (``"hutchinson"``: Bekas, Kokiopoulou & Saad)."""
 
 WeightedMethod: TypeAlias = Literal["auto", "exact", "hutchinson"]
 """How ``tr(A H)`` is computed: exact (``"auto"``, ``"exact"``) or estimated (``"hutchinson"``)."""
+
+FrobeniusMethod: TypeAlias = Literal["auto", "exact", "sparse", "hutchinson"]
+"""How a squared Frobenius norm (with or without the divergence) is computed: exact
+(``"auto"``, ``"exact"``, ``"sparse"``: by a column or row coloring) or estimated
+(``"hutchinson"``: ``E ||J v||^2 = ||J||_F^2``)."""
+
+LogDetMethod: TypeAlias = Literal["auto", "exact", "slq"]
+"""How ``log|det J|`` is computed: exact (``"auto"``, ``"exact"``: per-sample Jacobians and
+their LU) or estimated (``"slq"``: stochastic Lanczos quadrature on ``J^T J``)."""
 
 Distribution: TypeAlias = Literal["rademacher", "gaussian", "sphere"]
 """The distribution of the probes of a stochastic method."""

@@ -10,6 +10,7 @@ the divergence is built on it (and the Laplacian's estimators from Hessian-vecto
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -228,11 +229,18 @@ def _is_probes(backend: Backend, randomness: Any) -> bool:
     return backend.is_array(randomness) and backend.is_floating_input(randomness.dtype)
 
 
-def _draw(call: Call, randomness: Any, k: int, distribution: str) -> Array:
-    """Probes ``(k, B, *in)``: the caller's (reusable noise) or ``k`` per sample drawn from
-    ``randomness``."""
+def _draw(
+    call: Call,
+    randomness: Any,
+    k: int,
+    distribution: str,
+    sample: tuple[int, ...] | None = None,
+) -> Array:
+    """Probes ``(k, B, *sample)`` (``sample``: the input's, by default): the caller's
+    (reusable noise) or ``k`` per sample drawn from ``randomness``."""
     backend, fname = call.backend, call.spec.fname
-    B, n, shape = call.batch_size, call.n_in, call.in_sample
+    B, shape = call.batch_size, call.in_sample if sample is None else sample
+    n = math.prod(shape)
     if _is_probes(backend, randomness):
         probes = backend.asarray(randomness, like=call.xb)
         axis = call.spec.batch_axis

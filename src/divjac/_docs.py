@@ -143,6 +143,46 @@ _DIVERGENCE_ARGS = (
 )
 
 
+_FROBENIUS_ARGS = tuple(a for a in _DIVERGENCE_ARGS if a not in ("coupling", "probing_distance"))
+_FROBENIUS_METHOD = (
+    "method",
+    """``"exact"`` (one batched pass per input element, or per output element in reverse),
+        ``"sparse"`` (exact, one pass per color of a column or row coloring of the detected
+        pattern: same-colored columns share no nonzero row, so the compressed columns' norms
+        add up), ``"auto"`` (exact: sparse when it saves passes, never stochastic) or
+        ``"hutchinson"`` (``E ||J v||^2 = ||J||_F^2``, one pass per probe).""",
+)
+_FROBENIUS_MODE = (
+    "mode",
+    """the passes: ``"fwd"`` (JVPs ``J v``), ``"rev"`` (VJPs ``v^T J``; probes then have the
+        output's shape) or ``"auto"`` (the faster for the framework and the program).""",
+)
+_FROBENIUS_RAISES = (
+    _COUPLED_ALWAYS.replace("``u``", "``f``"),
+    _OPTION,
+    _ARG_RAISES,
+    """MissingKeyError: a stochastic method's function was called without its randomness
+        first.""",
+)
+_LOGDET_METHOD = (
+    "method",
+    """``"exact"`` or ``"auto"`` (the per-sample Jacobians, as :func:`jacobian` computes them,
+        and their LU: ``slogdet``), or ``"slq"``: stochastic Lanczos quadrature on ``J^T J``
+        (Ubaru, Chen & Saad 2017), ``log|det J| = tr log(J^T J) / 2``, one JVP and one VJP per
+        Lanczos step and probe, differentiable; for large ``n``.""",
+)
+_LOGDET_PROBES = (
+    "num_probes",
+    """probes per sample of ``"slq"`` (default 16; at least 2 for a standard error).""",
+)
+_LANCZOS_STEPS = (
+    "lanczos_steps",
+    """Lanczos steps per probe of ``"slq"`` (default ``min(n, 30)``): the quadrature is exact
+        for polynomials of degree ``2 * lanczos_steps - 1`` of ``J^T J``'s eigenvalues, and its
+        error falls geometrically with the steps (faster for well-conditioned ``J``).""",
+)
+
+
 @dataclass(frozen=True)
 class _Doc:
     summary: str
@@ -309,6 +349,75 @@ _DOCS: dict[str, _Doc] = {
         _SECOND_RAISES,
         stochastic=True,
         own_args=(("method", _DIAGONAL_METHOD), ("num_probes", _SECOND_PROBES)),
+    ),
+    "squared_frobenius_norm": _Doc(
+        """Per-sample **squared** Frobenius norm ``||J_b||_F^2 = sum_ij (dy_i/dx_j)^2``.
+
+        The Jacobian penalty of regularized CNFs (RNODE: Finlay et al. 2020), of Jacobian
+        regularization and contractive autoencoders. Exact by coloring: with a column coloring,
+        ``sum_c ||J s_c||^2 = ||J||_F^2`` in one pass per color; or Hutchinson's unbiased
+        ``||J v||^2``. For the norm itself take the square root of the exact result.""",
+        _FROBENIUS_ARGS,
+        """A function with ``f``'s signature returning ``||J_b||_F^2``, shape ``(B,)`` (with
+        ``return_stderr``, ``(norms, stderr)``).""",
+        _FROBENIUS_RAISES,
+        stochastic=True,
+        own_args=(_FROBENIUS_METHOD, _FROBENIUS_MODE),
+    ),
+    "value_divergence_and_frobenius": _Doc(
+        """``f``'s output, its per-sample divergence and squared Frobenius norm from the same
+        passes: the regularized CNF's dynamics in one call.
+
+        Each pass pushes one seed ``v`` and keeps both ``v^T J v`` and ``||J v||^2`` (``v^T J``
+        in reverse), as RNODE's training loop does by hand with one VJP per probe: with
+        ``"hutchinson"`` both are estimated from the same probes; exactly (``"exact"``,
+        ``"sparse"``), the coloring is of the pattern plus its diagonal, so that each pass also
+        reads the diagonal entries of its own elements.""",
+        tuple(a for a in _FROBENIUS_ARGS),
+        """A function with ``f``'s signature returning ``(value, div, sq_frobenius)``
+        (``(value, aux)`` in place of ``value`` with ``has_aux``; with ``return_stderr`` each of
+        ``div`` and ``sq_frobenius`` is ``(estimate, stderr)``).""",
+        (
+            *_FROBENIUS_RAISES,
+            """NonSquareJacobianError: output and input samples differ in shape.""",
+        ),
+        stochastic=True,
+        own_args=(
+            ("argnums", "position of the differentiated array argument (one)."),
+            _FROBENIUS_METHOD,
+            _FROBENIUS_MODE,
+        ),
+    ),
+    "log_abs_det": _Doc(
+        """Per-sample ``log|det J_b|`` of a square per-sample Jacobian.
+
+        The change of volume of a normalizing flow or free-form flow. Exact from the per-sample
+        Jacobians (chunked passes, dense or by coloring) and their LU, or estimated by
+        stochastic Lanczos quadrature for large ``n``; a singular ``J_b`` gives ``-inf``
+        (exact).""",
+        (
+            "f",
+            "argnums",
+            "batch_axis",
+            "method",
+            "mode",
+            "num_probes",
+            "distribution",
+            "return_stderr",
+            "chunk_size",
+            "has_aux",
+        ),
+        """A function with ``f``'s signature returning ``log|det J_b|``, shape ``(B,)`` (with
+        ``return_stderr``, ``(values, stderr)``: the stderr of ``"slq"`` covers its probes'
+        randomness, not the quadrature error of few Lanczos steps).""",
+        (
+            *_FROBENIUS_RAISES,
+            """NonSquareJacobianError: output and input samples differ in shape.""",
+            """NumProbesError: ``lanczos_steps`` is not in ``1 .. n``, or a standard error with one
+        probe.""",
+        ),
+        stochastic=True,
+        own_args=(_LOGDET_METHOD, _FROBENIUS_MODE, _LOGDET_PROBES, _LANCZOS_STEPS),
     ),
     "sparsity": _Doc(
         """The per-sample Jacobian sparsity of a batched function, as a transform.

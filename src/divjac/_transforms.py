@@ -34,6 +34,7 @@ __all__ = [
     "compressed",
     "jacobian",
     "jacobian_from_pattern",
+    "jacobian_values",
     "per_argnum",
     "shaped",
     "sparse_jacobian",
@@ -201,7 +202,7 @@ class _JacobianPlan:
     entries: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
-def _jacobian_values(call: Call, mode: Mode, chunk_size: int | None) -> tuple[Array, Any]:
+def jacobian_values(call: Call, mode: Mode, chunk_size: int | None) -> tuple[Array, Any]:
     """Per-sample Jacobians ``(B, n_out, n_in)`` and aux."""
     planned = call.backend.ahead(_jacobian_plan, call, mode, chunk_size)
     if planned.seeds is None:
@@ -314,7 +315,7 @@ def jacobian(
 
         def jac_fn(*args: Any, **kwargs: Any) -> Any:
             call = prepare(spec, args, kwargs)
-            flat, aux = _jacobian_values(call, mode, chunk_size)
+            flat, aux = jacobian_values(call, mode, chunk_size)
             jac = _shaped_jacobian(call, flat)
             return (jac, aux) if has_aux else jac
 

@@ -45,8 +45,11 @@ def test_every_example_has_a_test():
         "cnf_diffrax",
         "cnf_torchdiffeq",
         "ddp_divergence",
+        "flow_log_det",
         "jax_sharded",
         "pinn_flax",
+        "rnode_jax",
+        "rnode_torch",
         "score_matching",
     }
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
@@ -221,3 +224,65 @@ def test_jax_sharded_divergences_equal_one_device_without_collectives():
 
     dense = jax.jit(jax.vmap(trace))(images)
     np.testing.assert_allclose(out["divergence_one_device"], dense, rtol=1e-10, atol=1e-10)
+
+
+def test_rnode_jax_penalties_are_the_brute_force_integrands():
+    import jax
+    import jax.numpy as jnp
+
+    example = load("rnode_jax")
+    out = example.main(small=True)
+    assert len(out["history"]) == 3 and all(math.isfinite(v) for v in out["history"])
+    params = out["params"]
+    x = jax.random.normal(jax.random.key(0), (3, 2), jnp.float64)
+    t = jnp.float64(0.3)
+    field = example.value_divergence_and_frobenius(example.velocity, argnums=1)
+    _, div, sq = field(params, x, t)
+    J = jax.vmap(jax.jacfwd(lambda z: example.velocity(params, z[None], t)[0]))(x)
+    np.testing.assert_allclose(div, jnp.trace(J, axis1=1, axis2=2), rtol=1e-12)
+    np.testing.assert_allclose(sq, jnp.sum(J**2, (1, 2)), rtol=1e-12)
+    nll, kinetic, jacobian = example.losses(params, x, None, steps=2)
+    assert nll.shape == kinetic.shape == jacobian.shape == (3,)
+    assert bool(jnp.all(kinetic > 0)) and bool(jnp.all(jacobian > 0))
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+def test_rnode_torch_penalties_are_the_brute_force_integrands(torch_float64):
+    torch = torch_float64
+    example = load("rnode_torch")
+    out = example.main(small=True)
+    assert len(out["history"]) == 3 and all(math.isfinite(v) for v in out["history"])
+    params = [(w.detach(), b.detach()) for w, b in out["params"]]
+    x = torch.randn(3, 2, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor(0.3)
+    _, div, sq = example.value_divergence_and_frobenius(example.velocity, argnums=1)(params, x, t)
+    J = torch.stack(
+        [
+            torch.autograd.functional.jacobian(
+                lambda z: example.velocity(params, z[None], t)[0], xb
+            )
+            for xb in x
+        ]
+    )
+    np.testing.assert_allclose(div, J.diagonal(dim1=1, dim2=2).sum(-1), rtol=1e-12)
+    np.testing.assert_allclose(sq, (J**2).sum((1, 2)), rtol=1e-12)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+def test_flow_log_det_exact_is_slogdet_and_slq_is_close(torch_float64):
+    torch = torch_float64
+    example = load("flow_log_det")
+    out = example.main(small=True)
+    assert len(out["history"]) == 3 and all(math.isfinite(v) for v in out["history"])
+    params = [(w.detach(), b.detach()) for w, b in out["params"]]
+    x = out["x"]
+    J = torch.stack(
+        [
+            torch.autograd.functional.jacobian(lambda z: example.flow(params, z[None])[0], xb)
+            for xb in x
+        ]
+    )
+    np.testing.assert_allclose(out["exact"], torch.linalg.slogdet(J)[1], rtol=1e-10)
+    slq, stderr = out["slq"]
+    assert bool(torch.all(stderr > 0))
+    assert float(((slq - out["exact"]).abs() <= 4 * stderr).double().mean()) >= 0.9

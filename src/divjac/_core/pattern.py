@@ -184,6 +184,22 @@ class SparsityPattern:
             )
         return coloring.diagonal_coloring(self.csr)
 
+    @cached_property
+    def with_diagonal(self) -> SparsityPattern:
+        """The pattern with its diagonal added (square only): the columns (rows) of one color of
+        its column (row) coloring hold no diagonal entry but their own, so the same
+        compressed passes read both ``J_ii`` and the norms of the columns (rows)."""
+        if not self.is_square:
+            raise NonSquareJacobianError(
+                f"with_diagonal needs a square per-sample Jacobian; this one maps {self.in_shape} "
+                f"to {self.out_shape}"
+            )
+        eye = sp.eye_array(self.csr.shape[0], dtype=bool, format="csr")
+        csr = sp.csr_array((self.csr + eye).astype(bool))
+        return SparsityPattern(
+            csr, self.in_shape, self.out_shape, self.batch_size, self.coupling, self.dense_fallbacks
+        )
+
     @property
     def n_colors(self) -> int:
         return _count(self.colors)

@@ -26,6 +26,7 @@ __all__ = [
     "choose_chunk_size",
     "color_classes",
     "divergence_plan",
+    "frobenius_plan",
     "jacobian_plan",
     "memory_budget",
 ]
@@ -124,6 +125,49 @@ def divergence_plan(
     if method == "sparse" or n_colors <= SPARSE_GAIN * n:
         return Plan(prefer_reverse, pattern.diagonal_colors, n_colors)
     return Plan(prefer_reverse, None, n)
+
+
+def frobenius_plan(
+    method: str,
+    direction: str,
+    n_in: int,
+    n_out: int,
+    pattern: SparsityPattern | None,
+    *,
+    prefer_reverse: bool = False,
+    with_diagonal: bool = False,
+) -> Plan:
+    """Plan an exact squared Frobenius norm (``method`` in :data:`EXACT_METHODS`).
+
+    Columns of one color of a column coloring share no nonzero row, so the norms of the
+    compressed columns add up: ``sum_c ||J s_c||^2 = ||J||_F^2`` (rows likewise). ``direction``
+    (``"auto"``, ``"fwd"``, ``"rev"``) restricts the passes to columns or rows.
+    ``with_diagonal`` colors ``P + I`` instead of ``P``: then each pass also reads the diagonal
+    entries of its own elements (``(J s_c)_i = J_ii`` for ``i`` of color ``c``), so the same
+    passes give the trace.
+    """
+    if direction == "auto":
+        dense_reverse = n_out < n_in or (n_out == n_in and prefer_reverse)
+    else:
+        dense_reverse = direction == "rev"
+    dense = Plan(dense_reverse, None, n_out if dense_reverse else n_in)
+    if method == "exact" or pattern is None:
+        if method == "sparse":
+            raise InternalError(
+                "frobenius_plan: method='sparse' was planned without a detected pattern"
+            )
+        return dense
+    if with_diagonal:
+        pattern = pattern.with_diagonal
+    candidates = []
+    if direction in ("auto", "fwd"):
+        candidates.append(Plan(False, pattern.colors, pattern.n_colors))
+    if direction in ("auto", "rev"):
+        candidates.append(Plan(True, pattern.row_colors, pattern.n_row_colors))
+    sparse = min(candidates, key=lambda p: (p.n_passes, p.reverse != prefer_reverse))
+    if method == "sparse" or sparse.n_passes <= SPARSE_GAIN * dense.n_passes:
+        return sparse
+    return dense
 
 
 def color_classes(colors: np.ndarray | None, n: int) -> np.ndarray:

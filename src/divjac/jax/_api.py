@@ -13,13 +13,15 @@ from typing import Any, overload
 
 import jax
 
-from .. import _divergence as D, _second as S, _transforms as T
+from .. import _divergence as D, _functionals as F, _second as S, _transforms as T
 from .._call import (
     Coupling,
     DiagonalMethod,
     Direction,
     Distribution,
+    FrobeniusMethod,
     LaplacianMethod,
+    LogDetMethod,
     Method,
     Mode,
     WeightedMethod,
@@ -41,9 +43,12 @@ __all__ = [
     "jacobian",
     "jacobian_from_pattern",
     "laplacian",
+    "log_abs_det",
     "sparse_jacobian",
     "sparsity",
+    "squared_frobenius_norm",
     "value_and_divergence",
+    "value_divergence_and_frobenius",
     "weighted_laplacian",
 ]
 
@@ -70,7 +75,8 @@ def _compiled_when_eager(
 
 def _randomness(method: str) -> int:
     """Leading arguments of a call that are not the function's: a stochastic method's key."""
-    return 1 if method in STOCHASTIC_METHODS or method in S.SWEEP_STOCHASTIC else 0
+    stochastic_methods = (*STOCHASTIC_METHODS, *S.SWEEP_STOCHASTIC, *F.STOCHASTIC_METHODS)
+    return 1 if method in stochastic_methods else 0
 
 
 @documented()
@@ -443,6 +449,128 @@ def hessian_diagonal(
         chunk_size=chunk_size,
         has_aux=has_aux,
         coupling=coupling,
+    )
+
+
+@documented()
+def squared_frobenius_norm(
+    f: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    method: FrobeniusMethod = "auto",
+    mode: Direction = "auto",
+    num_probes: int | None = None,
+    distribution: Distribution = "rademacher",
+    return_stderr: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """{squared_frobenius_norm}
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from divjac.jax import squared_frobenius_norm
+        >>> W = jnp.array([[1.0, 2.0], [3.0, 4.0]])
+        >>> squared_frobenius_norm(lambda x: x @ W.T)(jnp.ones((2, 2))).tolist()
+        [30.0, 30.0]
+    """
+    return _compiled_when_eager(
+        F.squared_frobenius_norm,
+        f,
+        argnums,
+        skip=_randomness(method),
+        batch_axis=batch_axis,
+        method=method,
+        mode=mode,
+        num_probes=num_probes,
+        distribution=distribution,
+        return_stderr=return_stderr,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+    )
+
+
+@documented()
+def value_divergence_and_frobenius(
+    f: Callable[..., Any],
+    /,
+    argnums: int = 0,
+    *,
+    batch_axis: int | None = 0,
+    method: FrobeniusMethod = "auto",
+    mode: Direction = "auto",
+    num_probes: int | None = None,
+    distribution: Distribution = "rademacher",
+    return_stderr: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """{value_divergence_and_frobenius}
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from divjac.jax import value_divergence_and_frobenius
+        >>> y, div, sq_fro = value_divergence_and_frobenius(lambda x: 2.0 * x)(jnp.ones((2, 3)))
+        >>> y.shape, div.tolist(), sq_fro.tolist()
+        ((2, 3), [6.0, 6.0], [12.0, 12.0])
+    """
+    return _compiled_when_eager(
+        F.value_divergence_and_frobenius,
+        f,
+        argnums,
+        skip=_randomness(method),
+        batch_axis=batch_axis,
+        method=method,
+        mode=mode,
+        num_probes=num_probes,
+        distribution=distribution,
+        return_stderr=return_stderr,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+    )
+
+
+@documented()
+def log_abs_det(
+    f: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    method: LogDetMethod = "auto",
+    mode: Direction = "auto",
+    num_probes: int | None = None,
+    lanczos_steps: int | None = None,
+    distribution: Distribution = "rademacher",
+    return_stderr: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """{log_abs_det}
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from divjac.jax import log_abs_det
+        >>> W = jnp.array([[2.0, 1.0], [0.0, 3.0]])  # det 6
+        >>> [round(v, 4) for v in log_abs_det(lambda x: x @ W.T)(jnp.ones((2, 2))).tolist()]
+        [1.7918, 1.7918]
+    """
+    return _compiled_when_eager(
+        F.log_abs_det,
+        f,
+        argnums,
+        skip=_randomness(method),
+        batch_axis=batch_axis,
+        method=method,
+        mode=mode,
+        num_probes=num_probes,
+        lanczos_steps=lanczos_steps,
+        distribution=distribution,
+        return_stderr=return_stderr,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
     )
 
 

@@ -15,9 +15,12 @@ from ._api import (
     jacobian as jacobian,
     jacobian_from_pattern as jacobian_from_pattern,
     laplacian as laplacian,
+    log_abs_det as log_abs_det,
     sparse_jacobian as sparse_jacobian,
     sparsity as sparsity,
+    squared_frobenius_norm as squared_frobenius_norm,
     value_and_divergence as value_and_divergence,
+    value_divergence_and_frobenius as value_divergence_and_frobenius,
     weighted_laplacian as weighted_laplacian,
 )
 from ._rules import register_rule as register_rule
@@ -33,9 +36,12 @@ __all__ = [
     "jacobian",
     "jacobian_from_pattern",
     "laplacian",
+    "log_abs_det",
     "register_rule",
     "sparse_jacobian",
     "sparsity",
+    "squared_frobenius_norm",
     "value_and_divergence",
+    "value_divergence_and_frobenius",
     "weighted_laplacian",
 ]

@@ -15,13 +15,15 @@ from typing import Any, overload
 
 import torch
 
-from .. import _divergence as D, _second as S, _transforms as T
+from .. import _divergence as D, _functionals as F, _second as S, _transforms as T
 from .._call import (
     Coupling,
     DiagonalMethod,
     Direction,
     Distribution,
+    FrobeniusMethod,
     LaplacianMethod,
+    LogDetMethod,
     Method,
     Mode,
     WeightedMethod,
@@ -42,9 +44,12 @@ __all__ = [
     "jacobian",
     "jacobian_from_pattern",
     "laplacian",
+    "log_abs_det",
     "sparse_jacobian",
     "sparsity",
+    "squared_frobenius_norm",
     "value_and_divergence",
+    "value_divergence_and_frobenius",
     "weighted_laplacian",
 ]
 
@@ -435,6 +440,128 @@ def hessian_diagonal(
         chunk_size=chunk_size,
         has_aux=has_aux,
         coupling=coupling,
+    )
+
+
+@documented()
+def squared_frobenius_norm(
+    f: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    method: FrobeniusMethod = "auto",
+    mode: Direction = "auto",
+    num_probes: int | None = None,
+    distribution: Distribution = "rademacher",
+    return_stderr: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """{squared_frobenius_norm}
+
+    Example:
+        >>> import torch
+        >>> from divjac.torch import squared_frobenius_norm
+        >>> W = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+        >>> squared_frobenius_norm(lambda x: x @ W.T)(torch.ones(2, 2)).tolist()
+        [30.0, 30.0]
+    """
+    return _ddp.transform(
+        F.squared_frobenius_norm,
+        BACKEND,
+        f,
+        argnums,
+        batch_axis=batch_axis,
+        method=method,
+        mode=mode,
+        num_probes=num_probes,
+        distribution=distribution,
+        return_stderr=return_stderr,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+    )
+
+
+@documented()
+def value_divergence_and_frobenius(
+    f: Callable[..., Any],
+    /,
+    argnums: int = 0,
+    *,
+    batch_axis: int | None = 0,
+    method: FrobeniusMethod = "auto",
+    mode: Direction = "auto",
+    num_probes: int | None = None,
+    distribution: Distribution = "rademacher",
+    return_stderr: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """{value_divergence_and_frobenius}
+
+    Example:
+        >>> import torch
+        >>> from divjac.torch import value_divergence_and_frobenius
+        >>> y, div, sq_fro = value_divergence_and_frobenius(lambda x: 2.0 * x)(torch.ones(2, 3))
+        >>> tuple(y.shape), div.tolist(), sq_fro.tolist()
+        ((2, 3), [6.0, 6.0], [12.0, 12.0])
+    """
+    return _ddp.transform(
+        F.value_divergence_and_frobenius,
+        BACKEND,
+        f,
+        argnums,
+        batch_axis=batch_axis,
+        method=method,
+        mode=mode,
+        num_probes=num_probes,
+        distribution=distribution,
+        return_stderr=return_stderr,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+    )
+
+
+@documented()
+def log_abs_det(
+    f: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    method: LogDetMethod = "auto",
+    mode: Direction = "auto",
+    num_probes: int | None = None,
+    lanczos_steps: int | None = None,
+    distribution: Distribution = "rademacher",
+    return_stderr: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """{log_abs_det}
+
+    Example:
+        >>> import torch
+        >>> from divjac.torch import log_abs_det
+        >>> W = torch.tensor([[2.0, 1.0], [0.0, 3.0]])  # det 6
+        >>> [round(v, 4) for v in log_abs_det(lambda x: x @ W.T)(torch.ones(2, 2)).tolist()]
+        [1.7918, 1.7918]
+    """
+    return _ddp.transform(
+        F.log_abs_det,
+        BACKEND,
+        f,
+        argnums,
+        batch_axis=batch_axis,
+        method=method,
+        mode=mode,
+        num_probes=num_probes,
+        lanczos_steps=lanczos_steps,
+        distribution=distribution,
+        return_stderr=return_stderr,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
     )
 
 

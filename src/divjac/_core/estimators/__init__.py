@@ -46,7 +46,8 @@ upper bound of the standard deviation, about ``sqrt(2)`` too large for non-symme
 
 One module per estimator, named after its paper: :mod:`.hutchinson` (Girard 1989; Hutchinson
 1990), :mod:`.meyer2020hutchpp` (Hutch++), :mod:`.epperly2024xtrace` (XTrace),
-:mod:`.tang2012probing` (probing; Stathopoulos, Laeuchli & Orginos 2013); ``_budget`` holds the
+:mod:`.tang2012probing` (probing; Stathopoulos, Laeuchli & Orginos 2013),
+:mod:`.ubaru2017slq` (``log|det J|`` by stochastic Lanczos quadrature on ``J^T J``); ``_budget`` holds the
 matvec budgets and the probes, ``_common`` the shared checks and the standard error's recipe.
 """
 
@@ -65,6 +66,7 @@ from .epperly2024xtrace import xtrace as xtrace
 from .hutchinson import hutchinson as hutchinson, hutchinson_from_terms as hutchinson_from_terms
 from .meyer2020hutchpp import hutch_plus_plus as hutch_plus_plus
 from .tang2012probing import probe_matrix as probe_matrix, probing as probing
+from .ubaru2017slq import slq_log_abs_det as slq_log_abs_det
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -78,5 +80,6 @@ __all__ = [
     "num_random_vectors",
     "probe_matrix",
     "probing",
+    "slq_log_abs_det",
     "xtrace",
 ]
