@@ -27,6 +27,7 @@ from ._errors import (
     PatternTypeError as PatternTypeError,
     RetraceWarning as RetraceWarning,
     RuleError as RuleError,
+    StateUpdateError as StateUpdateError,
 )
 
 __version__ = "0.1.0"
@@ -68,6 +69,7 @@ __all__ = [
     "PatternTypeError",
     "RetraceWarning",
     "RuleError",
+    "StateUpdateError",
     "__version__",
     "clear_caches",
 ]

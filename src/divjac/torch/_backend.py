@@ -669,13 +669,20 @@ class TorchBackend(Backend[Traced]):
         return not (traced.has_convolution or traced.solves_broadcast)
 
     def linearize(self, point: Point[Traced], reverse: bool) -> Linear:
-        """Rows on the autograd tape outside ``torch.func`` transforms and ``torch.compile``,
-        else (and columns) by ``torch.func`` passes. Under ``torch.compile`` the modules were
-        checked synchronized when the setup traced the function (:func:`_check_compilable`)."""
+        """Rows on the autograd tape outside ``torch.func`` transforms, ``torch.compile`` and
+        ``torch.inference_mode`` (which no tape records, not even under ``enable_grad``: its
+        rows would all be zeros), else (and columns) by ``torch.func`` passes, which
+        differentiate under inference mode too, inference tensors included. Under
+        ``torch.compile`` the modules were checked synchronized when the setup traced the
+        function (:func:`_check_compilable`)."""
         if _compiling():
             return _Passes(point, reverse)
         _ddp.check_synchronized(point.traced.modules())
-        if reverse and torch._C._functorch.peek_interpreter_stack() is None:
+        if (
+            reverse
+            and torch._C._functorch.peek_interpreter_stack() is None
+            and not torch.is_inference_mode_enabled()
+        ):
             return _Tape(point)
         return _Passes(point, reverse)
 
