@@ -42,6 +42,7 @@ from .._core.detection import LRU
 from .._errors import CompileError, OptionError
 from . import _ddp
 from ._detect import TensorSpec, Traced, plain_kernels, trace
+from ._running import NoFastPaths
 
 __all__ = ["BACKEND", "TorchBackend"]
 
@@ -91,8 +92,8 @@ class _Passes(Linear):
         traced = self._traced
         # Under torch.compile no batch normalization runs (_check_compilable).
         quiet = contextlib.nullcontext() if _compiling() else traced.running_stats()
-        attention, rnn, norms = _differentiable_kernels(traced, forward=not self._reverse)
-        with quiet, attention, rnn, norms:
+        attention, fused, rnn, norms = _differentiable_kernels(traced, forward=not self._reverse)
+        with quiet, attention, fused, rnn, norms:
             if self._reverse:
                 if self._vjp is None:
                     pulled: Any = torch.func.vjp(g, xb, has_aux=aux_of is not None)
@@ -226,8 +227,8 @@ class _Tape(Linear):
 
         traced = self._traced
         parts: list[torch.Tensor] = []
-        attention, rnn, norms = _differentiable_kernels(traced)
-        with traced.running_stats(), attention, rnn, norms:
+        attention, fused, rnn, norms = _differentiable_kernels(traced)
+        with traced.running_stats(), attention, fused, rnn, norms:
             if self._tape is None:
                 self._tape = self._record()
             tape = self._tape
@@ -253,7 +254,7 @@ def _differentiable_kernels(
 ) -> tuple[contextlib.AbstractContextManager[Any], ...]:
     """Kernels that forward-mode AD, ``vmap`` and double backward go through: attention in its
     math form (the fused CPU and CUDA kernels have no forward derivative, nor batching rules
-    for their gradients), recurrent layers without oneDNN and cuDNN (whose kernels have no
+    for their gradients) and without the fast paths of :class:`NoFastPaths`, recurrent layers without oneDNN and cuDNN (whose kernels have no
     forward derivative), and the normalizations of :class:`_ComposedNorms`. Only where the
     graph has them (the contexts cost ~25 us). Separate contexts, entered in one ``with``
     statement (dynamo traces those, not an ``ExitStack``)."""
@@ -262,6 +263,7 @@ def _differentiable_kernels(
     norms = traced.norms if forward else traced.norms & {"strided_group"}
     return (
         sdpa_kernel(SDPBackend.MATH) if traced.attends else contextlib.nullcontext(),
+        NoFastPaths() if traced.attends else contextlib.nullcontext(),
         plain_kernels(cudnn=True) if traced.runs_rnn else contextlib.nullcontext(),
         _ComposedNorms(forward) if norms else contextlib.nullcontext(),
     )

@@ -68,6 +68,7 @@ from ._reach import Checks, Reached, library, module_signature, reach
 from ._running import (
     BatchNorm,
     KeptState,
+    NoFastPaths,
     outside_transforms,
     plain_kernels,
     quiet_batch_norm,
@@ -644,6 +645,7 @@ def _trace_graph(
                     torch.set_grad_enabled(grad),
                     torch.random.fork_rng(rng_devices, device_type=device_type),
                     plain_kernels(),
+                    NoFastPaths(),
                 ):
                     if mode == "fake":
                         with FakeTensorMode(allow_non_fake_inputs=True):

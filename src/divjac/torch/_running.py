@@ -12,7 +12,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["BatchNorm", "KeptState", "outside_transforms", "plain_kernels", "quiet_batch_norm"]
+__all__ = [
+    "BatchNorm",
+    "KeptState",
+    "NoFastPaths",
+    "outside_transforms",
+    "plain_kernels",
+    "quiet_batch_norm",
+]
 
 
 @contextlib.contextmanager
@@ -86,6 +93,20 @@ def plain_kernels(*, cudnn: bool = False) -> Iterator[None]:
     finally:
         for (_, set_flag), value in zip(flags, before, strict=True):
             set_flag(value)
+
+
+class NoFastPaths:
+    """``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` without their fused fast
+    paths, which they take under ``no_grad`` and ``inference_mode`` in eval mode: kernels
+    (``_native_multi_head_attention``, ``_transformer_encoder_layer_fwd``) with no forward
+    derivative, nor batching rules for their gradients. A class (dynamo traces its methods)."""
+
+    def __enter__(self) -> None:
+        self._before = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.backends.mha.set_fastpath_enabled(self._before)
 
 
 class KeptState:
