@@ -72,12 +72,14 @@ class Truth:
     def core_probes(self) -> torch.Tensor:
         return self.probes.flatten(2).permute(1, 2, 0)  # (B, n, K)
 
-    def stochastic(self, method: str) -> torch.Tensor:
-        """The estimate of ``method`` with :attr:`probes`, on the brute-force Jacobian."""
+    def stochastic(self, method: str, *, transposed: bool = False) -> torch.Tensor:
+        """The estimate of ``method`` with :attr:`probes`, on the brute-force Jacobian (or its
+        transpose)."""
         probes = self.core_probes()
+        jac = self.jac.transpose(1, 2) if transposed else self.jac
         if method == "hutchinson":
-            return ((self.jac @ probes) * probes).sum(1).mean(-1)
-        return estimate_trace(method, lambda V: self.jac @ V, probes[..., : _drawn(method)])[0]
+            return ((jac @ probes) * probes).sum(1).mean(-1)
+        return estimate_trace(method, lambda V: jac @ V, probes[..., : _drawn(method)])[0]
 
     def hutchinson_hessian(self, diagonal: bool) -> torch.Tensor:
         probes = self.core_probes()
@@ -125,6 +127,7 @@ class Case:
     id: str
     run: Callable[[Any, torch.Tensor, torch.Tensor], Any]  # (f, x, probes) -> result
     expect: Callable[[Truth], Any]
+    scalar: bool = False  # run takes the scalar u = _u(f) of the model f
 
 
 def _cases() -> list[Case]:
@@ -152,14 +155,19 @@ def _cases() -> list[Case]:
                     lambda t: t.div,
                 )
             )
-    for method in ("hutchinson", "hutch++", "xtrace"):
+    # Hutch++ and XTrace sketch the Jacobian that the passes apply: J in columns (fwd), J^T in
+    # rows (rev): two unbiased estimates, each a deterministic function of the probes.
+    for method, mode in (("hutchinson", "auto"), ("hutch++", "fwd"), ("hutch++", "rev"),
+                         ("xtrace", "fwd"), ("xtrace", "rev")):  # fmt: skip
         cases.append(
             Case(
-                f"divergence-{method}",
-                lambda f, x, p, method=method: dj.divergence(f, method=method, num_probes=K)(
-                    p[: _drawn(method)], x
-                ),
-                lambda t, method=method: t.stochastic(method),
+                "divergence-hutchinson"
+                if method == "hutchinson"
+                else f"divergence-{method}-{mode}",
+                lambda f, x, p, method=method, mode=mode: dj.divergence(
+                    f, method=method, mode=mode, num_probes=K
+                )(p[: _drawn(method)], x),
+                lambda t, method=method, mode=mode: t.stochastic(method, transposed=mode == "rev"),
             )
         )
     for mode in ("auto", "fwd", "rev"):
@@ -181,33 +189,35 @@ def _cases() -> list[Case]:
         cases.append(
             Case(
                 f"laplacian-{method}",
-                lambda f, x, p, method=method: dj.laplacian(_u(f), method=method)(x),
+                lambda u, x, p, method=method: dj.laplacian(u, method=method)(x),
                 lambda t: t.hess.diagonal(0, 1, 2).sum(-1),
+                scalar=True,
             )
         )
         cases.append(
             Case(
                 f"hessian_diagonal-{method}",
-                lambda f, x, p, method=method: dj.hessian_diagonal(_u(f), method=method)(x).flatten(
-                    1
-                ),
+                lambda u, x, p, method=method: dj.hessian_diagonal(u, method=method)(x).flatten(1),
                 lambda t: t.hess.diagonal(0, 1, 2),
+                scalar=True,
             )
         )
     cases.append(
         Case(
             "laplacian-hutchinson",
-            lambda f, x, p: dj.laplacian(_u(f), method="hutchinson", num_probes=K)(p, x),
+            lambda u, x, p: dj.laplacian(u, method="hutchinson", num_probes=K)(p, x),
             lambda t: t.hutchinson_hessian(diagonal=False),
+            scalar=True,
         )
     )
     cases.append(
         Case(
             "hessian_diagonal-hutchinson",
-            lambda f, x, p: dj.hessian_diagonal(_u(f), method="hutchinson", num_probes=K)(
-                p, x
-            ).flatten(1),
+            lambda u, x, p: dj.hessian_diagonal(u, method="hutchinson", num_probes=K)(p, x).flatten(
+                1
+            ),
             lambda t: t.hutchinson_hessian(diagonal=True),
+            scalar=True,
         )
     )
     return cases
@@ -260,20 +270,36 @@ CONTEXTS = {
     )
 }
 
-# torch.compile: the transforms whose compiled passes divjac supports (stochastic ones take
-# their probes as a tensor argument).
+# The cases run in each context (every case runs with grad on): the ones whose passes a
+# context changes (tape or torch.func, graph or not) under no_grad and inference_mode, and one
+# per transform in the other contexts.
+_SENSITIVE = {"jacobian-auto", "jacobian-fwd", "jacobian-rev", "divergence-auto-auto",
+              "divergence-auto-fwd", "divergence-auto-rev", "divergence-hutchinson",
+              "value_and_divergence-auto", "grad_divergence-auto", "laplacian-auto",
+              "laplacian-hutchinson", "hessian_diagonal-auto"}  # fmt: skip
+_CORE = {"jacobian-auto", "divergence-auto-auto", "divergence-hutchinson",
+         "value_and_divergence-auto", "grad_divergence-auto", "laplacian-auto"}  # fmt: skip
+# torch.compile (the stochastic methods take their probes as a tensor argument).
 _COMPILED = {"jacobian-auto", "divergence-auto-auto", "divergence-exact-fwd",
              "divergence-hutchinson", "value_and_divergence-auto", "laplacian-exact"}  # fmt: skip
 
 
-def _supported(model: str, case: str, context: str) -> bool:
+def _included(model: str, case: str, context: str) -> bool:
+    """The matrix: every case and context of the MLP; of the other models every case with
+    grad on, the context-sensitive ones under no_grad and inference_mode, one per transform
+    in the other contexts, two compiled."""
     if context == "compile":
-        return case in _COMPILED
-    return True
+        return case in (_COMPILED if model == "mlp" else {"jacobian-auto", "divergence-auto-auto"})
+    if model == "mlp" or context == "grad":
+        return True
+    if context in ("no_grad", "inference_mode"):
+        return case in _SENSITIVE
+    return case in _CORE
 
 
 def _fast(model: str, case: str, context: str) -> bool:
-    """The default run: every context of the MLP, and two contexts of every model."""
+    """The default run: every context of the MLP (one compiled case), and three cases of
+    every model under inference_mode and no_grad."""
     if context == "compile":
         return model == "mlp" and case == "divergence-auto-auto"
     if model == "mlp":
@@ -285,14 +311,36 @@ def _fast(model: str, case: str, context: str) -> bool:
     )
 
 
+def _known(model: str, case: str, context: str) -> str | None:
+    """Why a combination is known to fail (issue 22, fixed elsewhere), else ``None``."""
+    second = case.startswith(("laplacian", "hessian_diagonal")) or case == "grad_divergence-fwd"
+    if model == "solve" and second:
+        return (
+            "issue 22 defect 3: torch's forward-over-forward (and forward-over-reverse) "
+            "derivative of linalg.solve is wrong"
+        )
+    if context == "compile" and case.startswith("laplacian"):
+        return "issue 22 defect 9: ClosureConversionError in _second.py's closure under dynamo"
+    return None
+
+
+# Not run: dynamo fails inside torch.func.jvp (torch 2.13: its fake group_norm hits the
+# _fw_primal assert) and leaves torch.func's interpreter stack behind, which breaks every later
+# torch.func call of the process.
+_BROKEN = {("unet", "compile")}
+
+
 def _params() -> list[Any]:
     found = []
     for model in ZOO:
         for case in CASES:
             for context in CONTEXTS:
-                if not _supported(model, case, context):
+                if not _included(model, case, context) or (model, context) in _BROKEN:
                     continue
-                marks = () if _fast(model, case, context) else (pytest.mark.slow,)
+                marks: list[Any] = [] if _fast(model, case, context) else [pytest.mark.slow]
+                reason = _known(model, case, context)
+                if reason is not None:
+                    marks.append(pytest.mark.xfail(reason=reason, strict=False))
                 found.append(pytest.param(model, case, context, marks=marks))
     return found
 
@@ -335,8 +383,12 @@ def test_context_matrix(model: str, case: str, context: str) -> None:
     if ctx.compiled:
         torch._dynamo.reset()
         run = torch.compile(the_case.run, fullgraph=True, backend="aot_eager")
+        if model == "lstm":  # refused, with divjac's reason
+            with pytest.raises(Exception, match=r"CompileError: divjac under .*recurrent layer"):
+                run(f, x, probes)
+            return
     with ctx.around():
-        result = run(f, x, probes)
+        result = run(_u(f) if the_case.scalar else f, x, probes)
     _close(result, the_case.expect(truth(model)), ctx.dtype)
     has_params = any(p.requires_grad for p in getattr(f, "parameters", list)())
     for leaf in _leaves(result):

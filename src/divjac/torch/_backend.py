@@ -576,6 +576,11 @@ def _check_compilable(traced: Traced) -> None:
         what = "draws random numbers (dropout in training mode, randn)"
     elif traced.batch_norms:
         what = "runs batch normalization (its running statistics are kept still in the passes)"
+    elif traced.runs_rnn:
+        what = (
+            "runs a recurrent layer (nn.LSTM, nn.GRU, nn.RNN), whose passes switch oneDNN and "
+            "cuDNN off (their kernels have no forward derivative), which dynamo cannot trace"
+        )
     elif traced.versioned:
         what = (
             "captures integer or boolean tensors (indices, masks) whose values sparsity "
