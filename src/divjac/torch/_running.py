@@ -122,7 +122,9 @@ class KeptState:
 
     def __init__(self, tensors: Iterable[torch.Tensor], modules: Iterable[nn.Module]) -> None:
         # The tensors the modules hold (an assignment ``self.n = self.n + 1`` replaces one).
-        self._held = [(m, dict(m._buffers), dict(m._parameters)) for m in modules]
+        self._held: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]] = [
+            (m, dict(m._buffers), dict(m._parameters)) for m in modules
+        ]
         self._kept: list[tuple[torch.Tensor, int | None, torch.Tensor | None]] = []
         is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
         for t in tensors:
@@ -136,11 +138,17 @@ class KeptState:
     def restore(self) -> list[torch.Tensor]:
         """Restore every tensor modified since (once: the restore bumps their versions), and
         return them."""
-        written = []
+        written: list[torch.Tensor] = []
         for m, buffers, parameters in self._held:
-            for held, kept in ((m._buffers, buffers), (m._parameters, parameters)):
+            holders: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = (
+                (m._buffers, buffers),
+                (m._parameters, parameters),
+            )
+            for held, kept in holders:
                 if held.keys() != kept.keys() or any(held[k] is not v for k, v in kept.items()):
-                    written.extend(v for k, v in kept.items() if held.get(k) is not v)
+                    written.extend(
+                        v for k, v in kept.items() if v is not None and held.get(k) is not v
+                    )
                     held.clear()
                     held.update(kept)
         for t, version, copy in self._kept:
