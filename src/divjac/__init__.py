@@ -27,6 +27,7 @@ from ._errors import (
     PatternTypeError as PatternTypeError,
     RetraceWarning as RetraceWarning,
     RuleError as RuleError,
+    StateUpdateError as StateUpdateError,
     UnexpectedRandomnessError as UnexpectedRandomnessError,
 )
 
@@ -69,6 +70,7 @@ __all__ = [
     "PatternTypeError",
     "RetraceWarning",
     "RuleError",
+    "StateUpdateError",
     "UnexpectedRandomnessError",
     "__version__",
     "clear_caches",

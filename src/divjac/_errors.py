@@ -106,6 +106,11 @@ class DDPError(DivjacError, ValueError):
     gradients unsynchronized across processes."""
 
 
+class StateUpdateError(DivjacError, RuntimeError):
+    """The function updates in place a tensor it reads (a buffer, a captured tensor): a call,
+    which evaluates it more than once, would apply the update several times."""
+
+
 class CompileError(DivjacError, RuntimeError):
     """A transform was called under a framework's compiler (``torch.compile``) on a function
     its compiled passes do not support."""

@@ -42,6 +42,7 @@ from .._core.detection import LRU
 from .._errors import CompileError, OptionError
 from . import _ddp
 from ._detect import TensorSpec, Traced, plain_kernels, trace
+from ._running import NoFastPaths
 
 __all__ = ["BACKEND", "TorchBackend"]
 
@@ -91,8 +92,8 @@ class _Passes(Linear):
         traced = self._traced
         # Under torch.compile no batch normalization runs (_check_compilable).
         quiet = contextlib.nullcontext() if _compiling() else traced.running_stats()
-        attention, rnn, norms = _differentiable_kernels(traced, forward=not self._reverse)
-        with quiet, attention, rnn, norms:
+        attention, fused, rnn, norms = _differentiable_kernels(traced, forward=not self._reverse)
+        with quiet, attention, fused, rnn, norms:
             if self._reverse:
                 if self._vjp is None:
                     pulled: Any = torch.func.vjp(g, xb, has_aux=aux_of is not None)
@@ -226,8 +227,8 @@ class _Tape(Linear):
 
         traced = self._traced
         parts: list[torch.Tensor] = []
-        attention, rnn, norms = _differentiable_kernels(traced)
-        with traced.running_stats(), attention, rnn, norms:
+        attention, fused, rnn, norms = _differentiable_kernels(traced)
+        with traced.running_stats(), attention, fused, rnn, norms:
             if self._tape is None:
                 self._tape = self._record()
             tape = self._tape
@@ -253,7 +254,7 @@ def _differentiable_kernels(
 ) -> tuple[contextlib.AbstractContextManager[Any], ...]:
     """Kernels that forward-mode AD, ``vmap`` and double backward go through: attention in its
     math form (the fused CPU and CUDA kernels have no forward derivative, nor batching rules
-    for their gradients), recurrent layers without oneDNN and cuDNN (whose kernels have no
+    for their gradients) and without the fast paths of :class:`NoFastPaths`, recurrent layers without oneDNN and cuDNN (whose kernels have no
     forward derivative), and the normalizations of :class:`_ComposedNorms`. Only where the
     graph has them (the contexts cost ~25 us). Separate contexts, entered in one ``with``
     statement (dynamo traces those, not an ``ExitStack``)."""
@@ -262,6 +263,9 @@ def _differentiable_kernels(
     norms = traced.norms if forward else traced.norms & {"strided_group"}
     return (
         sdpa_kernel(SDPBackend.MATH) if traced.attends else contextlib.nullcontext(),
+        # (dynamo refuses to trace the switch: under torch.compile the fast paths are as the
+        # compiled code has them, off with grad on)
+        NoFastPaths() if traced.attends and not _compiling() else contextlib.nullcontext(),
         plain_kernels(cudnn=True) if traced.runs_rnn else contextlib.nullcontext(),
         _ComposedNorms(forward) if norms else contextlib.nullcontext(),
     )
@@ -572,6 +576,11 @@ def _check_compilable(traced: Traced) -> None:
         what = "draws random numbers (dropout in training mode, randn)"
     elif traced.batch_norms:
         what = "runs batch normalization (its running statistics are kept still in the passes)"
+    elif traced.runs_rnn:
+        what = (
+            "runs a recurrent layer (nn.LSTM, nn.GRU, nn.RNN), whose passes switch oneDNN and "
+            "cuDNN off (their kernels have no forward derivative), which dynamo cannot trace"
+        )
     elif traced.versioned:
         what = (
             "captures integer or boolean tensors (indices, masks) whose values sparsity "
@@ -669,13 +678,20 @@ class TorchBackend(Backend[Traced]):
         return not (traced.has_convolution or traced.solves_broadcast)
 
     def linearize(self, point: Point[Traced], reverse: bool) -> Linear:
-        """Rows on the autograd tape outside ``torch.func`` transforms and ``torch.compile``,
-        else (and columns) by ``torch.func`` passes. Under ``torch.compile`` the modules were
-        checked synchronized when the setup traced the function (:func:`_check_compilable`)."""
+        """Rows on the autograd tape outside ``torch.func`` transforms, ``torch.compile`` and
+        ``torch.inference_mode`` (which no tape records, not even under ``enable_grad``: its
+        rows would all be zeros), else (and columns) by ``torch.func`` passes, which
+        differentiate under inference mode too, inference tensors included. Under
+        ``torch.compile`` the modules were checked synchronized when the setup traced the
+        function (:func:`_check_compilable`)."""
         if _compiling():
             return _Passes(point, reverse)
         _ddp.check_synchronized(point.traced.modules())
-        if reverse and torch._C._functorch.peek_interpreter_stack() is None:
+        if (
+            reverse
+            and torch._C._functorch.peek_interpreter_stack() is None
+            and not torch.is_inference_mode_enabled()
+        ):
             return _Tape(point)
         return _Passes(point, reverse)
 

@@ -50,7 +50,7 @@ from torch.utils import _pytree as pytree
 
 from .._core import detection, rules as D
 from .._core.detection import LRU, EntryLimit, Propagated
-from .._errors import DivjacError, RetraceWarning
+from .._errors import DivjacError, RetraceWarning, StateUpdateError
 from ._branches import (
     MAX_BRANCHES as _MAX_BRANCHES,  # noqa: F401 (tests read it here)
     Branches,
@@ -65,7 +65,14 @@ from ._constants import (
 )
 from ._interpret import Interpreter, decompositions, is_convolution
 from ._reach import Checks, Reached, library, module_signature, reach
-from ._running import BatchNorm, outside_transforms, plain_kernels, quiet_batch_norm
+from ._running import (
+    BatchNorm,
+    KeptState,
+    NoFastPaths,
+    outside_transforms,
+    plain_kernels,
+    quiet_batch_norm,
+)
 
 __all__ = [
     "CACHE",
@@ -396,10 +403,18 @@ def trace(
 
     ran: list[nn.Module] = []
     with outside_transforms():
-        with quiet_batch_norm(reached.modules, ran):
-            gm, on_values = _trace_graph(
-                batch_first, tensors, x_pos, batch_axis, out_tree, actual, values=needs_values
-            )
+        state = KeptState(reached.tensors.values(), reached.modules)
+        try:
+            with quiet_batch_norm(reached.modules, ran):
+                gm, on_values = _trace_graph(
+                    batch_first, tensors, x_pos, batch_axis, out_tree, actual, values=needs_values
+                )
+        except DivjacError:
+            raise
+        except Exception as err:  # the update may be what the trace failed on
+            _check_kept(fun, state, reached, cause=err)
+            raise
+        _check_kept(fun, state, reached)
         taken = branch(gm, reached, actual) if on_values and actual is not None else None
     _check_own_changes(fun, reached, reach(fun, static))
     readable, versioned = readable_constants(gm, reached)
@@ -435,6 +450,34 @@ def trace(
             branches.add(taken, traced)
             CACHE.put(key, branches)
     return traced
+
+
+def _check_kept(
+    fun: Callable[..., Any], state: KeptState, reached: Reached, cause: Exception | None = None
+) -> None:
+    """Raise :class:`StateUpdateError` if tracing ``fun`` updated a tensor it reaches (restored
+    first): a call evaluates ``fun`` more than once (its trace, then its passes),
+    and every evaluation would update it again and see a moved state."""
+    written = state.restore()
+    if not written:
+        return
+    t = written[0]
+    what = f"a captured tensor of shape {tuple(t.shape)}"
+    for m in reached.modules:
+        for kind, named in (("buffer", m.named_buffers), ("parameter", m.named_parameters)):
+            found = next((n for n, held in named(recurse=False) if held is t), None)
+            if found is not None:
+                what = f"the {kind} {found!r} of {type(m).__name__}"
+    name = getattr(fun, "__qualname__", type(fun).__qualname__)
+    raise StateUpdateError(
+        f"divjac: {name} updates a tensor it reads, {what}, in place or by assigning a new "
+        "one (a running statistic, a counter, a power iteration). A divjac call evaluates the "
+        "function more than once (to trace it, then in its passes), so the update would be "
+        "applied several times and the derivative taken at a moved state; the tensor was "
+        "restored, nothing was computed. Update the state outside the transformed function "
+        "(e.g. one forward pass under torch.no_grad() before the call), or put the module in "
+        "eval mode where the update is made only in training."
+    ) from cause
 
 
 @dataclass(frozen=True, eq=False)
@@ -602,6 +645,7 @@ def _trace_graph(
                     torch.set_grad_enabled(grad),
                     torch.random.fork_rng(rng_devices, device_type=device_type),
                     plain_kernels(),
+                    NoFastPaths(),
                 ):
                     if mode == "fake":
                         with FakeTensorMode(allow_non_fake_inputs=True):

@@ -1,17 +1,25 @@
 """Running a traced function's modules: outside ``torch.func`` transforms, with batch
-normalization kept from updating its running statistics, without oneDNN."""
+normalization kept from updating its running statistics, without oneDNN, and with the tensors
+it reaches restored after a trace that updated them in place."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["BatchNorm", "outside_transforms", "plain_kernels", "quiet_batch_norm"]
+__all__ = [
+    "BatchNorm",
+    "KeptState",
+    "NoFastPaths",
+    "outside_transforms",
+    "plain_kernels",
+    "quiet_batch_norm",
+]
 
 
 @contextlib.contextmanager
@@ -85,3 +93,71 @@ def plain_kernels(*, cudnn: bool = False) -> Iterator[None]:
     finally:
         for (_, set_flag), value in zip(flags, before, strict=True):
             set_flag(value)
+
+
+class NoFastPaths:
+    """``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` without their fused fast
+    paths, which they take under ``no_grad`` and ``inference_mode`` in eval mode: kernels
+    (``_native_multi_head_attention``, ``_transformer_encoder_layer_fwd``) with no forward
+    derivative, nor batching rules for their gradients. A class (dynamo traces its methods)."""
+
+    def __enter__(self) -> None:
+        self._before = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.backends.mha.set_fastpath_enabled(self._before)
+
+
+class KeptState:
+    """The values of the tensors a function reaches, and the tensors its modules hold, kept so
+    that a trace of it leaves them as they were: a forward that updates a buffer it reads (a
+    running statistic, a counter, a power iteration) would otherwise be updated by the trace,
+    on top of the call's own run (or left holding a traced tensor, when it assigns one).
+
+    Tensors that require grad (parameters being trained: the function cannot update them in
+    place under autograd) are watched by their version counter alone, not copied; tensors
+    under a ``torch.func`` transform (not plain data) are skipped.
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor], modules: Iterable[nn.Module]) -> None:
+        # The tensors the modules hold (an assignment ``self.n = self.n + 1`` replaces one).
+        self._held: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]] = [
+            (m, dict(m._buffers), dict(m._parameters)) for m in modules
+        ]
+        self._kept: list[tuple[torch.Tensor, int | None, torch.Tensor | None]] = []
+        is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+        for t in tensors:
+            if t.device.type == "meta" or is_wrapped(t):
+                continue
+            inference = t.is_inference()  # no version counter: compared by value
+            version = None if inference else t._version
+            copy = None if t.requires_grad and not inference else t.detach().clone()
+            self._kept.append((t, version, copy))
+
+    def restore(self) -> list[torch.Tensor]:
+        """Restore every tensor modified since (once: the restore bumps their versions), and
+        return them."""
+        written: list[torch.Tensor] = []
+        for m, buffers, parameters in self._held:
+            holders: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = (
+                (m._buffers, buffers),
+                (m._parameters, parameters),
+            )
+            for held, kept in holders:
+                if held.keys() != kept.keys() or any(held[k] is not v for k, v in kept.items()):
+                    written.extend(
+                        v for k, v in kept.items() if v is not None and held.get(k) is not v
+                    )
+                    held.clear()
+                    held.update(kept)
+        for t, version, copy in self._kept:
+            if version is not None and t._version == version:
+                continue
+            if version is None and copy is not None and torch.equal(t, copy):
+                continue
+            written.append(t)
+            if copy is not None:
+                with torch.no_grad(), torch.inference_mode(t.is_inference()):
+                    t.copy_(copy)
+        return written
