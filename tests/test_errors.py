@@ -213,7 +213,9 @@ def test_probes_passed_to_method_exact_are_a_divjac_error_not_fs(backend: Backen
         (dj.jacobian(lambda x: x**2), backend.randomness()),
     ]
     for call, randomness in calls:
-        with pytest.raises(divjac.UnexpectedRandomnessError, match="Only a stochastic method") as info:
+        with pytest.raises(
+            divjac.UnexpectedRandomnessError, match="Only a stochastic method"
+        ) as info:
             call(randomness, x)
         assert isinstance(info.value, TypeError)
     # a function that does take two arrays is called with both

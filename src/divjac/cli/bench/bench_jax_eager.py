@@ -51,6 +51,30 @@ def _eager_vs_jit(case: str, fn: Callable[..., Any], args: tuple[Any, ...], quic
     )
 
 
+def _float_vs_scalar(case: str, fn: Callable[..., Any], params: Any, x: Any, quick: bool) -> Result:
+    """``fn(params, t, x)`` with ``t`` a new Python float at every call, against a new ``jnp``
+    scalar at every call."""
+    floats = itertools.count(0.25, 1e-4)
+    scalars = itertools.count(0.25, 1e-4)
+
+    def with_float() -> Any:
+        return fn(params, next(floats), x)
+
+    def with_scalar() -> Any:
+        return fn(params, jnp.float32(next(scalars)), x)
+
+    times = _medians({"float": with_float, "jnp": with_scalar}, quick)
+    return Result(
+        id="P17",
+        case=case,
+        ours="t a new Python float",
+        baseline="t a new jnp scalar",
+        ours_value=times["float"],
+        baseline_value=times["jnp"],
+        target=_FLOAT_TARGET,
+    )
+
+
 def _cnn(quick: bool) -> list[Result]:
     params = models.init_cnn(jax.random.key(0), channels=16, layers=3)
     shape = (8, 16, 16, 3)
@@ -94,27 +118,8 @@ def _cnf(quick: bool) -> list[Result]:
         for name, fn in transforms.items()
     ]
     for name in ("exact divergence", "hutchinson (1 probe)"):
-        fn = transforms[name]
-        floats = itertools.count(0.25, 1e-4)  # a new Python float at every call
-        scalars = itertools.count(0.25, 1e-4)
-        times = _medians(
-            {
-                "float": lambda fn=fn, ts=floats: fn(params, next(ts), x),
-                "jnp": lambda fn=fn, ts=scalars: fn(params, jnp.float32(next(ts)), x),
-            },
-            quick,
-        )
-        results.append(
-            Result(
-                id="P17",
-                case=f"eager call, CNF d={d} B={B}: {name}, a new Python float t per call",
-                ours="t a new Python float",
-                baseline="t a new jnp scalar",
-                ours_value=times["float"],
-                baseline_value=times["jnp"],
-                target=_FLOAT_TARGET,
-            )
-        )
+        case = f"eager call, CNF d={d} B={B}: {name}, a new Python float t per call"
+        results.append(_float_vs_scalar(case, transforms[name], params, x, quick))
     return results
 
 
