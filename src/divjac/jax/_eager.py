@@ -91,10 +91,18 @@ def compiled_when_eager(
         fixed = tuple(digest(c) for i, c in enumerate(consts) if i not in weights)
         key = (options, fingerprint(closed), fixed, treedef, static, tuple(dynamic), skip)
         program = CACHE.get(key)
-        if program is None:
-            program = _program(make, closed, weights, leaves, dynamic, treedef, out_shape, skip)
-            CACHE.put(key, program)
-        return program([consts[i] for i in weights], list(args[:skip]), dyn)
+        if program is not None:
+            return program([consts[i] for i in weights], list(args[:skip]), dyn)
+        program = _program(make, closed, weights, leaves, dynamic, treedef, out_shape, skip)
+        try:
+            result = program([consts[i] for i in weights], list(args[:skip]), dyn)
+        except jax.errors.UnexpectedTracerError:
+            # A custom_jvp rule closing over a value traced inside f (an index array made in
+            # f) cannot be differentiated once f's trace is over, as in jacfwd(jit(f)): the
+            # transform runs f itself instead, as under the caller's jit.
+            return transformed(*args, **kwargs)
+        CACHE.put(key, program)
+        return result
 
     return call
 
