@@ -464,6 +464,8 @@ KNOWN = {
     # custom_jvp rules that close over tracers of f's trace: the second-order sweep rebinds
     # the traced equation after that trace is over (a raw "No constant handler" TypeError).
     "jss.exp1": "second-order sweep through a custom_jvp closing over f's tracers",
+    # not divjac's: JAX's jacrev cannot differentiate its while_loop (the reference fails)
+    "jsp.linalg.eigh_tridiagonal": "jax.jacrev cannot differentiate it",
 }
 
 
