@@ -296,7 +296,7 @@ def _divergence_transform(
     def value_and_div(*args: Any, **kwargs: Any) -> tuple[Array, Any, Any]:
         randomness, args = _split_randomness(backend, stochastic_method, args, fname)
         call = prepare(spec, args, kwargs)
-        if randomness:
+        if randomness and call.n_in:  # an empty sample's divergence is exactly 0
             y, div, stderr, aux = _stochastic_divergence(call, ds, randomness[0])
         else:
             y, div, aux = _exact_divergence(call, ds)

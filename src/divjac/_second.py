@@ -198,8 +198,9 @@ def _basis(call: Call, colors: np.ndarray | None) -> Array:
     if colors is None:
         matrix = np.eye(n)
     else:
-        matrix = (colors[None, :] == np.arange(int(colors.max()) + 1)[:, None]).astype(float)
-    return call.backend.asarray(matrix.reshape(-1, 1, *call.in_sample), like=call.xb)
+        n_colors = int(colors.max()) + 1 if colors.size else 0
+        matrix = (colors[None, :] == np.arange(n_colors)[:, None]).astype(float)
+    return call.backend.asarray(matrix.reshape(len(matrix), 1, *call.in_sample), like=call.xb)
 
 
 def _one_sample_at_a_time(
@@ -235,6 +236,10 @@ def _sweep(
     backend = call.backend
     K = int(directions.shape[0])
     chunk = backend.ahead(Call.chunk, call, K, chunk_size)
+    if K == 0:  # an empty sample: no direction, every second-order term is zero
+        passes = () if collapse else (0,)
+        zeros = np.zeros((*passes, call.batch_size, *call.out_sample))
+        return backend.asarray(zeros, like=call.xb)
     f = _values(call)
     parts = []
     for start in range(0, K, chunk):

@@ -16,6 +16,7 @@ PyTorch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -107,7 +108,8 @@ def shaped(indicator: Callable[[Array], Array], shape: tuple[int, ...]) -> Seed:
 
 def _rows(batch_size: int) -> Callable[[Array, Array, Array], Array]:
     """The finish keeping each sample's pushed tangent, flat: ``(B, m)``."""
-    return lambda c, t, pushed: pushed.reshape(batch_size, -1)
+    # Sized, not -1: an empty sample's zero elements leave -1 ambiguous.
+    return lambda c, t, pushed: pushed.reshape(batch_size, math.prod(pushed.shape[1:]))
 
 
 @dataclass(frozen=True)

@@ -522,3 +522,33 @@ def test_batched_linear_algebra(name):
     np.testing.assert_allclose(got, traces(jax_diagonal_blocks(f, (X,)), (N,)), rtol=1e-10)
     check_pattern(f, X, exact=exact)
     check_values(f, X)
+
+
+def _gathers_with_an_index_made_inside(x):
+    idx = jnp.array([1, 2, 3, 0])  # traced with f: the rule closes over a tracer of f's trace
+
+    @jax.custom_jvp
+    def g(x):
+        return x[:, idx]
+
+    @g.defjvp
+    def g_jvp(primals, tangents):
+        return g(primals[0]), tangents[0][:, idx]
+
+    return g(x)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_custom_jvp_rule_gathering_with_a_closure_captured_index(jit):
+    """A custom_jvp rule closing over an index made inside f cannot be traced once f's trace
+    is over (JAX's own jacfwd(jit(f)) fails): detection stays conservative (dense, samples
+    apart) and the eager call runs f itself rather than failing; true divergence 0."""
+    x = _normal(11, (3, 4))
+    wrap = jax.jit if jit else (lambda g: g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", divjac.DenseFallbackWarning)
+        pattern = sparsity(_gathers_with_an_index_made_inside)(x)
+        assert pattern.is_batch_independent
+        np.testing.assert_array_equal(wrap(divergence(_gathers_with_an_index_made_inside))(x), 0)
+        blocks = wrap(jacobian(_gathers_with_an_index_made_inside))(x)
+    np.testing.assert_array_equal(blocks, np.broadcast_to(np.eye(4)[[1, 2, 3, 0]], (3, 4, 4)))

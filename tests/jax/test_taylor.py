@@ -246,3 +246,24 @@ def test_mlp_shapes(batch, d, hidden, out, k, shared, seed):
     rng = np.random.default_rng(seed)
     f = _mlp(rng, d, hidden, out)
     _check(f, _arr(rng, batch, d), _arr(rng, k, 1 if shared else batch, d), weights=(_arr(rng, k),))
+
+
+@pytest.mark.parametrize("case", ["modulus", "complex_weights"])
+def test_laplacian_through_abs_of_a_complex_intermediate(case):
+    """``|z|`` is piecewise linear on the reals only: of ``x0 + i x1`` its Laplacian is ``1/r``."""
+    from divjac.jax import laplacian
+
+    key = jax.random.key(3)
+    if case == "modulus":
+        u = lambda x: jnp.abs(x[..., 0] + 1j * x[..., 1])  # noqa: E731
+        x = jax.random.normal(key, (4, 2))
+    else:
+        kr, ki = jax.random.split(key)
+        W = jax.random.normal(kr, (3, 5)) + 1j * jax.random.normal(ki, (3, 5))
+        u = lambda x: jnp.abs(x @ W).sum(-1)  # noqa: E731
+        x = jax.random.normal(key, (4, 3))
+    truth = jax.vmap(lambda s: jnp.trace(jax.hessian(lambda s: u(s[None])[0])(s)))(x)
+    if case == "modulus":
+        np.testing.assert_allclose(truth, 1 / jnp.linalg.norm(x, axis=1), rtol=1e-12)
+    for method in ("exact", "sparse", "auto"):
+        np.testing.assert_allclose(laplacian(u, method=method)(x), truth, rtol=1e-10)

@@ -395,3 +395,24 @@ def test_a_stale_pattern_is_refused():
         jacobian_from_pattern(f, coupled)(x)
     with pytest.raises(divjac.PatternTypeError, match="SparsityPattern"):
         divergence_from_pattern(f, coupled.csr)(x)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda m: m + 4 * jnp.eye(3),
+        lambda m: jnp.linalg.solve(m + 4 * jnp.eye(3), jnp.ones(3)),
+        lambda m: jnp.linalg.inv(m + 4 * jnp.eye(3)),
+    ],
+    ids=["plus_eye", "solve", "inv"],
+)
+def test_rev_mode_with_a_float32_input_and_a_float64_output(f, jit):
+    """Seeds are built like the input; reverse passes cast them to the output's dtype."""
+    m = jnp.arange(9, dtype=jnp.float32).reshape(3, 3) / 9
+    wrap = jax.jit if jit else (lambda g: g)
+    J = wrap(jacobian(f, batch_axis=None, mode="rev"))(m)
+    np.testing.assert_allclose(J, jax.jacrev(f)(m), rtol=1e-6)
+    g = lambda x: x * jnp.arange(1.0, 4.0)  # noqa: E731  (float64 weights)
+    div = wrap(divergence(g, mode="rev"))(jnp.ones((2, 3), jnp.float32))
+    np.testing.assert_allclose(div, [6.0, 6.0])

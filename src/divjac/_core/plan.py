@@ -181,7 +181,7 @@ def color_classes(colors: np.ndarray | None, n: int) -> np.ndarray:
     order = np.argsort(colors, kind="stable")
     counts = np.bincount(colors, minlength=int(colors.max()) + 1 if len(colors) else 0)
     classes = np.full((len(counts), int(counts.max()) if len(counts) else 0), -1, np.int64)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    starts = np.cumsum(counts) - counts
     slot = np.arange(len(colors)) - np.repeat(starts, counts)
     classes[np.sort(colors), slot] = order
     return classes

@@ -45,7 +45,9 @@ class _Linearized(Linear):
                 y, vjp_fn = jax.vjp(point.g, point.xb)
 
             def push(ct: jax.Array) -> jax.Array:
-                return vjp_fn(ct)[0]
+                # Seeds are built like the input; a cotangent has the output's dtype, which
+                # differs where f promotes (a float32 input plus a float64 constant).
+                return vjp_fn(ct.astype(y.dtype))[0]
 
         elif point.has_aux:
             y, push, aux = jax.linearize(point.g, point.xb, has_aux=True)
@@ -240,6 +242,8 @@ class JaxBackend(Backend[Traced]):
         n = n_seed // B
 
         def read(c: jax.Array, t: jax.Array, pushed: jax.Array) -> jax.Array:
+            if n_seed == 0:  # an empty sample (traced for its zero passes): nothing to read
+                return jnp.zeros(B, pushed.dtype)
             idx = members[c]
             valid = idx >= 0
             idx = jnp.maximum(idx, 0)

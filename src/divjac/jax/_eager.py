@@ -115,7 +115,11 @@ def compiled_when_eager(
         program = _Program(make, closed, weights, leaves, dynamic, treedef, out)
         try:
             result = program(*inputs, out.others)
-        except Exception:  # what the transform refuses, it reports on the caller's function
+        except Exception:
+            # What the transform refuses, it reports on the caller's function; and a custom_jvp
+            # rule closing over a value traced inside f (an index array made in f) cannot be
+            # differentiated once f's trace is over, as in jacfwd(jit(f)): the transform runs f
+            # itself instead, as under the caller's jit.
             return transformed(*args, **kwargs)
         CACHE.put(key, program)
         return result

@@ -127,7 +127,8 @@ def pushes(
 
     def pushed(ts: jax.Array) -> jax.Array:
         ts = varying_like(ts, x)
-        closed = jax.make_jaxpr(one)(ts[0])  # the avals of the tangents as they vary
+        # One pass's aval as the tangents vary (built, not indexed: there may be no pass).
+        closed = jax.make_jaxpr(one)(varying_like(jnp.zeros(ts.shape[1:], ts.dtype), ts))
         (out,) = _eval(closed.jaxpr, closed.consts, [_Passes(ts)])
         out = _real(out)
         if isinstance(out, _Passes):

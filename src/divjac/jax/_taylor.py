@@ -179,7 +179,7 @@ class _Sweep:
             closed = sub if isinstance(sub, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(sub, [])
             return self.eval(closed.jaxpr, closed.consts, ins)
         if (
-            name in _LINEAR
+            (name in _LINEAR and not _complex_abs(eqn))
             or (name in _BILINEAR and len(dep) == 1)
             or (name == "div" and dep == [0])
         ):
@@ -340,6 +340,14 @@ def _tangent(value: Any) -> Any:
     ):
         return value
     return None
+
+
+def _complex_abs(eqn: Any) -> bool:
+    """``|z|`` of a complex ``z``: piecewise linear on the reals only, curved on the plane
+    (``d2|z|[dz, dz] = Im(conj(z) dz)^2 / |z|^3``), so left to the fallback."""
+    return eqn.primitive.name == "abs" and jnp.issubdtype(
+        eqn.invars[0].aval.dtype, jnp.complexfloating
+    )
 
 
 def _inexact(aval: Any) -> bool:

@@ -123,7 +123,7 @@ class _Passes(Linear):
             out_dims: Any = (None, 0)  # torch's annotation says int | tuple[int, ...]
             pushes = torch.func.vmap(push, out_dims=out_dims, randomness="same")
             parts = []
-            for lo in range(0, n_passes, chunk):
+            for lo in range(0, max(n_passes, 1), chunk):  # no pass: one empty chunk (the value)
                 if self._rng is not None:
                     self._rng.rewind()
                 y, part = pushes(inputs[lo : lo + chunk])
@@ -233,10 +233,10 @@ class _Tape(Linear):
                 self._tape = self._record()
             tape = self._tape
             n_passes = int(inputs.shape[0])
-            for lo in range(0, n_passes, chunk):
+            for lo in range(0, max(n_passes, 1), chunk):  # no pass: one empty chunk
                 cs = inputs if chunk >= n_passes else inputs[lo : lo + chunk]
                 count = int(cs.shape[0])
-                if count <= _ONE_BY_ONE:
+                if 0 < count <= _ONE_BY_ONE:
                     parts.extend(one(cs[i])[None] for i in range(count))
                 else:  # batched backward passes: torch.func's vmap over autograd
                     # (is_grads_batched's own vmap lacks batching rules for some backward
@@ -409,7 +409,10 @@ class _DiagonalSums:
     batch_size: int
 
     def __call__(self, c: torch.Tensor, t: torch.Tensor, pushed: torch.Tensor) -> torch.Tensor:
-        return (pushed * t).reshape(self.batch_size, -1).sum(1)
+        masked = pushed * t
+        if masked.numel() == 0:  # empty samples
+            return masked.new_zeros(self.batch_size)
+        return masked.reshape(self.batch_size, -1).sum(1)
 
 
 # Argument types that are leaves of torch's pytrees (no flattening needed).
