@@ -70,11 +70,13 @@ def test_stderr_is_calibrated(method, num_probes, terms):
     exact = traces(jax_diagonal_blocks(models.mlp, (params, x), 1), (30,))
     estimates, stderr = _estimates(method, "rademacher", num_probes, params, x, 1500)
     z = (estimates - exact) / stderr
-    # z is about Student-t with terms - 1 degrees of freedom: variance (m - 1) / (m - 3).
+    # z is at most as spread as a Student-t with terms - 1 degrees of freedom (variance
+    # (m - 1) / (m - 3)): Hutchinson's and Hutch++'s variance is the larger of two unbiased
+    # estimates, XTrace's never below its naive one, so z is somewhat lighter (conservative).
     expected = (terms - 1) / (terms - 3)
-    assert 0.7 * expected < float(np.var(z)) < 1.3 * expected
+    assert 0.4 * expected < float(np.var(z)) < 1.3 * expected
     ratio = np.sqrt(np.mean((estimates - exact) ** 2)) / np.sqrt(np.mean(stderr**2))
-    assert 0.8 < ratio < 1.25
+    assert 0.65 < ratio < 1.25
 
 
 def test_hutchpp_and_xtrace_are_exact_on_low_rank_jacobians():
