@@ -103,16 +103,22 @@ def host(value: Any) -> np.ndarray | None:
 _FORWARD: dict[Any, bool] = {}
 
 
-def lacks_forward_derivative(node: Any) -> bool:
-    """Whether the operation of a graph node has no forward derivative in PyTorch, as running
-    it once on meta tensors (no data, no compute) with dual numbers tells (once per
-    operation). An operation that cannot run so (no meta kernel) counts as having one."""
+def lacks_forward_derivative(node: Any, live: set[Any]) -> bool:
+    """Whether the operation of a graph node has no forward derivative in PyTorch for its
+    ``live`` arguments (those that depend on the differentiated input), as running it once on
+    meta tensors (no data, no compute) with those as dual numbers tells (once per operation).
+    An operation that cannot run so (no meta kernel) counts as having one."""
     import torch.autograd.forward_ad as fwAD
 
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or not any(inexact(v) for v in outputs(node)):
+    if (
+        not isinstance(target, torch._ops.OpOverload)
+        or torch.Tag.nondeterministic_seeded in target.tags  # draws: no derivative to push
+        or not any(inexact(v) for v in outputs(node))
+    ):
         return False
-    found = _FORWARD.get(target)
+    key = (target, tuple(a in live for a in node.all_input_nodes))
+    found = _FORWARD.get(key)
     if found is not None:
         return not found
 
@@ -121,7 +127,7 @@ def lacks_forward_derivative(node: Any) -> bool:
         if not isinstance(val, torch.Tensor):
             return val
         t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
-        return fwAD.make_dual(t, torch.empty_like(t)) if inexact(val) else t
+        return fwAD.make_dual(t, torch.empty_like(t)) if inexact(val) and a in live else t
 
     missing = False
     with fwAD.dual_level():
@@ -132,5 +138,5 @@ def lacks_forward_derivative(node: Any) -> bool:
             missing = "forward AD" in str(err)
         except Exception:
             pass
-    _FORWARD[target] = not missing
+    _FORWARD[key] = not missing
     return missing

@@ -220,12 +220,17 @@ class Traced(detection.Traced):
     @functools.cached_property
     def forward_less(self) -> frozenset[str]:
         """The operations of the graph that PyTorch has no forward derivative for (``cdist``,
-        ``pdist``, ``cholesky``): only reverse passes go through them."""
-        return frozenset(
-            str(node.target)
-            for node in self.gm.graph.nodes
-            if node.op == "call_function" and lacks_forward_derivative(node)
-        )
+        ``pdist``, ``cholesky``) on the path from the differentiated input: only reverse
+        passes go through them."""
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        live = {placeholders[self.x_pos]}
+        missing = set()
+        for node in self.gm.graph.nodes:
+            if node.op == "call_function" and any(a in live for a in node.all_input_nodes):
+                live.add(node)
+                if lacks_forward_derivative(node, live):
+                    missing.add(str(node.target))
+        return frozenset(missing)
 
     @functools.cached_property
     def has_convolution(self) -> bool:
