@@ -210,6 +210,11 @@ class Backend(abc.ABC, Generic[TracedT]):
     def prefer_reverse(self, traced: TracedT) -> bool:
         """Whether to push rows (VJPs) rather than columns when both take as many passes."""
 
+    def forward_less(self, traced: TracedT) -> frozenset[str]:
+        """The operations of the program without a forward derivative: where there are some,
+        only rows (VJPs) can be pushed. Asked only of programs about to push columns."""
+        return frozenset()
+
     @abc.abstractmethod
     def linearize(self, point: Point[TracedT], reverse: bool) -> Linear:
         """The JVP (or, with ``reverse``, the VJP) of the batch-first function at ``point``."""

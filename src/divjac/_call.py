@@ -197,14 +197,30 @@ class Call(Point[Traced]):
 
     def prefer_reverse(self, found: Detection | None) -> bool:
         """Rows rather than columns on a tie (and always where forward mode cannot go, as
-        ``found`` tells; ``None``: nothing was detected), unless the caller chose."""
+        ``found`` or :meth:`columns_possible` tells; ``None``: nothing was detected), unless
+        the caller chose."""
         if self.spec.direction != "auto":
-            return self.spec.direction == "rev"
+            return self.spec.direction == "rev" or not self.columns_possible(self.spec.direction)
         if found is not None and found.has_custom_vjp:
             return True
         if self.spec.prefer_reverse is not None:
-            return self.spec.prefer_reverse
-        return self.backend.prefer_reverse(self.traced)
+            reverse = self.spec.prefer_reverse
+        else:
+            reverse = self.backend.prefer_reverse(self.traced)
+        return reverse or not self.columns_possible("auto")
+
+    def columns_possible(self, mode: str) -> bool:
+        """Whether forward passes can run: not where an operation of the program has no
+        forward derivative (then rows are pushed); when the caller chose ``mode="fwd"``,
+        :class:`OptionError` names those operations."""
+        missing = self.backend.forward_less(self.traced)
+        if missing and mode == "fwd":
+            raise OptionError(
+                f"{self.spec.fname}: mode='fwd' pushes forward derivatives, but the function "
+                f"runs {', '.join(sorted(missing))}, which has none in this framework. Use "
+                "mode='rev' or 'auto' (reverse passes)."
+            )
+        return not missing
 
 
 def from_axis(backend: Backend[Any], t: Array, axis: int | None) -> Array:

@@ -223,6 +223,10 @@ def _jacobian_plan(call: Call, mode: Mode, chunk_size: int | None) -> _JacobianP
         direction = plan.jacobian_plan(
             dense_mode, call.n_in, call.n_out, None, prefer_reverse=reverse
         )
+        if not direction.reverse and not call.columns_possible(dense_mode):
+            direction = plan.jacobian_plan(
+                dense_mode, call.n_in, call.n_out, None, prefer_reverse=True, rows_only=True
+            )
         return _JacobianPlan(direction.reverse, None)
     return _pattern_plan(call, found.pattern, mode, reverse, chunk_size)
 
@@ -233,6 +237,10 @@ def _pattern_plan(
     """The plan of a batch-independent call from ``pattern`` (``None``: dense) and ``mode``."""
     with timing.stage("coloring"):
         the_plan = plan.jacobian_plan(mode, call.n_in, call.n_out, pattern, prefer_reverse=reverse)
+        if not the_plan.reverse and not call.columns_possible(mode):
+            the_plan = plan.jacobian_plan(
+                mode, call.n_in, call.n_out, pattern, prefer_reverse=True, rows_only=True
+            )
     n_seed = call.n_out if the_plan.reverse else call.n_in
     planned = seeds(call, the_plan, n_seed, chunk_size, indexed=False)  # finished by _rows
     if not the_plan.is_sparse:

@@ -84,13 +84,15 @@ def jacobian_plan(
     pattern: SparsityPattern | None,
     *,
     prefer_reverse: bool = False,
+    rows_only: bool = False,
 ) -> Plan:
-    """Plan a per-sample Jacobian (``mode`` in :data:`JACOBIAN_MODES`)."""
+    """Plan a per-sample Jacobian (``mode`` in :data:`JACOBIAN_MODES`); ``rows_only``: forward
+    passes cannot run (an operation without a forward derivative)."""
     if mode == "fwd":
         return Plan(False, None, n_in)
     if mode == "rev":
         return Plan(True, None, n_out)
-    dense_reverse = n_out < n_in or (n_out == n_in and prefer_reverse)
+    dense_reverse = rows_only or n_out < n_in or (n_out == n_in and prefer_reverse)
     dense = Plan(dense_reverse, None, n_out if dense_reverse else n_in)
     if pattern is None:
         if mode == "sparse":
@@ -100,8 +102,10 @@ def jacobian_plan(
         return dense
     by_columns = Plan(False, pattern.colors, pattern.n_colors)
     by_rows = Plan(True, pattern.row_colors, pattern.n_row_colors)
-    if by_rows.n_passes < by_columns.n_passes or (
-        by_rows.n_passes == by_columns.n_passes and prefer_reverse
+    if (
+        rows_only
+        or by_rows.n_passes < by_columns.n_passes
+        or (by_rows.n_passes == by_columns.n_passes and prefer_reverse)
     ):
         sparse = by_rows
     else:

@@ -7,8 +7,21 @@ from typing import Any
 import numpy as np
 import torch
 import torch.fx
+from torch.utils import _pytree as pytree
 
-__all__ = ["bind", "dims", "expand", "host", "inexact", "is_tensor", "outputs", "packet", "shape"]
+__all__ = [
+    "bind",
+    "dim",
+    "dims",
+    "expand",
+    "host",
+    "inexact",
+    "is_tensor",
+    "lacks_forward_derivative",
+    "outputs",
+    "packet",
+    "shape",
+]
 
 
 def packet(target: Any) -> str:
@@ -63,13 +76,19 @@ def expand(value: Any, n: int) -> list[int]:
     return values * n if len(values) == 1 else values
 
 
+def dim(value: Any, ndim: int) -> int:
+    """An axis as PyTorch reads it: negative ones from the end, and a 0-d tensor has the axis
+    ``0`` (or ``-1``), of length one."""
+    return int(value) % max(ndim, 1)
+
+
 def dims(value: Any, ndim: int) -> list[int]:
     """Reduction axes: ``None`` or an empty list mean all axes."""
     if value is None:
         return list(range(ndim))
     if isinstance(value, int):
-        return [value % max(ndim, 1)]
-    axes = [int(v) % max(ndim, 1) for v in value]
+        return [dim(value, ndim)]
+    axes = [dim(v, ndim) for v in value]
     return axes if axes else list(range(ndim))
 
 
@@ -78,3 +97,46 @@ def host(value: Any) -> np.ndarray | None:
     if not is_tensor(value):
         return None
     return value.detach().cpu().resolve_conj().resolve_neg().numpy()
+
+
+# Per ATen operation: whether PyTorch has a forward derivative for it (probed once).
+_FORWARD: dict[Any, bool] = {}
+
+
+def lacks_forward_derivative(node: Any, live: set[Any]) -> bool:
+    """Whether the operation of a graph node has no forward derivative in PyTorch for its
+    ``live`` arguments (those that depend on the differentiated input), as running it once on
+    meta tensors (no data, no compute) with those as dual numbers tells (once per operation).
+    An operation that cannot run so (no meta kernel) counts as having one."""
+    import torch.autograd.forward_ad as fwAD
+
+    target = node.target
+    if (
+        not isinstance(target, torch._ops.OpOverload)
+        or torch.Tag.nondeterministic_seeded in target.tags  # draws: no derivative to push
+        or not any(inexact(v) for v in outputs(node))
+    ):
+        return False
+    key = (target, tuple(a in live for a in node.all_input_nodes))
+    found = _FORWARD.get(key)
+    if found is not None:
+        return not found
+
+    def meta(a: Any) -> Any:
+        val = a.meta.get("val") if hasattr(a, "meta") else a
+        if not isinstance(val, torch.Tensor):
+            return val
+        t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+        return fwAD.make_dual(t, torch.empty_like(t)) if inexact(val) and a in live else t
+
+    missing = False
+    with fwAD.dual_level():
+        try:
+            args, kwargs = pytree.tree_map(meta, (node.args, node.kwargs))
+            target(*args, **kwargs)
+        except NotImplementedError as err:
+            missing = "forward AD" in str(err)
+        except Exception:
+            pass
+    _FORWARD[key] = not missing
+    return missing

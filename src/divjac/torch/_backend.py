@@ -680,6 +680,9 @@ class TorchBackend(Backend[Traced]):
         ``vmap`` of its gradient fails (torch 2.13)."""
         return not (traced.has_convolution or traced.solves_broadcast)
 
+    def forward_less(self, traced: Traced) -> frozenset[str]:
+        return traced.forward_less
+
     def linearize(self, point: Point[Traced], reverse: bool) -> Linear:
         """Rows on the autograd tape outside ``torch.func`` transforms, ``torch.compile`` and
         ``torch.inference_mode`` (which no tape records, not even under ``enable_grad``: its

@@ -10,8 +10,8 @@ of the tensor arguments, the other (static) arguments, the grad mode, and the si
 state the function reaches (:func:`reach`): the modules (class, train/eval mode, plain Python
 attributes, hooks, and the identity, shape, dtype and device of their parameters and buffers),
 and the tensors, scalars, containers and objects reachable from the function's closure, globals,
-defaults and ``self`` (of plain objects, the scalar attributes its code names; of lists, the
-objects in them, not their numbers: a log the function appends to changes nothing). Computing
+defaults and ``self`` (of plain objects, the scalar attributes its code names; of lists, their
+items; of a log the function appends to, the objects in it, not its numbers). Computing
 it walks those objects at every call (the cost grows with the number of modules and tensors,
 never with their sizes; about 0.1 ms for a 12M-parameter MLP); tensor values are not part of
 it. A function that changes what it reaches at every call (a counter in a module attribute) is
@@ -51,6 +51,7 @@ from torch.utils import _pytree as pytree
 from .._core import detection, rules as D
 from .._core.detection import LRU, EntryLimit, Propagated
 from .._errors import DivjacError, RetraceWarning, StateUpdateError
+from ._aten import lacks_forward_derivative
 from ._branches import (
     MAX_BRANCHES as _MAX_BRANCHES,  # noqa: F401 (tests read it here)
     Branches,
@@ -64,7 +65,15 @@ from ._constants import (
     readable_constants,
 )
 from ._interpret import Interpreter, decompositions, is_convolution
-from ._reach import Checks, Reached, library, module_signature, reach
+from ._reach import (
+    Checks,
+    Reached,
+    changed_lists,
+    library,
+    mark_logs,
+    module_signature,
+    reach,
+)
 from ._running import (
     BatchNorm,
     KeptState,
@@ -214,6 +223,21 @@ class Traced(detection.Traced):
             ):
                 found.add("strided_group")
         return frozenset(found)
+
+    @functools.cached_property
+    def forward_less(self) -> frozenset[str]:
+        """The operations of the graph that PyTorch has no forward derivative for (``cdist``,
+        ``pdist``, ``cholesky``) on the path from the differentiated input: only reverse
+        passes go through them."""
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        live = {placeholders[self.x_pos]}
+        missing = set()
+        for node in self.gm.graph.nodes:
+            if node.op == "call_function" and any(a in live for a in node.all_input_nodes):
+                live.add(node)
+                if lacks_forward_derivative(node, live):
+                    missing.add(str(node.target))
+        return frozenset(missing)
 
     @functools.cached_property
     def has_convolution(self) -> bool:
@@ -416,7 +440,15 @@ def trace(
             raise
         _check_kept(fun, state, reached)
         taken = branch(gm, reached, actual) if on_values and actual is not None else None
-    _check_own_changes(fun, reached, reach(fun, static))
+    after = reach(fun, static)
+    logs = changed_lists(reached, after)
+    if logs and mark_logs(fun, logs):
+        # Lists the call itself changed are logs: keyed again without their contents, the
+        # next call finds this trace.
+        reached = reach(fun, static, record=memo is not _NO_MEMO)
+        key = _key(fun, options, leaves, dynamic, treedef, reached)
+    else:
+        _check_own_changes(fun, reached, after)
     readable, versioned = readable_constants(gm, reached)
     captured = captured_floats(gm)
     dropped = drop_constants(gm, keep=readable)
@@ -619,12 +651,11 @@ def _trace_graph(
     Fake tensors first (unless ``values``: the function is known to need its values), with
     autograd as the caller has it, then without it (some modules trace only so); if both fail
     (value-dependent control flow or shapes), the actual values. Functionalization removes
-    in-place mutation and aliasing from the graph. Random draws while tracing do not advance
+    in-place mutation and aliasing from the graph (:func:`_functional_trace`). Random draws while tracing do not advance
     the caller's generators; oneDNN is off (PyTorch then decomposes LSTMs into operations with
     rules rather than into ``mkldnn_rnn_layer``).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
 
     shapes = [tuple(t.shape) for t in tensors]
     shapes[x_pos] = detection.batch_first_shape(shapes[x_pos], batch_axis)
@@ -653,15 +684,7 @@ def _trace_graph(
                                 torch.empty(s, dtype=t.dtype, device=t.device)
                                 for s, t in zip(shapes, tensors, strict=True)
                             ]
-                    gm = make_fx(
-                        dispatch_functionalize(
-                            fn, FunctionalTensorMode(_allow_token_discovery=True)
-                        ),
-                        tracing_mode=mode,
-                        decomposition_table=decompositions(),
-                        _allow_non_fake_inputs=True,
-                        _error_on_data_dependent_ops=False,
-                    )(*inputs)
+                    gm = _functional_trace(fn, inputs, mode)
                 drop_effect_tokens(gm)
                 check_static(gm)
                 return gm, mode == "real"
@@ -670,3 +693,72 @@ def _trace_graph(
             except Exception as err:
                 errors.append(err)
     raise errors[-1] if len(errors) > 2 else errors[0]
+
+
+def _functional_trace(
+    fn: Callable[..., Any], inputs: Sequence[torch.Tensor], mode: Literal["fake", "real"]
+) -> torch.fx.GraphModule:
+    """The functionalized ATen graph of ``fn`` on ``inputs``.
+
+    Functionalization wraps the inputs only: where ``fn`` writes a traced value into a tensor
+    computed from captured ones alone (``cosine_similarity`` clamps the norm of a captured
+    operand in place with a scalar it builds; ``batch_norm`` updates captured running
+    statistics), PyTorch refuses with an internal assert. The graph is then traced without
+    functionalization, its tensor constants made inputs, and that graph functionalized; the
+    constants go back in, and the writes into them are dropped (detection and the graph's
+    evaluations never update the caller's tensors)."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
+
+    def traced(f: Callable[..., Any], functional: bool) -> Callable[..., torch.fx.GraphModule]:
+        return make_fx(
+            dispatch_functionalize(f, FunctionalTensorMode(_allow_token_discovery=True))
+            if functional
+            else f,
+            tracing_mode=mode,
+            decomposition_table=decompositions(),
+            _allow_non_fake_inputs=True,
+            _error_on_data_dependent_ops=False,
+        )
+
+    try:
+        return traced(fn, True)(*inputs)
+    except RuntimeError as err:
+        if "mutating a non-functional tensor with a functional tensor" not in str(err):
+            raise
+        refused = err
+    plain = traced(fn, False)(*inputs)
+    graph = plain.graph
+    constants = [
+        node
+        for node in graph.nodes
+        if node.op == "get_attr" and isinstance(getattr(plain, str(node.target)), torch.Tensor)
+    ]
+    names = list(dict.fromkeys(str(node.target) for node in constants))
+    first = next(node for node in graph.nodes if node.op != "placeholder")
+    with graph.inserting_before(first):
+        lifted = {name: graph.placeholder(f"_divjac_const_{i}") for i, name in enumerate(names)}
+    for node in constants:
+        node.replace_all_uses_with(lifted[str(node.target)])
+        graph.erase_node(node)
+    plain.recompile()
+    values = [getattr(plain, name) for name in names]
+    try:
+        gm = traced(plain, True)(*inputs, *values)
+    except RuntimeError:
+        raise refused from None
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    consts = placeholders[len(inputs) :]
+    for node in list(gm.graph.nodes):  # the writes back into the constants
+        if node.target is torch.ops.aten.copy_.default and node.args[0] in consts:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    with gm.graph.inserting_before(placeholders[-1].next):
+        for i, (node, value) in enumerate(zip(consts, values, strict=True)):
+            name = f"_divjac_const_{i}"
+            setattr(gm, name, value)
+            const = gm.graph.create_node("get_attr", name)
+            const.meta.update(node.meta)
+            node.replace_all_uses_with(const)
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm

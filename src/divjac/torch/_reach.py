@@ -4,9 +4,11 @@ guards): :func:`reach` walks it and gives its signature.
 The signature holds the modules (class, train/eval mode, plain Python attributes, hooks, and the
 identity, shape, dtype and device of their parameters and buffers), and the tensors, scalars,
 containers and objects reachable from the function's closure, globals, defaults and ``self``
-(of plain objects, the scalar attributes its code names; of lists, the objects in them, not their
-numbers: a log the function appends to changes nothing), and the grad mode. Tensor values are
-not part of it.
+(of plain objects, the scalar attributes its code names; of lists, their items, numbers
+included: the dimensions a list gives ``movedim`` or ``permute`` change the program), and the
+grad mode. Tensor values are not part of it. A list that the function's own call changes (a log
+it appends to) counts by the objects in it alone, not by its numbers nor its length
+(:func:`changed_lists`, :func:`mark_logs`): logging a call does not re-trace the next one.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["Reached", "library", "module_signature", "reach"]
+__all__ = ["Reached", "changed_lists", "library", "mark_logs", "module_signature", "reach"]
 
 # Containers longer than this are not walked (their contents are not guarded).
 _MAX_ITEMS = 64
@@ -205,6 +207,8 @@ class Reached:
         signature: hashable; equal for two calls when everything found is the same, up to the
             values of floating-point tensors and the identity of those outside modules.
         checks: with ``record``, what tells that nothing the walk read has changed.
+        lists: per list met, in the order met, what its items were (numbers and strings
+            themselves, other objects by ``id``; ``None`` for a log).
     """
 
     modules: tuple[nn.Module, ...]
@@ -213,6 +217,46 @@ class Reached:
     identified: tuple[Any, ...]
     signature: tuple[Hashable, ...]
     checks: Checks | None = None
+    lists: tuple[tuple[Any, ...] | None, ...] = ()
+
+
+# Per function (its code, the function of a method, or the callable itself; weakly): the
+# positions, in the order :func:`reach` meets lists, of the lists its own calls change.
+_LOGS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def _owner(fun: Any) -> Any:
+    return getattr(fun, "__code__", None) or getattr(fun, "__func__", fun)
+
+
+def _logs_of(fun: Any) -> frozenset[int]:
+    try:
+        return _LOGS.get(_owner(fun), frozenset())
+    except TypeError:  # not weakly referenceable
+        return frozenset()
+
+
+def changed_lists(before: Reached, after: Reached) -> frozenset[int]:
+    """The positions of the lists that changed between two walks of the same function (the
+    ones its call changed: logs), none when the walks met different lists."""
+    if len(before.lists) != len(after.lists):
+        return frozenset()
+    return frozenset(
+        i
+        for i, (a, b) in enumerate(zip(before.lists, after.lists, strict=True))
+        if a is not None and a != b
+    )
+
+
+def mark_logs(fun: Any, positions: frozenset[int]) -> bool:
+    """Count the lists at ``positions`` of the walks of ``fun`` as its logs from now on;
+    whether ``fun`` can have logs (a callable that cannot be weakly referenced cannot)."""
+    try:
+        owner = _owner(fun)
+        _LOGS[owner] = _LOGS.get(owner, frozenset()) | positions
+    except TypeError:
+        return False
+    return True
 
 
 def reach(fun: Callable[..., Any], static: Sequence[Any], *, record: bool = False) -> Reached:
@@ -230,7 +274,7 @@ def reach(fun: Callable[..., Any], static: Sequence[Any], *, record: bool = Fals
     walking again, that nothing it read has changed (``None`` where it met what they cannot
     check).
     """
-    walk = _Walk(record=record)
+    walk = _Walk(record=record, logs=_logs_of(fun))
     walk.visit(fun, _DEPTH)
     for leaf in static:
         walk.visit(leaf, 2)
@@ -243,6 +287,7 @@ def reach(fun: Callable[..., Any], static: Sequence[Any], *, record: bool = Fals
         identified=tuple(walk.identified),
         signature=tuple(walk.sig),
         checks=None if checks is None else Checks(checks),
+        lists=tuple(walk.lists),
     )
 
 
@@ -287,8 +332,10 @@ class _Walk:
     """One walk of :func:`reach` (appends to ``sig`` in a deterministic order; with ``record``,
     to ``checks`` what :class:`Checks` needs)."""
 
-    def __init__(self, *, record: bool = False) -> None:
+    def __init__(self, *, record: bool = False, logs: frozenset[int] = frozenset()) -> None:
         self.record = record
+        self.logs = logs
+        self.lists: list[tuple[Any, ...] | None] = []  # see Reached.lists
         self.checks: list[tuple[Any, ...]] = []
         self.checkable = _dict_version is not None
         self.sig: list[Any] = []  # hashable values
@@ -327,10 +374,16 @@ class _Walk:
             return
         self.seen.add(id(obj))
         sig.append(kind)
+        log = False
+        if isinstance(obj, list):
+            log = len(self.lists) in self.logs
+            self.lists.append(
+                None if log else tuple(v if type(v) in _ATOMS else id(v) for v in obj)
+            )
         if self.record:
-            self.check_object(obj)
+            self.check_object(obj, log=log)
         if isinstance(obj, list | tuple | dict):
-            self.container(obj, depth)
+            self.container(obj, depth, log=log)
         elif isinstance(obj, types.FunctionType):
             self.function(obj, depth)
         elif isinstance(obj, types.MethodType):
@@ -360,10 +413,12 @@ class _Walk:
             self.sig.append(id(t))
             self.identified.append(t)
 
-    def container(self, obj: list[Any] | tuple[Any, ...] | dict[Any, Any], depth: int) -> None:
-        if isinstance(obj, list):
-            # Often a log the function appends to: only the objects in it count, not its
-            # numbers and strings, nor its length.
+    def container(
+        self, obj: list[Any] | tuple[Any, ...] | dict[Any, Any], depth: int, *, log: bool = False
+    ) -> None:
+        if log:
+            # A log the function appends to: only the objects in it count, not its numbers
+            # and strings, nor its length.
             if len(obj) <= _MAX_ITEMS:
                 for value in obj:
                     if type(value) not in _ATOMS:
@@ -495,15 +550,15 @@ class _Walk:
         except TypeError:  # a dict, a list: held (kept alive) by the check
             return (_SAME, value, _version(value) if isinstance(value, dict) else None)
 
-    def check_object(self, obj: Any) -> None:
+    def check_object(self, obj: Any, *, log: bool = False) -> None:
         """What tells that an object walked by :meth:`visit` (not a module, not a function)
-        still holds what the walk read from it."""
+        still holds what the walk read from it (of a ``log``, the objects in it)."""
         checks = self.checks
         if isinstance(obj, dict):
             checks.append((_DICT, obj, _version(obj)))
         elif isinstance(obj, list):
             short = len(obj) <= _MAX_ITEMS
-            items = tuple(None if type(v) in _ATOMS else self.slot(v) for v in obj)
+            items = tuple(None if log and type(v) in _ATOMS else self.slot(v) for v in obj)
             checks.append((_LIST, obj, items if short else None))
         elif isinstance(obj, functools.partial):
             checks.append((_DICT, obj.keywords, _version(obj.keywords)))

@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from .._core import rules as D
 from .._core.rules import Deps, Op, Rule
-from ._aten import bind, dims, is_tensor, packet, shape
+from ._aten import bind, dim, dims, is_tensor, packet, shape
 from ._graph import Graph
 
 __all__ = ["TABLE", "Extract", "add", "tensor_args"]
@@ -112,7 +112,7 @@ def _view(g: Graph, node: torch.fx.Node) -> Extracted | None:
         order = dims(bind(node)["dims"], ndim)
     elif name in ("transpose", "transpose_copy"):
         b = bind(node)
-        i, j = int(b["dim0"]) % max(ndim, 1), int(b["dim1"]) % max(ndim, 1)
+        i, j = dim(b["dim0"], ndim), dim(b["dim1"], ndim)
         if ndim:
             order[i], order[j] = j, i
     elif name in ("t", "t_copy"):
@@ -152,7 +152,7 @@ def _index_axes(node: torch.fx.Node) -> tuple[Any, list[int]]:
     data = b.get("self", b.get("weight"))
     ndim = len(shape(data.meta["val"])) if isinstance(data, torch.fx.Node) else 0
     if name in ("index_select", "gather"):
-        return data, [int(b["dim"]) % ndim]
+        return data, [dim(b["dim"], ndim)]
     if name == "embedding":
         return data, [0]
     if name in ("index", "_unsafe_index", "_unsafe_masked_index"):
@@ -439,9 +439,9 @@ def _index_or_zeros(g: Graph, arg: Any) -> tuple[Any, bool]:
 def _scatter(g: Graph, node: torch.fx.Node) -> Extracted:
     b = bind(node)
     out = shape(node.meta["val"])
-    dim = int(b["dim"]) % len(out)
+    axis = dim(b["dim"], len(out))
     index, known = _index_or_zeros(g, b["index"])
-    dest = torch.gather(_positions(out), dim, index)
+    dest = torch.gather(_positions(out), axis, index)
     src = b.get("src")
     source: Any
     if isinstance(src, torch.fx.Node):  # only src[:index.shape] is scattered
@@ -454,19 +454,19 @@ def _scatter(g: Graph, node: torch.fx.Node) -> Extracted:
         "target": _targets(dest),
         "source_index": source_index,
         "overwrite": packet(node.target) == "scatter" and b.get("reduce") is None,
-        "unknown_axes": None if known else [dim],
+        "unknown_axes": None if known else [axis],
     }
 
 
 def _index_add(g: Graph, node: torch.fx.Node) -> Extracted:
     b = bind(node)
     out = shape(node.meta["val"])
-    dim = int(b["dim"]) % len(out)
+    axis = dim(b["dim"], len(out))
     index, known = _index_or_zeros(g, b["index"])
     return [b["self"], b["source"]], {
-        "target": _targets(torch.index_select(_positions(out), dim, index)),
+        "target": _targets(torch.index_select(_positions(out), axis, index)),
         "overwrite": packet(node.target) == "index_copy",
-        "unknown_axes": None if known else [dim],
+        "unknown_axes": None if known else [axis],
     }
 
 

@@ -53,6 +53,8 @@ def cumulative(deps: Deps, axis: int, *, reverse: bool = False) -> Deps:
     Computed by log-step doubling (union with copies shifted by 1, 2, 4, ...), so the cost is
     ``log2(length)`` unions rather than one product per prefix.
     """
+    if not deps.shape:  # a 0-d operand (PyTorch's axis 0 of length one)
+        return deps
     axis = axis % len(deps.shape)
     length = deps.shape[axis]
     idx = arange(deps.shape)

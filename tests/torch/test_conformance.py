@@ -1,0 +1,207 @@
+"""Conformance on PyTorch's own op samples (issue 22, defects 5 and 11), and the OpInfo sweep.
+
+The scenario tests run by default; :func:`test_opinfo_sweep` (slow) sweeps the whole database
+and keeps ``docs/conformance-torch.md`` in step (``DIVJAC_UPDATE_DOCS=1`` rewrites it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from divjac import DenseFallbackWarning, OptionError
+from divjac.torch import divergence, jacobian, sparsity
+
+D = torch.float64
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _check(f, x, modes=("auto", "sparse")):
+    """``jacobian`` equals the Jacobian of plain backward passes; the pattern holds its
+    nonzeros."""
+    want = torch.autograd.functional.jacobian(f, x)
+    for mode in modes:
+        got = jacobian(f, batch_axis=None, mode=mode)(x)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    dense = (want.reshape(-1, max(x.numel(), 1)) != 0).numpy()
+    pattern = sparsity(f, batch_axis=None)(x).csr.toarray().astype(bool)
+    assert not (dense & ~pattern).any()
+
+
+def test_movedim_with_dims_in_a_captured_list_is_traced_per_permutation():
+    """Defect 5: lists count by their numbers in the cache key (dimensions change the program):
+    a second permutation of the same shape missed 22 nonzeros and failed a shape check."""
+    x = torch.randn(4, 3, 2, 1, dtype=D, generator=_gen())
+
+    def make(source, destination):
+        return lambda x: torch.movedim(x, source, destination)
+
+    for destination in ([3, 2, 1, 0], [1, 2, 3, 0], [0, 3, 1, 2]):
+        _check(make([0, 1, 2, 3], destination), x)
+
+
+def test_a_list_the_caller_changes_in_place_retraces():
+    dims = [1, 0]
+
+    def f(x):
+        return x.permute(*dims).sin()
+
+    x = torch.randn(3, 2, dtype=D, generator=_gen())
+    _check(f, x)
+    dims[:] = [0, 1]
+    _check(f, torch.randn(2, 3, dtype=D, generator=_gen(1)).T.contiguous().T.contiguous())
+
+
+def test_a_log_the_function_appends_to_keeps_its_trace(traces_made):
+    log = []
+
+    def f(x):
+        log.append(len(log))
+        return torch.tanh(x)
+
+    div = divergence(f)
+    for seed in range(4):
+        div(torch.randn(3, 4, dtype=D, generator=_gen(seed)))
+    assert traces_made[0] == 1
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        torch.cumsum,
+        torch.cumprod,
+        torch.logcumsumexp,
+        lambda x, dim: torch.index_add(x, dim, torch.tensor([0]), torch.tensor(2.0, dtype=D)),
+        lambda x, dim: torch.index_copy(x, dim, torch.tensor([0]), torch.tensor(2.0, dtype=D)),
+    ],
+    ids=["cumsum", "cumprod", "logcumsumexp", "index_add", "index_copy"],
+)
+@pytest.mark.parametrize("dim", [0, -1])
+def test_cumulative_and_index_ops_of_a_0d_tensor(op, dim):
+    """Defect 11: the axis of a 0-d tensor (0 or -1, of length one) divided by zero."""
+    _check(lambda x: op(x, dim), torch.tensor(-1.5, dtype=D))
+
+
+def _batch_norm_stats():
+    return torch.zeros(3, dtype=D), torch.ones(3, dtype=D)
+
+
+@pytest.mark.parametrize(
+    "scenario", ["cosine_similarity", "batch_norm_training", "instance_norm_stats"]
+)
+def test_a_traced_value_written_into_a_captured_tensor(scenario):
+    """Defect 11: functionalization refused (INTERNAL ASSERT) where a traced value is written
+    into a tensor computed from captured ones: the graph is functionalized with its constants
+    made inputs. Detection leaves the caller's running statistics alone."""
+    x = torch.randn(4, 3, 5, dtype=D, generator=_gen())
+    other = torch.randn(4, 3, 5, dtype=D, generator=_gen(1))
+    mean, var = _batch_norm_stats()
+    if scenario == "cosine_similarity":
+
+        def f(x):
+            return torch.cosine_similarity(x, other, dim=1)
+
+    elif scenario == "batch_norm_training":
+
+        def f(x):
+            return torch.nn.functional.batch_norm(x, mean, var, training=True, momentum=0.5)
+
+    else:
+
+        def f(x):
+            return torch.nn.functional.instance_norm(x, mean, var, momentum=0.5)
+
+    pattern = sparsity(f, batch_axis=None)(x)
+    assert torch.equal(mean, torch.zeros(3, dtype=D)) and torch.equal(var, torch.ones(3, dtype=D))
+    want = torch.func.jacrev(f)(x).reshape(-1, x.numel())
+    assert not ((want != 0).numpy() & ~pattern.csr.toarray().astype(bool)).any()
+    got = jacobian(f, batch_axis=None)(x).reshape(-1, x.numel())
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_no_forward_derivative_pushes_rows():
+    """Defect 11: ``pdist`` (as ``cdist``) has no forward derivative in PyTorch: auto and sparse
+    push rows (columns would be fewer), an explicit ``mode="fwd"`` names the op."""
+    x = torch.randn(6, 2, dtype=D, generator=_gen())
+    with pytest.warns(DenseFallbackWarning, match="_pdist_forward"):
+        _check(torch.pdist, x, modes=("auto", "sparse", "rev"))
+    with pytest.raises(OptionError, match=r"aten\._pdist_forward"):
+        jacobian(torch.pdist, batch_axis=None, mode="fwd")(x)
+
+
+def test_cdist_refuses_forward_passes():
+    other = torch.randn(9, 2, dtype=D, generator=_gen(1))
+    x = torch.randn(6, 2, dtype=D, generator=_gen())
+    with pytest.raises(OptionError, match=r"aten\._cdist_forward"):
+        jacobian(lambda x: torch.cdist(x, other), batch_axis=None, mode="fwd")(x)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch 2.13: cdist's backward under vmap is wrong (jacrev is too); divjac's rows "
+    "are batched VJPs",
+)
+@pytest.mark.parametrize("mode", ["auto", "sparse"])
+def test_cdist_jacobian(mode):
+    other = torch.randn(9, 2, dtype=D, generator=_gen(1))
+    _check(lambda x: torch.cdist(x, other), torch.randn(6, 2, dtype=D, generator=_gen()), (mode,))
+
+
+# --- the OpInfo sweep ---------------------------------------------------------------------------
+
+# Representative ops (elementwise, reductions, movement, indexing, linear algebra, convolution,
+# normalization, distance) and the defect ops of issue 22.
+FAST = [
+    "sin",
+    "sum",
+    "matmul",
+    "movedim",
+    "index_add",
+    "nn.functional.conv2d",
+    "softmax",
+    "nn.functional.cosine_similarity",
+    "nn.functional.instance_norm",
+    "nn.functional.batch_norm",
+    "cdist",
+    "pdist",
+]
+
+
+@pytest.fixture(scope="module")
+def op_db():
+    pytest.importorskip("expecttest")
+    from tests.torch import opinfo
+
+    return {opinfo.op_name(op): op for op in opinfo.differentiable_ops()}
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_opinfo_samples(op_db, name):
+    from tests.torch import opinfo
+
+    result = opinfo.sweep_op(op_db[name])
+    assert not result.defects, result.defects
+    assert any(o.verdict == "ok" for o in result.outcomes["jacobian"])
+
+
+@pytest.mark.slow
+def test_opinfo_sweep(op_db):
+    """Every differentiable float64 op: no wrong value, no missed nonzero, no crash beyond
+    those listed in the table; the committed table is the one the sweep renders."""
+    from tests.torch import opinfo
+
+    results = [opinfo.sweep_op(op) for op in op_db.values()]
+    text = opinfo.render(results)
+    if os.environ.get("DIVJAC_UPDATE_DOCS") == "1":
+        opinfo.DOC.write_text(text)
+    assert opinfo.DOC.read_text() == text, (
+        "docs/conformance-torch.md is not what the sweep renders: run the slow test with "
+        "DIVJAC_UPDATE_DOCS=1 and commit it"
+    )
