@@ -581,6 +581,17 @@ def _to_copy_rule(
     return y, _map(a, lambda t: t.to(dtype=y.dtype, device=y.device))
 
 
+@_rule(aten.copy.default)
+def _copy_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    # copy(self, src): src's values in self's shape and dtype (the functional form of copy_,
+    # in circular padding and in-place writes; torch has no forward derivative for it).
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    b = sw.jet(node.args[1])
+    if b is None or not inexact(y):
+        return y, None
+    return y, _map(b, lambda t: _lift(t, y.ndim).to(y.dtype))
+
+
 @_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     x = args[0]
