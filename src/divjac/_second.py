@@ -150,7 +150,7 @@ def _unbatch(call: Call, result: Array, batch_axis: int | None) -> Array:
     return call.backend.moveaxis(result, 0, batch_axis % result.ndim)
 
 
-def _plan(call: Call, method: str, grad_spec: Spec, stochastic_method: bool) -> _Plan:
+def _plan(call: Call, method: str, stochastic_method: bool) -> _Plan:
     """Check coupling (raising as ``coupling`` says) and choose the directions: the colors of
     a diagonal coloring of the detected Hessian pattern (same-colored ``i != j`` have
     ``H_ij = H_ji = 0``) for ``"sparse"``, and for ``"auto"`` when they are at most half the
@@ -162,7 +162,9 @@ def _plan(call: Call, method: str, grad_spec: Spec, stochastic_method: bool) -> 
         return _Plan(True, None)
     if method not in ("sparse", "auto"):
         return _Plan(False, None)
-    grad_call = prepare(grad_spec, call.args, call.kwargs)
+    # The gradient's spec made here: under torch.compile this runs ahead of dynamo's trace,
+    # which cannot take the gradient's closure as an argument.
+    grad_call = prepare(_grad_spec(call.spec), call.args, call.kwargs)
     if method == "auto" and not auto_detects(grad_call, call.n_in):
         return _Plan(False, None)  # the colours could not pay for the detection
     hess = grad_call.detect(per_sample=True, auto=method == "auto")
@@ -281,12 +283,10 @@ def _coordinates(call: Call, randomness: Any, k: int) -> Array:
 # --- the Laplacian ------------------------------------------------------------------------------
 
 
-def _laplacian_values(
-    call: Call, opts: _Options, randomness: Any, grad_spec: Spec
-) -> tuple[Array, Array | None]:
+def _laplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Array, Array | None]:
     """``(Laplacian, stderr or None)``, batch first ``(B, *out)``."""
     stochastic_method = opts.method in SWEEP_STOCHASTIC
-    planned = call.backend.ahead(_plan, call, opts.method, grad_spec, stochastic_method)
+    planned = call.backend.ahead(_plan, call, opts.method, stochastic_method)
     if opts.method == "hutchinson":
         probes = _draw(call, randomness, _num_probes(opts, call.n_in), opts.distribution)
         terms = _sweep(call, probes, None, False, opts.chunk_size)
@@ -316,16 +316,15 @@ def _second_order_transform(
     fname: str,
     values: Callable[..., tuple[Array, Array | None]],
 ) -> Callable[..., Any]:
-    """``(*args) -> result``: ``values(call, randomness, grad_spec)`` laid out as ``u``'s
+    """``(*args) -> result``: ``values(call, randomness)`` laid out as ``u``'s
     output, with its stderr and aux as asked."""
     spec = Spec(backend, u, argnum, batch_axis, has_aux, coupling, fname)
-    grad_spec = _grad_spec(spec)
     stochastic_method = opts.method in SWEEP_STOCHASTIC
 
     def transformed(*args: Any, **kwargs: Any) -> Any:
         randomness, args = _split_randomness(backend, stochastic_method, args, fname)
         call = prepare(spec, args, kwargs)
-        result, err = values(call, randomness[0] if randomness else None, grad_spec)
+        result, err = values(call, randomness[0] if randomness else None)
         result = _unbatch(call, result, batch_axis)
         out = (result, _unbatch(call, err, batch_axis)) if opts.return_stderr else result
         return (out, _aux(call)) if has_aux else out
@@ -362,8 +361,8 @@ def laplacian(
         if method in _HVP_METHODS:
             return _hvp_laplacian(backend, u, argnum, batch_axis, has_aux, coupling, opts)
 
-        def values(call: Call, randomness: Any, grad_spec: Spec) -> Any:
-            return _laplacian_values(call, opts, randomness, grad_spec)
+        def values(call: Call, randomness: Any) -> Any:
+            return _laplacian_values(call, opts, randomness)
 
         return _second_order_transform(
             backend, u, argnum, batch_axis, has_aux, coupling, opts, fname, values
@@ -443,7 +442,7 @@ def _coefficient(call: Call, coefficient: Any, is_factor: bool) -> tuple[Array, 
 
 
 def _weighted_values(
-    call: Call, coefficient: Any, is_factor: bool, opts: _Options, randomness: Any, grad_spec: Spec
+    call: Call, coefficient: Any, is_factor: bool, opts: _Options, randomness: Any
 ) -> tuple[Array, Array | None]:
     """``(tr(A H), stderr or None)`` per sample and output component, batch first.
 
@@ -454,7 +453,7 @@ def _weighted_values(
     at ``A = kappa I``), and only ``A``'s symmetric part counts (as ``H`` is symmetric).
     """
     backend, B, n = call.backend, call.batch_size, call.n_in
-    planned = backend.ahead(_plan, call, "exact", grad_spec, opts.method == "hutchinson")
+    planned = backend.ahead(_plan, call, "exact", opts.method == "hutchinson")
     M, per_sample = _coefficient(call, coefficient, is_factor)
     shape = call.in_sample
     if opts.method == "hutchinson":
@@ -524,8 +523,8 @@ def weighted_laplacian(
     _check_options(opts, coupling, WeightedMethod, fname)
 
     def with_coefficient(coefficient: Any, *args: Any, **kwargs: Any) -> Any:
-        def values(call: Call, randomness: Any, grad_spec: Spec) -> Any:
-            return _weighted_values(call, coefficient, is_factor, opts, randomness, grad_spec)
+        def values(call: Call, randomness: Any) -> Any:
+            return _weighted_values(call, coefficient, is_factor, opts, randomness)
 
         transform = _second_order_transform(
             backend, u, argnums, batch_axis, has_aux, coupling, opts, fname, values
@@ -631,7 +630,7 @@ def _diagonal_values(
     """``(diagonal, stderr or None)``, batch first ``(B, *in)``."""
     backend, B, n = call.backend, call.batch_size, call.n_in
     hutchinson = opts.method == "hutchinson"
-    planned = backend.ahead(_plan, call, opts.method, grad_spec, hutchinson)
+    planned = backend.ahead(_plan, call, opts.method, hutchinson)
     backend.ahead(_require_scalar, call)
     if hutchinson:  # Bekas, Kokiopoulou & Saad: E[v * H v] = diag(H) when E[v v^T] = I
         k = _num_probes(opts, n)
