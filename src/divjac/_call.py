@@ -24,6 +24,7 @@ from ._core.detection import AUTO_DETECTION_ENTRIES, Detection, Traced
 from ._errors import ArgnumsError, BatchAxisError, InternalError, OptionError, OutputError
 
 __all__ = [
+    "BiLaplacianMethod",
     "Call",
     "Coupling",
     "DiagonalMethod",
@@ -67,6 +68,10 @@ estimated (``"hutchinson"``: Bekas, Kokiopoulou & Saad)."""
 
 WeightedMethod: TypeAlias = Literal["auto", "exact", "hutchinson"]
 """How ``tr(A H)`` is computed: exact (``"auto"``, ``"exact"``) or estimated (``"hutchinson"``)."""
+
+BiLaplacianMethod: TypeAlias = Literal["auto", "exact", "hutchinson"]
+"""How a bi-Laplacian is computed: exact (``"auto"``, ``"exact"``) or estimated
+(``"hutchinson"``: Gaussian directions)."""
 
 Distribution: TypeAlias = Literal["rademacher", "gaussian", "sphere"]
 """The distribution of the probes of a stochastic method."""

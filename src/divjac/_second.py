@@ -36,6 +36,7 @@ import numpy as np
 from . import _transforms as T
 from ._backend import Array, Backend
 from ._call import (
+    BiLaplacianMethod,
     Call,
     Coupling,
     DiagonalMethod,
@@ -62,6 +63,7 @@ from ._transforms import auto_detects, per_argnum, shaped, tuple_of
 
 __all__ = [
     "SWEEP_STOCHASTIC",
+    "bilaplacian",
     "coefficient_of",
     "hessian",
     "hessian_diagonal",
@@ -532,6 +534,93 @@ def weighted_laplacian(
         return transform(*args, **kwargs)
 
     return with_coefficient
+
+
+# --- the bi-Laplacian ---------------------------------------------------------------------------
+
+
+def _nested(call: Call, inner: Array, outer: Array, chunk_size: int | None) -> Array:
+    """``sum_j d^2/dw_j^2 sum_i d^2u/dv_i^2`` (``v`` the ``inner`` directions, ``w`` the
+    ``outer`` ones, ``[K, B or 1, *in]``): a collapsed sweep of a collapsed sweep, batch
+    first ``(B, *out)``."""
+    backend, f = call.backend, _values(call)
+
+    def second(xb: Array) -> Array:
+        return backend.second_order_sweep(f, xb, inner, weights=None, collapse=True)[2]
+
+    K = int(outer.shape[0])
+    chunk = backend.ahead(Call.chunk, call, K, chunk_size)
+    parts = [
+        backend.second_order_sweep(
+            second, call.xb, outer[i : i + chunk], weights=None, collapse=True
+        )[2]
+        for i in range(0, K, chunk)
+    ]
+    return sum(parts[1:], parts[0])
+
+
+def _bilaplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Array, Array | None]:
+    """``(bi-Laplacian, stderr or None)``, batch first ``(B, *out)``.
+
+    ``"exact"``: the Laplacian of the Laplacian, a collapsed sweep of the unit basis through
+    the collapsed sweep of the unit basis (``n`` outer directions each carrying the inner
+    sweep's ``n`` first-order terms: ``O(n^2)`` terms per value, as ``sum_ij`` needs, against
+    ``n`` Hessian-vector products of a function that itself makes ``n`` of them for nested
+    Hessians). ``"hutchinson"``: for ``v ~ N(0, I)``, ``E[v_i v_j v_k v_l] = d_ij d_kl +
+    d_ik d_jl + d_il d_jk``, so ``E[(v . grad)^4 u] = 3 sum_ij d^4u/dx_i^2 dx_j^2``: each probe
+    gives ``(v . grad)^4 u / 3``, the second directional derivative along ``v`` of the second
+    directional derivative along ``v``.
+    """
+    call.backend.ahead(_uncoupled, call, opts.method)
+    if opts.method == "hutchinson":
+        probes = _draw(call, randomness, _num_probes(opts, call.n_in), "gaussian")
+        terms = [
+            _nested(call, probes[i : i + 1], probes[i : i + 1], opts.chunk_size)
+            for i in range(int(probes.shape[0]))
+        ]
+        stacked = call.backend.concatenate([t[None] for t in terms]) / 3
+        return _mean_and_stderr(call, stacked, opts.return_stderr)
+    basis = _basis(call, None)
+    result = _nested(call, basis, basis, opts.chunk_size)
+    return result, (call.backend.zeros_like(result) if opts.return_stderr else None)
+
+
+def _uncoupled(call: Call, method: str) -> None:
+    """Refuse a function that mixes samples (with any ``coupling``)."""
+    found = call.detect(per_sample=False)
+    if found.coupling is not None:
+        raise checks.coupling_error(found.coupling, fname=call.spec.fname, method=method)
+
+
+def bilaplacian(
+    backend: Backend[Any],
+    u: Callable[..., Any],
+    argnums: int | Sequence[int],
+    *,
+    batch_axis: int | None,
+    method: BiLaplacianMethod,
+    num_probes: int | None,
+    return_stderr: bool,
+    chunk_size: int | None,
+    has_aux: bool,
+    coupling: Coupling,
+) -> Callable[..., Any]:
+    """Per-sample bi-Laplacian ``sum_ij d^4u/dx_i^2 dx_j^2`` of each output component (see
+    ``divjac.jax.bilaplacian``)."""
+    fname = "bilaplacian"
+    check_option("method", method, BiLaplacianMethod, fname=fname)
+    check_option("coupling", coupling, Coupling, fname=fname)
+    opts = _Options(method, num_probes, "gaussian", return_stderr, chunk_size)
+
+    def one(argnum: int) -> Callable[..., Any]:
+        def values(call: Call, randomness: Any) -> Any:
+            return _bilaplacian_values(call, opts, randomness)
+
+        return _second_order_transform(
+            backend, u, argnum, batch_axis, has_aux, coupling, opts, fname, values
+        )
+
+    return per_argnum(argnums, one, tuple_of(has_aux), fname=fname)
 
 
 # --- the Hessian and its diagonal ---------------------------------------------------------------
