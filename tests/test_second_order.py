@@ -621,7 +621,7 @@ def test_pinn_doc_runs_and_its_residuals_are_the_brute_force_ones() -> None:
     torch = pytest.importorskip("torch")
     doc = Path(__file__).resolve().parents[1] / "docs" / "pinn.md"
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     ns: dict[str, Any] = {}
     with jax.enable_x64(False):
         for block in blocks:
@@ -646,6 +646,15 @@ def test_pinn_doc_runs_and_its_residuals_are_the_brute_force_ones() -> None:
         )(x, t)
         fp = du_dt + flux_div - 0.5 * jnp.einsum("ij,bij->b", D, H)
         np.testing.assert_allclose(ns["fokker_planck"](params, x, t), fp, rtol=1e-4, atol=1e-5)
+        plate, pts = ns["plate"], ns["points"][:4]
+
+        def lap(z):
+            return jnp.trace(jax.hessian(lambda s: plate(s[None])[0])(z))
+
+        bilap = jax.vmap(lambda z: jnp.trace(jax.hessian(lap)(z)))(pts)
+        want_plate = ns["rigidity"] * bilap - ns["load"](pts)
+        np.testing.assert_allclose(ns["plate_residual"][:4], want_plate, rtol=1e-3, atol=1e-4)
+        assert np.all(np.isfinite(ns["stderr"])) and np.all(ns["stderr"] > 0)
     assert len(ns["torch_losses"]) == 5 and np.all(np.isfinite(ns["torch_losses"]))
     net, xs, ts = ns["net"], ns["xs"][:4], ns["ts"][:4]
     Ht = torch.func.vmap(torch.func.hessian(lambda xb, tb: net(xb[None], tb[None])[0]))(xs, ts)
