@@ -868,9 +868,10 @@ def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[
                     return jvp(fn, pt[:n], pt[n:])[1]
                 # J t as the transpose of the VJP (linear in its cotangent): built from the
                 # backward formulas, whose forward derivatives are right.
-                y, pull = vjp(fn, *pt[:n])
+                y, pull = vjp(fn, *pt[:n])[:2]
                 zeros = tuple(torch.zeros_like(o) for o in y)
-                return vjp(lambda *c: pull(c), *zeros)[1](tuple(pt[n:]))
+                transposed = vjp(lambda *c: pull(c), *zeros)[1]
+                return cast(tuple[Tensor, ...], transposed(tuple(pt[n:])))
 
             return jvp(lin, (*primals, *t[:n]), t)  # type: ignore[return-value]
 
