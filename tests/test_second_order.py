@@ -325,6 +325,38 @@ def test_sparse_sweeps_one_direction_per_color(ops: Ops, directions: list[int]) 
     assert directions == [5]
 
 
+def rosenbrock(o: Ops) -> Callable[..., Any]:
+    """A tridiagonal Hessian."""
+    return lambda x: o.sum(100.0 * (x[:, 1:] - x[:, :-1] ** 2) ** 2 + (1.0 - x[:, :-1]) ** 2, 1)
+
+
+def many_particles(o: Ops) -> Callable[..., Any]:
+    """:func:`particles` over 50 particles (Hessian nnz 800 of 40000)."""
+    w1, w2 = o.asarray(PARTICLE[0]), o.asarray(PARTICLE[1])
+    return lambda x: o.sum(o.tanh(x.reshape(x.shape[0], 50, 4) @ w1) @ w2, 1)
+
+
+@pytest.mark.parametrize(
+    ("case", "shape"),
+    [("particles", (2, 200)), ("rosenbrock", (2, 64)), ("cnn", (2, 2, 8, 8))],
+)
+def test_auto_takes_the_sparse_sweep(ops: Ops, directions: list[int], case: str, shape) -> None:
+    # The screening of the Hessian's pattern once called these dense: the value of the sum,
+    # which the gradient does not read, depends on every input.
+    u = {"particles": many_particles, "rosenbrock": rosenbrock, "cnn": cnn}[case](ops)
+    x, dj = _x(ops, shape), ops.dj
+    auto = dj.laplacian(u, method="auto")(x)
+    sparse = dj.laplacian(u, method="sparse")(x)
+    n_colors = dj.sparsity(_gradient_of(ops, u))(x).n_diagonal_colors
+    assert directions == [n_colors, n_colors]
+    assert 2 * n_colors <= int(np.prod(shape[1:]))
+    want = np.trace(
+        ops.hessians(u, x, ()).reshape(shape[0], -1, int(np.prod(shape[1:]))), axis1=1, axis2=2
+    )
+    _close(ops, auto, want)
+    _close(ops, sparse, want)
+
+
 def _gradient_of(o: Ops, u: Callable[..., Any]) -> Callable[..., Any]:
     from divjac import _second
 
@@ -595,7 +627,7 @@ def test_pinn_doc_runs_and_its_residuals_are_the_brute_force_ones() -> None:
     torch = pytest.importorskip("torch")
     doc = Path(__file__).resolve().parents[1] / "docs" / "pinn.md"
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     ns: dict[str, Any] = {}
     with jax.enable_x64(False):
         for block in blocks:
@@ -620,9 +652,108 @@ def test_pinn_doc_runs_and_its_residuals_are_the_brute_force_ones() -> None:
         )(x, t)
         fp = du_dt + flux_div - 0.5 * jnp.einsum("ij,bij->b", D, H)
         np.testing.assert_allclose(ns["fokker_planck"](params, x, t), fp, rtol=1e-4, atol=1e-5)
+        plate, pts = ns["plate"], ns["points"][:4]
+
+        def lap(z):
+            return jnp.trace(jax.hessian(lambda s: plate(s[None])[0])(z))
+
+        bilap = jax.vmap(lambda z: jnp.trace(jax.hessian(lap)(z)))(pts)
+        want_plate = ns["rigidity"] * bilap - ns["load"](pts)
+        np.testing.assert_allclose(ns["plate_residual"][:4], want_plate, rtol=1e-3, atol=1e-4)
+        assert np.all(np.isfinite(ns["stderr"])) and np.all(ns["stderr"] > 0)
     assert len(ns["torch_losses"]) == 5 and np.all(np.isfinite(ns["torch_losses"]))
     net, xs, ts = ns["net"], ns["xs"][:4], ns["ts"][:4]
     Ht = torch.func.vmap(torch.func.hessian(lambda xb, tb: net(xb[None], tb[None])[0]))(xs, ts)
     D = ns["sigma_t"] @ ns["sigma_t"].T
     want = torch.einsum("ij,bij->b", D, Ht).detach().numpy()
     np.testing.assert_allclose(ns["fp_diffusion"][:4].detach().numpy(), want, rtol=1e-4, atol=1e-5)
+
+
+# --- the bi-Laplacian ---------------------------------------------------------------------------
+
+
+def _fourth(o: Ops, u: Callable[..., Any], x: Any, v: np.ndarray | None) -> np.ndarray:
+    """Per sample, by nested Hessians in float64: ``sum_ij d^4u/dx_i^2 dx_j^2`` (``v=None``),
+    or ``(v_k . grad)^4 u`` for each probe ``v_k`` (``v``: ``(k, B, n)``), ``(k, B)``."""
+    xs = o.to_numpy(x)
+    if o.name == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        def one(z):
+            return u(z[None])[0]
+
+        if v is None:
+            lap = lambda z: jnp.trace(jax.hessian(one)(z))  # noqa: E731
+            return np.asarray(jax.vmap(lambda z: jnp.trace(jax.hessian(lap)(z)))(xs))
+        d = lambda g: jax.grad(g)  # noqa: E731
+        return np.array(
+            [
+                [
+                    d(d(d(d(lambda t, z=xs[b], w=vk[b]: one(z + t * w)))))(0.0)
+                    for b in range(len(xs))
+                ]
+                for vk in v
+            ]
+        )
+    import torch
+    from torch.func import grad, hessian
+
+    def one_t(z):
+        return u(z[None])[0]
+
+    rows = []
+    for b in range(len(xs)):
+        zb = torch.as_tensor(xs[b])
+        if v is None:
+            lap = lambda z: torch.trace(hessian(one_t)(z))  # noqa: E731
+            rows.append(float(torch.trace(hessian(lap)(zb))))
+        else:
+            d = lambda g: grad(g)  # noqa: E731
+            t0 = torch.tensor(0.0, dtype=torch.float64)
+            rows.append(
+                [
+                    float(
+                        d(d(d(d(lambda t, z=zb, w=vk[b]: one_t(z + t * torch.as_tensor(w))))))(t0)
+                    )
+                    for vk in v
+                ]
+            )
+    return np.array(rows) if v is None else np.array(rows).T
+
+
+@pytest.mark.parametrize("case", ["mlp", pytest.param("elementary", marks=pytest.mark.slow)])
+def test_bilaplacian_matches_nested_hessians(ops: Ops, case: str) -> None:
+    u = {"mlp": mlp, "elementary": elementary}[case](ops)
+    x = _x(ops, (B, 4 if case == "elementary" else 5))
+    want = _fourth(ops, u, x, None)
+    _close(ops, ops.dj.bilaplacian(u, method="exact")(x), want)
+    value, err = ops.dj.bilaplacian(u, return_stderr=True)(x)  # auto
+    _close(ops, value, want)
+    assert np.all(ops.to_numpy(err) == 0)
+
+
+def test_bilaplacian_hutchinson_on_the_callers_probes(ops: Ops) -> None:
+    # Each Gaussian probe's term is (v . grad)^4 u / 3; their mean and its standard error.
+    u, x = mlp(ops), _x(ops, (B, 5))
+    v = np.random.default_rng(9).normal(size=(3, B, 5))
+    terms = _fourth(ops, u, x, v) / 3
+    mean, err = ops.dj.bilaplacian(u, method="hutchinson", num_probes=3, return_stderr=True)(
+        ops.asarray(v), x
+    )
+    from divjac._core.estimators import hutchinson_from_terms
+
+    want_mean, want_err = hutchinson_from_terms(terms)
+    _close(ops, mean, want_mean)
+    _close(ops, err, want_err)
+
+
+@pytest.mark.slow
+def test_bilaplacian_hutchinson_is_unbiased(ops: Ops) -> None:
+    u, x = mlp(ops), _x(ops, (B, 5))
+    want = _fourth(ops, u, x, None)
+    mean, err = ops.dj.bilaplacian(u, method="hutchinson", num_probes=64, return_stderr=True)(
+        ops.randomness(3), x
+    )
+    z = (ops.to_numpy(mean) - want) / ops.to_numpy(err)
+    assert np.all(np.abs(z) < 4), z

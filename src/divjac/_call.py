@@ -34,6 +34,7 @@ from ._errors import (
 )
 
 __all__ = [
+    "BiLaplacianMethod",
     "Call",
     "Coupling",
     "DiagonalMethod",
@@ -80,6 +81,10 @@ estimated (``"hutchinson"``: Bekas, Kokiopoulou & Saad)."""
 
 WeightedMethod: TypeAlias = Literal["auto", "exact", "hutchinson"]
 """How ``tr(A H)`` is computed: exact (``"auto"``, ``"exact"``) or estimated (``"hutchinson"``)."""
+
+BiLaplacianMethod: TypeAlias = Literal["auto", "exact", "hutchinson"]
+"""How a bi-Laplacian is computed: exact (``"auto"``, ``"exact"``) or estimated
+(``"hutchinson"``: Gaussian directions)."""
 
 FrobeniusMethod: TypeAlias = Literal["auto", "exact", "sparse", "hutchinson"]
 """How a squared Frobenius norm (with or without the divergence) is computed: exact

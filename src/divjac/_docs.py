@@ -324,6 +324,29 @@ _DOCS: dict[str, _Doc] = {
             ("num_probes", _SECOND_PROBES),
         ),
     ),
+    "bilaplacian": _Doc(
+        """Per-sample bi-Laplacian ``sum_ij d^4u/dx_i^2 dx_j^2`` of each output component of ``u``.
+
+        The operator of the Kirchhoff plate and of biharmonic problems. ``"exact"`` (and
+        ``"auto"``): the Laplacian of the Laplacian, a collapsed Taylor sweep of the unit basis
+        through the collapsed sweep of the unit basis (``n^2`` second-order terms, no Hessian
+        is formed). ``"hutchinson"``: for Gaussian ``v``, ``E[(v . grad)^4 u] = 3 Delta^2 u``;
+        each probe gives ``(v . grad)^4 u / 3``, with a standard error.""",
+        ("u", "argnums", "batch_axis", "return_stderr", "chunk_size", "has_aux", "coupling"),
+        """A function with ``u``'s signature returning the per-sample bi-Laplacians, with the
+        shape of ``u``'s output.""",
+        _SECOND_RAISES,
+        stochastic=True,
+        own_args=(
+            ("u", _U_ANY),
+            (
+                "method",
+                """``"exact"``, ``"auto"`` (exact) or ``"hutchinson"`` (Gaussian
+                directions).""",
+            ),
+            ("num_probes", 'Gaussian probes per sample of ``"hutchinson"`` (default 16).'),
+        ),
+    ),
     "hessian": _Doc(
         """Per-sample Hessian of a scalar-per-sample function ``u: [B, *in] -> [B]``.
 

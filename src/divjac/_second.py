@@ -36,6 +36,7 @@ import numpy as np
 from . import _transforms as T
 from ._backend import Array, Backend
 from ._call import (
+    BiLaplacianMethod,
     Call,
     Coupling,
     DiagonalMethod,
@@ -63,6 +64,7 @@ from ._transforms import auto_detects, per_argnum, shaped, tuple_of
 
 __all__ = [
     "SWEEP_STOCHASTIC",
+    "bilaplacian",
     "coefficient_of",
     "hessian",
     "hessian_diagonal",
@@ -151,7 +153,7 @@ def _unbatch(call: Call, result: Array, batch_axis: int | None) -> Array:
     return call.backend.moveaxis(result, 0, batch_axis % result.ndim)
 
 
-def _plan(call: Call, method: str, grad_spec: Spec, stochastic_method: bool) -> _Plan:
+def _plan(call: Call, method: str, stochastic_method: bool) -> _Plan:
     """Check coupling (raising as ``coupling`` says) and choose the directions: the colors of
     a diagonal coloring of the detected Hessian pattern (same-colored ``i != j`` have
     ``H_ij = H_ji = 0``) for ``"sparse"``, and for ``"auto"`` when they are at most half the
@@ -163,7 +165,9 @@ def _plan(call: Call, method: str, grad_spec: Spec, stochastic_method: bool) -> 
         return _Plan(True, None)
     if method not in ("sparse", "auto"):
         return _Plan(False, None)
-    grad_call = prepare(grad_spec, call.args, call.kwargs)
+    # The gradient's spec made here: under torch.compile this runs ahead of dynamo's trace,
+    # which cannot take the gradient's closure as an argument.
+    grad_call = prepare(_grad_spec(call.spec), call.args, call.kwargs)
     if method == "auto" and not auto_detects(grad_call, call.n_in):
         return _Plan(False, None)  # the colours could not pay for the detection
     hess = grad_call.detect(per_sample=True, auto=method == "auto")
@@ -287,12 +291,10 @@ def _coordinates(call: Call, randomness: Any, k: int) -> Array:
 # --- the Laplacian ------------------------------------------------------------------------------
 
 
-def _laplacian_values(
-    call: Call, opts: _Options, randomness: Any, grad_spec: Spec
-) -> tuple[Array, Array | None]:
+def _laplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Array, Array | None]:
     """``(Laplacian, stderr or None)``, batch first ``(B, *out)``."""
     stochastic_method = opts.method in SWEEP_STOCHASTIC
-    planned = call.backend.ahead(_plan, call, opts.method, grad_spec, stochastic_method)
+    planned = call.backend.ahead(_plan, call, opts.method, stochastic_method)
     # A budget of n directions or more pays for the exact sweep (n directions, no error).
     if opts.method == "hutchinson" and _num_probes(opts, call.n_in) < call.n_in:
         probes = _draw(call, randomness, _num_probes(opts, call.n_in), opts.distribution)
@@ -323,16 +325,15 @@ def _second_order_transform(
     fname: str,
     values: Callable[..., tuple[Array, Array | None]],
 ) -> Callable[..., Any]:
-    """``(*args) -> result``: ``values(call, randomness, grad_spec)`` laid out as ``u``'s
+    """``(*args) -> result``: ``values(call, randomness)`` laid out as ``u``'s
     output, with its stderr and aux as asked."""
     spec = Spec(backend, u, argnum, batch_axis, has_aux, coupling, fname)
-    grad_spec = _grad_spec(spec)
     stochastic_method = opts.method in SWEEP_STOCHASTIC
 
     def transformed(*args: Any, **kwargs: Any) -> Any:
         randomness, args = _split_randomness(backend, stochastic_method, args, fname)
         call = prepare(spec, args, kwargs)
-        result, err = values(call, randomness[0] if randomness else None, grad_spec)
+        result, err = values(call, randomness[0] if randomness else None)
         result = _unbatch(call, result, batch_axis)
         out = (result, _unbatch(call, err, batch_axis)) if opts.return_stderr else result
         return (out, _aux(call)) if has_aux else out
@@ -370,8 +371,8 @@ def laplacian(
         if method in _HVP_METHODS:
             return _hvp_laplacian(backend, u, argnum, batch_axis, has_aux, coupling, opts)
 
-        def values(call: Call, randomness: Any, grad_spec: Spec) -> Any:
-            return _laplacian_values(call, opts, randomness, grad_spec)
+        def values(call: Call, randomness: Any) -> Any:
+            return _laplacian_values(call, opts, randomness)
 
         return _second_order_transform(
             backend, u, argnum, batch_axis, has_aux, coupling, opts, fname, values
@@ -451,7 +452,7 @@ def _coefficient(call: Call, coefficient: Any, is_factor: bool) -> tuple[Array, 
 
 
 def _weighted_values(
-    call: Call, coefficient: Any, is_factor: bool, opts: _Options, randomness: Any, grad_spec: Spec
+    call: Call, coefficient: Any, is_factor: bool, opts: _Options, randomness: Any
 ) -> tuple[Array, Array | None]:
     """``(tr(A H), stderr or None)`` per sample and output component, batch first.
 
@@ -462,7 +463,7 @@ def _weighted_values(
     at ``A = kappa I``), and only ``A``'s symmetric part counts (as ``H`` is symmetric).
     """
     backend, B, n = call.backend, call.batch_size, call.n_in
-    planned = backend.ahead(_plan, call, "exact", grad_spec, opts.method == "hutchinson")
+    planned = backend.ahead(_plan, call, "exact", opts.method == "hutchinson")
     M, per_sample = _coefficient(call, coefficient, is_factor)
     shape = call.in_sample
     # A budget of as many directions as the exact sum (n, or the factor's r) computes it.
@@ -534,8 +535,8 @@ def weighted_laplacian(
     _check_options(opts, coupling, WeightedMethod, fname)
 
     def with_coefficient(coefficient: Any, *args: Any, **kwargs: Any) -> Any:
-        def values(call: Call, randomness: Any, grad_spec: Spec) -> Any:
-            return _weighted_values(call, coefficient, is_factor, opts, randomness, grad_spec)
+        def values(call: Call, randomness: Any) -> Any:
+            return _weighted_values(call, coefficient, is_factor, opts, randomness)
 
         transform = _second_order_transform(
             backend, u, argnums, batch_axis, has_aux, coupling, opts, fname, values
@@ -543,6 +544,93 @@ def weighted_laplacian(
         return transform(*args, **kwargs)
 
     return with_coefficient
+
+
+# --- the bi-Laplacian ---------------------------------------------------------------------------
+
+
+def _nested(call: Call, inner: Array, outer: Array, chunk_size: int | None) -> Array:
+    """``sum_j d^2/dw_j^2 sum_i d^2u/dv_i^2`` (``v`` the ``inner`` directions, ``w`` the
+    ``outer`` ones, ``[K, B or 1, *in]``): a collapsed sweep of a collapsed sweep, batch
+    first ``(B, *out)``."""
+    backend, f = call.backend, _values(call)
+
+    def second(xb: Array) -> Array:
+        return backend.second_order_sweep(f, xb, inner, weights=None, collapse=True)[2]
+
+    K = int(outer.shape[0])
+    chunk = backend.ahead(Call.chunk, call, K, chunk_size)
+    parts = [
+        backend.second_order_sweep(
+            second, call.xb, outer[i : i + chunk], weights=None, collapse=True
+        )[2]
+        for i in range(0, K, chunk)
+    ]
+    return sum(parts[1:], parts[0])
+
+
+def _bilaplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Array, Array | None]:
+    """``(bi-Laplacian, stderr or None)``, batch first ``(B, *out)``.
+
+    ``"exact"``: the Laplacian of the Laplacian, a collapsed sweep of the unit basis through
+    the collapsed sweep of the unit basis (``n`` outer directions each carrying the inner
+    sweep's ``n`` first-order terms: ``O(n^2)`` terms per value, as ``sum_ij`` needs, against
+    ``n`` Hessian-vector products of a function that itself makes ``n`` of them for nested
+    Hessians). ``"hutchinson"``: for ``v ~ N(0, I)``, ``E[v_i v_j v_k v_l] = d_ij d_kl +
+    d_ik d_jl + d_il d_jk``, so ``E[(v . grad)^4 u] = 3 sum_ij d^4u/dx_i^2 dx_j^2``: each probe
+    gives ``(v . grad)^4 u / 3``, the second directional derivative along ``v`` of the second
+    directional derivative along ``v``.
+    """
+    call.backend.ahead(_uncoupled, call, opts.method)
+    if opts.method == "hutchinson":
+        probes = _draw(call, randomness, _num_probes(opts, call.n_in), "gaussian")
+        terms = [
+            _nested(call, probes[i : i + 1], probes[i : i + 1], opts.chunk_size)
+            for i in range(int(probes.shape[0]))
+        ]
+        stacked = call.backend.concatenate([t[None] for t in terms]) / 3
+        return _mean_and_stderr(call, stacked, opts.return_stderr)
+    basis = _basis(call, None)
+    result = _nested(call, basis, basis, opts.chunk_size)
+    return result, (call.backend.zeros_like(result) if opts.return_stderr else None)
+
+
+def _uncoupled(call: Call, method: str) -> None:
+    """Refuse a function that mixes samples (with any ``coupling``)."""
+    found = call.detect(per_sample=False)
+    if found.coupling is not None:
+        raise checks.coupling_error(found.coupling, fname=call.spec.fname, method=method)
+
+
+def bilaplacian(
+    backend: Backend[Any],
+    u: Callable[..., Any],
+    argnums: int | Sequence[int],
+    *,
+    batch_axis: int | None,
+    method: BiLaplacianMethod,
+    num_probes: int | None,
+    return_stderr: bool,
+    chunk_size: int | None,
+    has_aux: bool,
+    coupling: Coupling,
+) -> Callable[..., Any]:
+    """Per-sample bi-Laplacian ``sum_ij d^4u/dx_i^2 dx_j^2`` of each output component (see
+    ``divjac.jax.bilaplacian``)."""
+    fname = "bilaplacian"
+    check_option("method", method, BiLaplacianMethod, fname=fname)
+    check_option("coupling", coupling, Coupling, fname=fname)
+    opts = _Options(method, num_probes, "gaussian", return_stderr, chunk_size)
+
+    def one(argnum: int) -> Callable[..., Any]:
+        def values(call: Call, randomness: Any) -> Any:
+            return _bilaplacian_values(call, opts, randomness)
+
+        return _second_order_transform(
+            backend, u, argnum, batch_axis, has_aux, coupling, opts, fname, values
+        )
+
+    return per_argnum(argnums, one, tuple_of(has_aux), fname=fname)
 
 
 # --- the Hessian and its diagonal ---------------------------------------------------------------
@@ -641,7 +729,7 @@ def _diagonal_values(
     """``(diagonal, stderr or None)``, batch first ``(B, *in)``."""
     backend, B, n = call.backend, call.batch_size, call.n_in
     hutchinson = opts.method == "hutchinson"
-    planned = backend.ahead(_plan, call, opts.method, grad_spec, hutchinson)
+    planned = backend.ahead(_plan, call, opts.method, hutchinson)
     backend.ahead(_require_scalar, call)
     # Bekas, Kokiopoulou & Saad: E[v * H v] = diag(H) when E[v v^T] = I; a budget of n
     # probes or more pays for the exact diagonal (n directions, no error).

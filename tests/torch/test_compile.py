@@ -48,8 +48,15 @@ def _losses(net: nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]
         y, div = dj.value_and_divergence(net)(x)
         return (y.sum(1) * div).sum()
 
+    A = torch.eye(4, dtype=torch.float64) + 0.1
+    factor = torch.linspace(-1.0, 1.0, 8, dtype=torch.float64).reshape(4, 2)
     return {
         "exact": lambda x: (dj.divergence(net, method="exact")(x) ** 2).sum(),
+        "laplacian": lambda x: (dj.laplacian(net)(x) ** 2).sum(),
+        "weighted_laplacian": lambda x: (dj.weighted_laplacian(net, A)(x) ** 2).sum(),
+        "weighted_laplacian_factor": lambda x: (
+            dj.weighted_laplacian(net, factor=factor)(x) ** 2
+        ).sum(),
         "sparse": lambda x: (dj.divergence(net, method="sparse")(x) ** 2).sum(),
         "hutchinson": lambda x: (
             dj.divergence(net, method="hutchinson", num_probes=2)(probes, x) ** 2

@@ -5,6 +5,7 @@ Importing this module imports JAX (and never PyTorch).
 
 from .._core.pattern import SparsityPattern as SparsityPattern
 from ._api import (
+    bilaplacian as bilaplacian,
     clear_caches as clear_caches,
     divergence as divergence,
     divergence_from_pattern as divergence_from_pattern,
@@ -26,6 +27,7 @@ from ._table import register_rule as register_rule
 
 __all__ = [
     "SparsityPattern",
+    "bilaplacian",
     "clear_caches",
     "divergence",
     "divergence_from_pattern",

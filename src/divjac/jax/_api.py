@@ -15,6 +15,7 @@ import jax
 
 from .. import _divergence as D, _functionals as F, _second as S, _transforms as T
 from .._call import (
+    BiLaplacianMethod,
     Coupling,
     DiagonalMethod,
     Direction,
@@ -34,6 +35,7 @@ from . import _detect, _eager
 from ._backend import BACKEND
 
 __all__ = [
+    "bilaplacian",
     "clear_caches",
     "divergence",
     "divergence_from_pattern",
@@ -324,6 +326,43 @@ def laplacian(
         method=method,
         num_probes=num_probes,
         distribution=distribution,
+        return_stderr=return_stderr,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+        coupling=coupling,
+    )
+
+
+@documented()
+def bilaplacian(
+    u: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    method: BiLaplacianMethod = "auto",
+    num_probes: int | None = None,
+    return_stderr: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    coupling: Coupling = "raise",
+) -> Callable[..., Any]:
+    """{bilaplacian}
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from divjac.jax import bilaplacian
+        >>> bilaplacian(lambda x: jnp.sum(x**4, axis=1))(jnp.ones((2, 3))).tolist()
+        [72.0, 72.0]
+    """
+    return _compiled_when_eager(
+        S.bilaplacian,
+        u,
+        argnums,
+        skip=_randomness(method),
+        batch_axis=batch_axis,
+        method=method,
+        num_probes=num_probes,
         return_stderr=return_stderr,
         chunk_size=chunk_size,
         has_aux=has_aux,

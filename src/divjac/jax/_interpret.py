@@ -43,6 +43,20 @@ def last_uses(jaxpr: Any) -> list[list[Any]]:
     return done
 
 
+def live_equations(jaxpr: Any) -> list[bool]:
+    """Per equation, whether the program's outputs read what it makes. Dead equations (the
+    value of a loss whose gradient is the function) are not propagated: their dependency sets
+    would be paid for, and a dense one would end a screening that the output never sees."""
+    needed = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    live = [False] * len(jaxpr.eqns)
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[i]
+        if any(v in needed for v in eqn.outvars):
+            live[i] = True
+            needed.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+    return live
+
+
 class Interpreter:
     """Propagates dependency sets through jaxprs.
 
@@ -105,10 +119,13 @@ class Interpreter:
             scope.deps[var] = dep
             if in_values is not None and in_values[i] is not None:
                 scope.values.set(var, in_values[i])
-        for eqn, done in zip(jaxpr.eqns, last_uses(jaxpr), strict=True):
-            ins = [scope.read(v) for v in eqn.invars]
+        live = live_equations(jaxpr)
+        for eqn, done, alive in zip(jaxpr.eqns, last_uses(jaxpr), live, strict=True):
+            ins = [scope.read(v) for v in eqn.invars] if alive else []
             # (constants and parameters: nothing depends on the labels)
-            if not all(d.is_empty for d in ins) or eqn.primitive.name in ("while", "scan"):
+            if alive and (
+                not all(d.is_empty for d in ins) or eqn.primitive.name in ("while", "scan")
+            ):
                 outs = self._eqn(scope, eqn, ins)
                 for var, dep in zip(eqn.outvars, outs, strict=True):
                     if is_inexact(var.aval) and not dep.is_empty:

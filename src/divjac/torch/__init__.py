@@ -6,6 +6,7 @@ traced with ``make_fx``. Importing this module imports PyTorch (and never JAX).
 
 from .._core.pattern import SparsityPattern as SparsityPattern
 from ._api import (
+    bilaplacian as bilaplacian,
     clear_caches as clear_caches,
     divergence as divergence,
     divergence_from_pattern as divergence_from_pattern,
@@ -27,6 +28,7 @@ from ._rules import register_rule as register_rule
 
 __all__ = [
     "SparsityPattern",
+    "bilaplacian",
     "clear_caches",
     "divergence",
     "divergence_from_pattern",

@@ -17,6 +17,7 @@ import torch
 
 from .. import _divergence as D, _functionals as F, _second as S, _transforms as T
 from .._call import (
+    BiLaplacianMethod,
     Coupling,
     DiagonalMethod,
     Direction,
@@ -35,6 +36,7 @@ from . import _ddp, _detect
 from ._backend import BACKEND
 
 __all__ = [
+    "bilaplacian",
     "clear_caches",
     "divergence",
     "divergence_from_pattern",
@@ -314,6 +316,43 @@ def laplacian(
         method=method,
         num_probes=num_probes,
         distribution=distribution,
+        return_stderr=return_stderr,
+        chunk_size=chunk_size,
+        has_aux=has_aux,
+        coupling=coupling,
+    )
+
+
+@documented()
+def bilaplacian(
+    u: Callable[..., Any],
+    /,
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_axis: int | None = 0,
+    method: BiLaplacianMethod = "auto",
+    num_probes: int | None = None,
+    return_stderr: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    coupling: Coupling = "raise",
+) -> Callable[..., Any]:
+    """{bilaplacian}
+
+    Example:
+        >>> import torch
+        >>> from divjac.torch import bilaplacian
+        >>> bilaplacian(lambda x: torch.sum(x**4, dim=1))(torch.ones(2, 3)).tolist()
+        [72.0, 72.0]
+    """
+    return _ddp.transform(
+        S.bilaplacian,
+        BACKEND,
+        u,
+        argnums,
+        batch_axis=batch_axis,
+        method=method,
+        num_probes=num_probes,
         return_stderr=return_stderr,
         chunk_size=chunk_size,
         has_aux=has_aux,

@@ -74,6 +74,30 @@ def last_uses(nodes: Sequence[torch.fx.Node]) -> list[list[torch.fx.Node]]:
     return done
 
 
+# Operations that read only the shape of their first argument (the gradient of a sum starts
+# from ``ones_like`` of its value).
+_SHAPE_ONLY = frozenset(
+    {"ones_like", "zeros_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
+     "new_full", "sym_size", "sym_numel", "sym_stride"}
+)  # fmt: skip
+
+
+def live_nodes(nodes: Sequence[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The nodes whose values the output reads. The others (the value of a loss whose
+    gradient is the function) are not propagated: their dependency sets would be paid for,
+    and a dense one would end a screening that the output never sees."""
+    live: set[torch.fx.Node] = set()
+    for node in reversed(nodes):
+        if node.op != "output" and node not in live:
+            continue
+        live.add(node)
+        inputs = node.all_input_nodes
+        if node.op == "call_function" and packet(node.target) in _SHAPE_ONLY and node.args:
+            inputs = [a for a in inputs if a is not node.args[0]]
+        live.update(inputs)
+    return live
+
+
 def _user_args(g: Graph, node: torch.fx.Node) -> tuple[list[Any], dict[str, Any]]:
     """A registered rule's inputs (the tensor arguments, in schema order) and parameters."""
     schema = node.target._schema  # type: ignore[union-attr]
@@ -92,12 +116,13 @@ class Interpreter(Graph):
         placeholders = iter(in_deps)
         result: Deps | None = None
         nodes = list(gm.graph.nodes)
+        live = live_nodes(nodes)
         for node, done in zip(nodes, last_uses(nodes), strict=True):
             if node.op == "placeholder":
                 given = next(placeholders)
                 if not given.is_empty:
                     self._deps[node] = given
-            elif node.op == "call_function":
+            elif node.op == "call_function" and node in live:
                 self._call(node)
             elif node.op == "output":
                 out = next(a for a in pytree.tree_leaves(node.args) if isinstance(a, torch.fx.Node))

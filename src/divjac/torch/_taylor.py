@@ -47,7 +47,7 @@ from typing import Any, cast, overload
 
 import torch
 import torch.fx
-from torch.func import jvp, vmap
+from torch.func import jvp, vjp, vmap
 from torch.utils import _pytree as pytree
 
 from .._errors import InternalError
@@ -581,6 +581,17 @@ def _to_copy_rule(
     return y, _map(a, lambda t: t.to(dtype=y.dtype, device=y.device))
 
 
+@_rule(aten.copy.default)
+def _copy_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    # copy(self, src): src's values in self's shape and dtype (the functional form of copy_,
+    # in circular padding and in-place writes; torch has no forward derivative for it).
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    b = sw.jet(node.args[1])
+    if b is None or not inexact(y):
+        return y, None
+    return y, _map(b, lambda t: _lift(t, y.ndim).to(y.dtype))
+
+
 @_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     x = args[0]
@@ -773,6 +784,33 @@ _COMPOSED = frozenset(
 )
 
 
+def _reverse_linearized(target: Any) -> bool:
+    """Whether the operation's first-order terms are differentiated through its backward
+    formulas: the linear-algebra kernels, whose forward derivatives torch does not
+    differentiate right (torch 2.13: the solve, determinant, log-determinant, eigen- and
+    Householder kernels treat their saved factorizations as constants, so ``jvp`` of ``jvp``
+    is wrong; tests/torch/test_taylor.py sweeps ``torch.linalg`` against Hessians)."""
+    name = packet(target)
+    return name.startswith(("linalg_", "_linalg_")) or name in _LINALG
+
+
+# The linear-algebra operations outside the linalg_ names (torch.cholesky_solve, ...).
+_LINALG = frozenset(
+    {"cholesky_solve", "cholesky_inverse", "triangular_solve", "lu_solve", "geqrf", "ormqr",
+     "logdet", "det", "slogdet", "inverse", "lu_unpack"}
+)  # fmt: skip
+
+
+def _cholesky_inverse(factor: Tensor, upper: bool = False) -> Tensor:
+    eye = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
+    return torch.cholesky_solve(eye.expand(factor.shape), factor, upper=upper)
+
+
+# Operations pushed in another form with the same values: the derivatives of torch's
+# ``cholesky_inverse`` are wrong at second order both ways (forward and backward, torch 2.13).
+_REWRITTEN: dict[Any, Callable[..., Any]] = {aten.cholesky_inverse.default: _cholesky_inverse}
+
+
 def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """Any operation, by ``torch.func``: the first-order terms by ``jvp``, the second-order
     ones by ``jvp`` of ``jvp`` (zero for :data:`_LINEAR` operations), batched over the
@@ -783,7 +821,7 @@ def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[
     floating = [i for i, o in enumerate(outs) if inexact(o)]
     if not floating:
         return y, None
-    op = target
+    op = _REWRITTEN.get(target, target)
     if target in _COMPOSED:
         from torch._decomp import decomposition_table
 
@@ -822,9 +860,18 @@ def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[
     else:
         n = len(primals)
 
+        by_reverse = _reverse_linearized(target)
+
         def taylor(*t: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
             def lin(*pt: Tensor) -> tuple[Tensor, ...]:
-                return jvp(fn, pt[:n], pt[n:])[1]
+                if not by_reverse:
+                    return jvp(fn, pt[:n], pt[n:])[1]
+                # J t as the transpose of the VJP (linear in its cotangent): built from the
+                # backward formulas, whose forward derivatives are right.
+                y, pull = vjp(fn, *pt[:n])[:2]
+                zeros = tuple(torch.zeros_like(o) for o in y)
+                transposed = vjp(lambda *c: pull(c), *zeros)[1]
+                return cast(tuple[Tensor, ...], transposed(tuple(pt[n:])))
 
             return jvp(lin, (*primals, *t[:n]), t)  # type: ignore[return-value]
 
