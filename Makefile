@@ -12,7 +12,7 @@ LOWEST_CORE_PYTHON ?= $(PYTHON)
 LOWEST_JAX_TESTS := src/divjac/jax tests/jax/test_errors.py tests/jax/test_sparsity.py \
 	tests/jax/test_stochastic.py
 
-.PHONY: install demo test lint typecheck pytest test-lowest bench bench-quick clean
+.PHONY: install demo test test-slow lint typecheck pytest test-lowest bench bench-quick clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ pytest: install
 	$(BIN)/python -m pytest -n 2
 
 test: lint typecheck pytest
+
+# The long part of the conformance matrix (every OpInfo op and JAX primitive, every context,
+# the end-to-end calibration) and the other cases marked slow; CI runs it after `make test`.
+test-slow: install
+	$(BIN)/python -m pytest -n 2 -m slow
 
 test-lowest: .venv-lowest-core/.divjac-installed .venv-lowest-jax/.divjac-installed
 	.venv-lowest-core/bin/python -m pytest -n 2 tests/core src/divjac/_core
