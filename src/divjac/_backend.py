@@ -210,9 +210,10 @@ class Backend(abc.ABC, Generic[TracedT]):
     def prefer_reverse(self, traced: TracedT) -> bool:
         """Whether to push rows (VJPs) rather than columns when both take as many passes."""
 
-    def forward_less(self, traced: TracedT) -> frozenset[str]:
-        """The operations of the program without a forward derivative: where there are some,
-        only rows (VJPs) can be pushed. Asked only of programs about to push columns."""
+    def forward_less(self, point: Point[TracedT]) -> frozenset[str]:
+        """The operations of the program at ``point`` without a forward derivative (that can
+        be differentiated, where a gradient will flow through the passes): where there are
+        some, only rows (VJPs) can be pushed. Asked only of programs about to push columns."""
         return frozenset()
 
     @abc.abstractmethod

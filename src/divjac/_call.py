@@ -218,12 +218,14 @@ class Call(Point[Traced]):
         """Whether forward passes can run: not where an operation of the program has no
         forward derivative (then rows are pushed); when the caller chose ``mode="fwd"``,
         :class:`OptionError` names those operations."""
-        missing = self.backend.forward_less(self.traced)
+        missing = self.backend.forward_less(self)
         if missing and mode == "fwd":
             raise OptionError(
                 f"{self.spec.fname}: mode='fwd' pushes forward derivatives, but the function "
-                f"runs {', '.join(sorted(missing))}, which has none in this framework. Use "
-                "mode='rev' or 'auto' (reverse passes)."
+                f"runs {', '.join(sorted(missing))}, which has none in this framework (or, "
+                "with gradients on, one whose own derivative the framework gets wrong: "
+                "gradients through forward passes of it would be wrong). Use mode='rev' or "
+                "'auto' (reverse passes)."
             )
         return not missing
 

@@ -14,6 +14,7 @@ __all__ = [
     "dim",
     "dims",
     "expand",
+    "forward_derivative_wrong",
     "host",
     "inexact",
     "is_tensor",
@@ -30,6 +31,24 @@ def packet(target: Any) -> str:
     if packet is not None:
         return str(packet.__name__)
     return str(getattr(target, "__name__", target))
+
+
+def forward_derivative_wrong(target: Any) -> bool:
+    """Whether PyTorch's forward derivative of the operation is right but its own derivative
+    is not: the linear-algebra kernels (torch 2.13: the solve, determinant, log-determinant,
+    eigen- and Householder kernels treat their saved factorizations as constants, so ``jvp``
+    of ``jvp`` and the backward of ``jvp`` are wrong; tests/torch/test_taylor.py sweeps
+    ``torch.linalg`` against Hessians). The second-order sweep differentiates them through
+    their backward formulas; first-order passes that a gradient flows through are rows."""
+    name = packet(target)
+    return name.startswith(("linalg_", "_linalg_")) or name in _LINALG
+
+
+# The linear-algebra operations outside the linalg_ names (torch.cholesky_solve, ...).
+_LINALG = frozenset(
+    {"cholesky_solve", "cholesky_inverse", "triangular_solve", "lu_solve", "geqrf", "ormqr",
+     "logdet", "det", "slogdet", "inverse", "lu_unpack"}
+)  # fmt: skip
 
 
 def is_tensor(value: Any) -> bool:

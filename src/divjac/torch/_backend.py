@@ -174,14 +174,7 @@ class _Tape(Linear):
         xb = point.xb
         # On the graph only when something the caller has requires grad (the input, an
         # argument or a captured parameter); else the results carry no graph, as torch.func's.
-        create = torch.is_grad_enabled() and (
-            xb.requires_grad
-            or self._traced.captures_grad()
-            or any(
-                isinstance(a, torch.Tensor) and a.requires_grad
-                for a in pytree.tree_leaves((point.args, point.kwargs))
-            )
-        )
+        create = _on_graph(point)
         with torch.enable_grad():
             x = xb if xb.requires_grad else xb.detach().requires_grad_()
             out = point.g(x)
@@ -243,6 +236,20 @@ class _Tape(Linear):
                     # kernels, GroupNorm's among them)
                     parts.append(torch.func.vmap(one)(cs))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _on_graph(point: Point[Traced]) -> bool:
+    """Whether the results of the passes at ``point`` go on the autograd graph: grad mode is
+    on and something the caller has requires grad (the input, an argument or a captured
+    parameter)."""
+    return torch.is_grad_enabled() and (
+        point.xb.requires_grad
+        or point.traced.captures_grad()
+        or any(
+            isinstance(a, torch.Tensor) and a.requires_grad
+            for a in pytree.tree_leaves((point.args, point.kwargs))
+        )
+    )
 
 
 # Chunks of up to this many passes pull their cotangents one by one (no vmap to set up).
@@ -680,7 +687,13 @@ class TorchBackend(Backend[Traced]):
         ``vmap`` of its gradient fails (torch 2.13)."""
         return not (traced.has_convolution or traced.solves_broadcast)
 
-    def forward_less(self, traced: Traced) -> frozenset[str]:
+    def forward_less(self, point: Point[Traced]) -> frozenset[str]:
+        """The operations without a forward derivative, and, where a gradient will flow
+        through the passes (:func:`_on_graph`: training, ``grad_divergence``), those whose
+        forward derivative PyTorch does not differentiate right (linalg solves, determinants)."""
+        traced = point.traced
+        if _on_graph(point):
+            return traced.forward_less | traced.forward_twice_wrong
         return traced.forward_less
 
     def linearize(self, point: Point[Traced], reverse: bool) -> Linear:

@@ -51,7 +51,7 @@ from torch.utils import _pytree as pytree
 from .._core import detection, rules as D
 from .._core.detection import LRU, EntryLimit, Propagated
 from .._errors import DivjacError, RetraceWarning, StateUpdateError
-from ._aten import lacks_forward_derivative
+from ._aten import forward_derivative_wrong, lacks_forward_derivative
 from ._branches import (
     MAX_BRANCHES as _MAX_BRANCHES,  # noqa: F401 (tests read it here)
     Branches,
@@ -238,6 +238,21 @@ class Traced(detection.Traced):
                 if lacks_forward_derivative(node, live):
                     missing.add(str(node.target))
         return frozenset(missing)
+
+    @functools.cached_property
+    def forward_twice_wrong(self) -> frozenset[str]:
+        """The operations on the path from the differentiated input whose forward derivative
+        PyTorch does not differentiate right (:func:`forward_derivative_wrong`: the linalg
+        kernels): a gradient must not flow through forward passes of them."""
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        live = {placeholders[self.x_pos]}
+        wrong = set()
+        for node in self.gm.graph.nodes:
+            if node.op == "call_function" and any(a in live for a in node.all_input_nodes):
+                live.add(node)
+                if forward_derivative_wrong(node.target):
+                    wrong.add(str(node.target))
+        return frozenset(wrong)
 
     @functools.cached_property
     def has_convolution(self) -> bool:

@@ -51,7 +51,7 @@ from torch.func import jvp, vjp, vmap
 from torch.utils import _pytree as pytree
 
 from .._errors import InternalError
-from ._aten import inexact, packet
+from ._aten import forward_derivative_wrong, inexact, packet
 from ._backend import _ComposedNorms
 from ._detect import Traced, reach, trace
 
@@ -784,23 +784,6 @@ _COMPOSED = frozenset(
 )
 
 
-def _reverse_linearized(target: Any) -> bool:
-    """Whether the operation's first-order terms are differentiated through its backward
-    formulas: the linear-algebra kernels, whose forward derivatives torch does not
-    differentiate right (torch 2.13: the solve, determinant, log-determinant, eigen- and
-    Householder kernels treat their saved factorizations as constants, so ``jvp`` of ``jvp``
-    is wrong; tests/torch/test_taylor.py sweeps ``torch.linalg`` against Hessians)."""
-    name = packet(target)
-    return name.startswith(("linalg_", "_linalg_")) or name in _LINALG
-
-
-# The linear-algebra operations outside the linalg_ names (torch.cholesky_solve, ...).
-_LINALG = frozenset(
-    {"cholesky_solve", "cholesky_inverse", "triangular_solve", "lu_solve", "geqrf", "ormqr",
-     "logdet", "det", "slogdet", "inverse", "lu_unpack"}
-)  # fmt: skip
-
-
 def _cholesky_inverse(factor: Tensor, upper: bool = False) -> Tensor:
     eye = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
     return torch.cholesky_solve(eye.expand(factor.shape), factor, upper=upper)
@@ -860,18 +843,20 @@ def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[
     else:
         n = len(primals)
 
-        by_reverse = _reverse_linearized(target)
+        by_reverse = forward_derivative_wrong(target)
 
         def taylor(*t: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
             def lin(*pt: Tensor) -> tuple[Tensor, ...]:
                 if not by_reverse:
                     return jvp(fn, pt[:n], pt[n:])[1]
                 # J t as the transpose of the VJP (linear in its cotangent): built from the
-                # backward formulas, whose forward derivatives are right.
-                y, pull = vjp(fn, *pt[:n])[:2]
-                zeros = tuple(torch.zeros_like(o) for o in y)
-                transposed = vjp(lambda *c: pull(c), *zeros)[1]
-                return cast(tuple[Tensor, ...], transposed(tuple(pt[n:])))
+                # backward formulas, whose forward derivatives are right. With grad mode on:
+                # under the caller's no_grad the backward of the VJP is not differentiated.
+                with torch.enable_grad():
+                    y, pull = vjp(fn, *pt[:n])[:2]
+                    zeros = tuple(torch.zeros_like(o) for o in y)
+                    transposed = vjp(lambda *c: pull(c), *zeros)[1]
+                    return cast(tuple[Tensor, ...], transposed(tuple(pt[n:])))
 
             return jvp(lin, (*primals, *t[:n]), t)  # type: ignore[return-value]
 
