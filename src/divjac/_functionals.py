@@ -38,7 +38,7 @@ from ._call import (
 )
 from ._core import checks, estimators as est, plan, stochastic, timing
 from ._core.estimators._common import namespace
-from ._divergence import _draw, _is_probes, _itself, _pushed, _split_randomness
+from ._divergence import _draw, _itself, _pushed, _split_randomness, caller_count
 from ._errors import ArgnumsError, NumProbesError
 
 __all__ = [
@@ -157,14 +157,12 @@ def _stochastic_norms(
 
 
 def _num_probes(call: Call, options: _Options, randomness: Any, sample: tuple[int, ...]) -> int:
-    """Probes per sample: ``num_probes``, else as many as the caller's probes hold (one when
-    shaped as a single probe), else the default budget."""
+    """Probes per sample: ``num_probes``, else as many as the caller's probes hold, else the
+    default budget."""
     if options.num_probes is not None:
         return options.num_probes
-    if _is_probes(call.backend, randomness):
-        one = stochastic.caller_shape(sample, call.batch_size, call.spec.batch_axis)
-        return 1 if tuple(randomness.shape) == one else int(randomness.shape[0])
-    return stochastic.default_num_probes("hutchinson", math.prod(sample))
+    given = caller_count(call, randomness, sample)
+    return given or stochastic.default_num_probes("hutchinson", math.prod(sample))
 
 
 def _direction(call: Call) -> bool:

@@ -25,7 +25,6 @@ from ._common import (
     mean_and_stderr,
     mean_and_variance,
     namespace,
-    single_term_stderr,
     t_factor,
 )
 

@@ -123,9 +123,7 @@ def _quadrature(gram_matvec: Matvec, q: Array, m: int) -> tuple[Array, Array]:
     theta, U = xp.linalg.eigh(_tridiagonal(alphas, betas))
     logs = xp.log(xp.maximum(theta, xp.full_like(theta, info.tiny)))
     coefficients = xp.sum(U * (U[..., 0, :] * logs)[..., None, :], axis=-1)  # log(T) e_1
-    image = sum(
-        (coefficients[..., j][..., None, :] * v for j, v in enumerate(basis)), start=0 * q
-    )
+    image = sum((coefficients[..., j][..., None, :] * v for j, v in enumerate(basis)), start=0 * q)
     return coefficients[..., 0], image
 
 
