@@ -32,6 +32,7 @@ from ._call import (
 from ._core import checks, estimators as est, plan, stochastic, timing
 from ._core.detection import AUTO_DETECTION_ENTRIES
 from ._core.pattern import SparsityPattern
+from ._errors import NumProbesError
 from ._transforms import Seeds, auto_detects, check_pattern, per_argnum, seeds, shaped, tuple_of
 
 __all__ = [
@@ -151,7 +152,8 @@ def _stochastic_divergence(
             matvec, colors, signs, exact=exact, num_colors=int(colors.max()) + 1
         )
     else:
-        num = ds.num_probes or stochastic.default_num_probes(ds.method, n)
+        num = ds.num_probes or _caller_budget(call, randomness, ds.method)
+        num = num or stochastic.default_num_probes(ds.method, n)
         k = est.num_random_vectors(ds.method, num, n)
         if ds.return_stderr:
             est.check_stderr_budget(ds.method, num, n, fname=call.spec.fname)
@@ -227,6 +229,29 @@ def _batched_matvec(call: Call, linear: Linear, chunk_size: int | None) -> Calla
 def _is_probes(backend: Backend, randomness: Any) -> bool:
     """Whether the randomness argument is the caller's own probes (a floating array)."""
     return backend.is_array(randomness) and backend.is_floating_input(randomness.dtype)
+
+
+def caller_count(call: Call, randomness: Any, sample: tuple[int, ...] | None = None) -> int | None:
+    """How many probes per sample the caller's own probes hold (one when shaped as a single
+    probe; ``sample``: the input's, by default), ``None`` for a key or generator."""
+    if not _is_probes(call.backend, randomness):
+        return None
+    shape = call.in_sample if sample is None else sample
+    one = stochastic.caller_shape(shape, call.batch_size, call.spec.batch_axis)
+    return 1 if tuple(randomness.shape) == one else int(randomness.shape[0])
+
+
+def _caller_budget(call: Call, randomness: Any, method: str) -> int | None:
+    """The budget ``num_probes`` that the caller's probes pay for (``None`` for a key)."""
+    k = caller_count(call, randomness)
+    if k is None:
+        return None
+    if method == "hutch++" and k % 2:
+        raise NumProbesError(
+            f"{call.spec.fname}: method='hutch++' takes an even number of probes per sample "
+            f"(the sketch, then as many Hutchinson probes); got {k}."
+        )
+    return {"hutchinson": k, "hutch++": 3 * k // 2, "xtrace": 2 * k}[method]
 
 
 def _draw(

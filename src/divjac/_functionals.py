@@ -38,8 +38,8 @@ from ._call import (
 )
 from ._core import checks, estimators as est, plan, stochastic, timing
 from ._core.estimators._common import namespace
-from ._divergence import _draw, _is_probes, _itself, _pushed, _split_randomness
-from ._errors import ArgnumsError
+from ._divergence import _draw, _itself, _pushed, _split_randomness, caller_count
+from ._errors import ArgnumsError, NumProbesError
 
 __all__ = [
     "STOCHASTIC_METHODS",
@@ -130,32 +130,39 @@ def _stochastic_norms(
     sample = call.out_sample if reverse else call.in_sample
     linear = backend.linearize(call, reverse)
     k = _num_probes(call, options, randomness, sample)
+    if options.return_stderr and k < 2:
+        raise NumProbesError(
+            f"{call.spec.fname}: return_stderr=True with method='hutchinson' needs num_probes "
+            f">= 2; got {k} probe, and one term has no trustworthy error bar (a probe can miss "
+            "the dominant direction of J). Pass more probes, or return_stderr=False."
+        )
     probes = _draw(call, randomness, k, options.distribution, sample)
     chunk = backend.ahead(Call.chunk, call, k, options.chunk_size)
-    finish = _norm_finish(call.batch_size, options.with_divergence, backend)
-    terms = linear.passes(probes, _itself, finish, chunk, shared=False)  # (k, r, B)
-    squares = terms[:, -1]
-    norm, norm_se = est.hutchinson_from_terms(squares, stderr=options.return_stderr, psd=True)
+    if not options.return_stderr:
+        finish = _norm_finish(call.batch_size, options.with_divergence, backend)
+        terms = linear.passes(probes, _itself, finish, chunk, shared=False).mean(0)  # (r, B)
+        return linear.value, terms, None, linear.aux
+    # The standard errors need the images of all probes (their cross products).
+    B = call.batch_size
+    pushed = linear.passes(probes, _itself, _pushed, chunk, shared=False)  # (k, B, *image)
+    images = backend.moveaxis(pushed.reshape(k, B, -1), 0, -1)  # (B, m, k)
+    norm, norm_se = est.squared_norm_mean_and_stderr(images, namespace(images))
     if not options.with_divergence:
-        return linear.value, norm[None], None if norm_se is None else norm_se[None], linear.aux
-    div, div_se = est.hutchinson_from_terms(
-        terms[:, 0], stderr=options.return_stderr, squared_images=squares
-    )
+        return linear.value, norm[None], norm_se[None], linear.aux
+    V = backend.moveaxis(probes.reshape(k, B, -1), 0, -1)
+    xp = namespace(images)
+    div, div_se = est.mean_and_stderr(est.column_dots(V, images), xp, images, V)
     estimates = backend.concatenate([div[None], norm[None]])
-    if div_se is None or norm_se is None:
-        return linear.value, estimates, None, linear.aux
     return linear.value, estimates, backend.concatenate([div_se[None], norm_se[None]]), linear.aux
 
 
 def _num_probes(call: Call, options: _Options, randomness: Any, sample: tuple[int, ...]) -> int:
-    """Probes per sample: ``num_probes``, else as many as the caller's probes hold (one when
-    shaped as a single probe), else the default budget."""
+    """Probes per sample: ``num_probes``, else as many as the caller's probes hold, else the
+    default budget."""
     if options.num_probes is not None:
         return options.num_probes
-    if _is_probes(call.backend, randomness):
-        one = stochastic.caller_shape(sample, call.batch_size, call.spec.batch_axis)
-        return 1 if tuple(randomness.shape) == one else int(randomness.shape[0])
-    return stochastic.default_num_probes("hutchinson", math.prod(sample))
+    given = caller_count(call, randomness, sample)
+    return given or stochastic.default_num_probes("hutchinson", math.prod(sample))
 
 
 def _direction(call: Call) -> bool:

@@ -227,3 +227,20 @@ def test_xtrace_with_a_budget_of_n_matvecs_is_exact():
         )(jax.random.key(21), params, x)
         np.testing.assert_allclose(div, exact, rtol=1e-12)
         np.testing.assert_array_equal(err, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("method", "count", "budget"), [("hutchinson", 3, 3), ("hutch++", 4, 6), ("xtrace", 3, 6)]
+)
+def test_caller_probes_set_the_budget(method, count, budget):
+    """``num_probes=None`` with the caller's probes: the budget they pay for (as the
+    functionals do), the same estimate as the explicit ``num_probes``; odd Hutch++ refused."""
+    params = models.init_mlp(jax.random.key(0), (12, 9, 12), jnp.float64)
+    x = jax.random.normal(jax.random.key(1), (2, 12), jnp.float64)
+    probes = jax.random.rademacher(jax.random.key(2), (count, *x.shape), jnp.float64)
+    inferred = divergence(models.mlp, 1, method=method)(probes, params, x)
+    given = divergence(models.mlp, 1, method=method, num_probes=budget)(probes, params, x)
+    np.testing.assert_allclose(inferred, given, rtol=1e-12)
+    if method == "hutch++":
+        with pytest.raises(divjac.NumProbesError, match="even number"):
+            divergence(models.mlp, 1, method=method)(probes[:3], params, x)

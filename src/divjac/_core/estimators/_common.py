@@ -33,6 +33,7 @@ __all__ = [
     "mean_and_variance",
     "namespace",
     "single_term_stderr",
+    "squared_norm_mean_and_stderr",
     "t_factor",
     "term_variance",
 ]
@@ -198,6 +199,36 @@ def term_variance(probes: Array, images: Array, xp: Any) -> Array:
     diagonal = (xp.sum(total * total, axis=-1) - xp.sum(d * d, axis=(-2, -1))) / (k * (k - 1))
     signs = xp.all(probes * probes == 1, axis=(-2, -1))
     return squares + trace_square - xp.where(signs, 2 * diagonal, xp.zeros_like(diagonal))
+
+
+def squared_norm_mean_and_stderr(images: Array, xp: Any) -> tuple[Array, Array]:
+    """Mean of the ``k >= 2`` terms ``||w_a||^2`` of the ``(B, m, k)`` images ``w_a = M v_a``
+    of independent probes (Hutchinson for ``tr(A)``, ``A = M^T M`` PSD), and its standard error.
+
+    For Gaussian probes ``Var(v^T A v) = 2 ||A||_F^2`` (less for Rademacher ones, whose
+    diagonal does not vary), and the cross products ``w_a . w_b = v_a^T A v_b`` of two probes
+    estimate ``||A||_F^2`` without bias by their square; the variance of one term is estimated
+    by the larger of that (times 2) and the terms' sample variance, as in
+    :func:`mean_and_stderr`, giving ``s0 = kappa(k - 1) sqrt(V / k)``. The terms are skewed
+    (chi-square-like) and the draws that fall short of ``tr(A)`` have small ``V`` too, so the
+    interval is taken on the relative scale, where ``V / mean^2`` (the relative variance) does
+    not shrink with the miss: the ``T`` with ``|mean - T| <= c T``, ``c = 2 s0 / mean``, reach
+    ``mean / (1 - c)``, and the standard error is half that distance, ``s0 / (1 - c)``
+    (``c`` capped at 0.9: at most a tenfold widening; docs/calibration.md measures it).
+    """
+    k = images.shape[-1]
+    gram = xp.matrix_transpose(images) @ images  # (B, k, k)
+    terms = xp.sum(images * images, axis=-2)  # the diagonal of the Gram matrix, (B, k)
+    mean, variance = mean_and_variance(terms, xp)
+    off = (xp.sum(gram * gram, axis=(-2, -1)) - xp.sum(terms * terms, axis=-1)) / (k * (k - 1))
+    s0 = t_factor(k - 1) * xp.sqrt(xp.maximum(variance, 2 * off / k))
+    tiny = xp.full_like(mean, xp.finfo(mean.dtype).tiny)
+    c = xp.minimum(2 * s0 / xp.maximum(mean, tiny), xp.full_like(mean, _MAX_RELATIVE))
+    return mean, s0 / (1 - c)
+
+
+_MAX_RELATIVE = 0.9
+"""The cap of the relative half-width ``2 s0 / mean`` of :func:`squared_norm_mean_and_stderr`."""
 
 
 def single_term_stderr(images: Array, xp: Any) -> Array:

@@ -25,7 +25,6 @@ from ._common import (
     mean_and_stderr,
     mean_and_variance,
     namespace,
-    single_term_stderr,
     t_factor,
 )
 
@@ -82,13 +81,7 @@ def hutchinson(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
     return mean_and_stderr(column_dots(probes, products), xp, products, probes)
 
 
-def hutchinson_from_terms(
-    terms: Array,
-    *,
-    stderr: bool = True,
-    psd: bool = False,
-    squared_images: Array | None = None,
-) -> tuple[Array, Array | None]:
+def hutchinson_from_terms(terms: Array, *, stderr: bool = True) -> tuple[Array, Array | None]:
     """Hutchinson's estimate from its terms ``v^T A v``, ``(k, B)`` (``k`` independent probes
     per sample, probe-major as passes give them); the standard error with ``stderr``, else
     ``None``.
@@ -96,33 +89,18 @@ def hutchinson_from_terms(
     Without the images ``A v`` there is no variance bound: the standard error is the terms'
     own, ``kappa(k - 1) s / sqrt(k)`` (``s``: their sample standard deviation), which needs
     ``k >= 2`` and holds only where the terms are not few-valued or strongly skewed (see
-    docs/calibration.md); :func:`hutchinson` is the estimator that bounds the variance. With
-    ``squared_images``, the ``||A v||^2`` ``(k, B)`` of the terms, the variance of the mean is
-    kept above :func:`~._common.mean_and_stderr`'s floor ``2 mean ||A v||^2 / k^2``; with
-    ``psd`` (``A = J^T J``, terms ``||J v||^2``), the terms are their own ``||A^(1/2) v||^2``
-    and the floor is ``2 mean(term)^2 / k^2`` (``||A||_F <= tr(A)`` for ``A >= 0``).
-    A single term's standard error is ``sqrt(2) ||A v||`` (documented; the transforms refuse
-    it: :func:`~divjac._core.estimators.check_stderr_budget`).
+    docs/calibration.md); :func:`hutchinson` is the estimator that bounds the variance.
 
     Raises:
-        InternalError: ``stderr`` for a single term, with neither ``psd`` nor
-            ``squared_images``.
+        InternalError: ``stderr`` for a single term.
     """
     if not stderr:
         return (terms[0] if terms.shape[0] == 1 else terms.mean(0)), None
-    xp = namespace(terms)
-    if terms.shape[0] == 1 and psd:
-        return terms[0], single_term_stderr(terms[0][:, None, None], xp)
-    if terms.shape[0] == 1 and squared_images is not None:
-        return terms[0], single_term_stderr(xp.sqrt(squared_images[0])[:, None, None], xp)
     if terms.shape[0] < 2:
         raise InternalError(
             "hutchinson_from_terms: the standard error of a single term needs its image "
             "(hutchinson computes it)"
         )
-    k = terms.shape[0]
+    xp = namespace(terms)
     mean, variance = mean_and_variance(xp.permute_dims(terms, (1, 0)), xp)
-    if squared_images is not None or psd:
-        g = 2 * (xp.mean(squared_images, axis=0) if squared_images is not None else mean * mean)
-        variance = xp.maximum(variance, g / k**2)
-    return mean, t_factor(k - 1) * xp.sqrt(variance)
+    return mean, t_factor(terms.shape[0] - 1) * xp.sqrt(variance)

@@ -29,9 +29,8 @@ from ._common import (
     apply,
     check_probes,
     device,
-    mean_and_variance,
+    mean_and_stderr,
     namespace,
-    t_factor,
 )
 
 __all__ = ["slq_log_abs_det"]
@@ -54,10 +53,11 @@ def slq_log_abs_det(
 
     Returns:
         ``(estimate, stderr)`` of shape ``(B,)`` (``stderr`` ``None`` unless asked for): the
-        mean of the ``k`` quadrature terms and their standard error, as Hutchinson's (package
-        docstring). The standard error covers the probes' randomness; the quadrature's own
-        error falls geometrically with ``num_steps`` (with the square root of ``A``'s condition
-        number).
+        mean of the ``k`` quadrature terms and their standard error, Hutchinson's
+        (:func:`~._common.mean_and_stderr`) for ``B = log(A) / 2`` with the images ``B v``
+        approximated by Lanczos (``||v|| Q_m log(T_m) e_1 / 2``, no extra product). The
+        standard error covers the probes' randomness; the quadrature's own error falls
+        geometrically with ``num_steps`` (with the square root of ``A``'s condition number).
 
     Raises:
         NumProbesError: ``num_steps`` is not in ``1 .. n``, or ``stderr`` with one probe.
@@ -85,17 +85,17 @@ def slq_log_abs_det(
             "slq: a standard error needs at least 2 probes per sample (the spread of their "
             f"terms); got {k}. Pass num_probes >= 2, or return_stderr=False."
         )
-    squared = xp.sum(probes * probes, axis=-2)  # (B, k)
-    terms = squared * _quadrature(gram_matvec, probes / xp.sqrt(squared)[..., None, :], num_steps)
-    terms = terms / 2
+    norms = xp.sqrt(xp.sum(probes * probes, axis=-2))  # (B, k)
+    quadrature, images = _quadrature(gram_matvec, probes / norms[..., None, :], num_steps)
+    terms = norms * norms * quadrature / 2
     if not stderr:
         return xp.mean(terms, axis=-1), None
-    mean, variance = mean_and_variance(terms, xp)
-    return mean, t_factor(k - 1) * xp.sqrt(variance)
+    return mean_and_stderr(terms, xp, norms[..., None, :] * images / 2, probes)
 
 
-def _quadrature(gram_matvec: Matvec, q: Array, m: int) -> Array:
-    """``e_1^T log(T_m) e_1`` ``(B, k)`` of ``m`` Lanczos steps from the unit columns ``q``."""
+def _quadrature(gram_matvec: Matvec, q: Array, m: int) -> tuple[Array, Array]:
+    """``e_1^T log(T_m) e_1`` ``(B, k)`` of ``m`` Lanczos steps from the unit columns ``q``,
+    and Lanczos's approximation ``Q_m log(T_m) e_1`` ``(B, n, k)`` of ``log(A) q``."""
     xp = namespace(q)
     info = xp.finfo(q.dtype)
     basis = [q]
@@ -121,8 +121,10 @@ def _quadrature(gram_matvec: Matvec, q: Array, m: int) -> Array:
         q = xp.where(alive[..., None, :], w / norm[..., None, :], 0 * w)
         basis.append(q)
     theta, U = xp.linalg.eigh(_tridiagonal(alphas, betas))
-    weights = U[..., 0, :] * U[..., 0, :]
-    return xp.sum(weights * xp.log(xp.maximum(theta, xp.full_like(theta, info.tiny))), axis=-1)
+    logs = xp.log(xp.maximum(theta, xp.full_like(theta, info.tiny)))
+    coefficients = xp.sum(U * (U[..., 0, :] * logs)[..., None, :], axis=-1)  # log(T) e_1
+    image = sum((coefficients[..., j][..., None, :] * v for j, v in enumerate(basis)), start=0 * q)
+    return coefficients[..., 0], image
 
 
 def _tridiagonal(alphas: list[Array], betas: list[Array]) -> Array:
