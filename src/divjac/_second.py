@@ -297,9 +297,11 @@ def _laplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Arra
     planned = call.backend.ahead(_plan, call, opts.method, stochastic_method)
     # A budget of n directions or more pays for the exact sweep (n directions, no error).
     if opts.method == "hutchinson" and _num_probes(opts, call.n_in) < call.n_in:
-        probes = _draw(call, randomness, _num_probes(opts, call.n_in), opts.distribution)
-        terms = _sweep(call, probes, None, False, opts.chunk_size)
-        return _mean_and_stderr(call, terms, opts.return_stderr)
+        k = _num_probes(opts, call.n_in)
+        probes = _draw(call, randomness, k, opts.distribution)
+        if opts.return_stderr:
+            return _calibrated_laplacian(call, probes, opts)
+        return _sweep(call, probes, None, True, opts.chunk_size) / k, None
     if opts.method == "stde":
         n = call.n_in
         k = min(_num_probes(opts, n), n)
@@ -312,6 +314,36 @@ def _laplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Arra
         directions, weights = _one_sample_at_a_time(call, directions, None)
     second = _sweep(call, directions, weights, True, opts.chunk_size)
     return second, (call.backend.zeros_like(second) if opts.return_stderr else None)
+
+
+def _calibrated_laplacian(call: Call, probes: Array, opts: _Options) -> tuple[Array, Array]:
+    """Hutchinson's Laplacian with a standard error that holds: the probes' Hessian-vector
+    products ``H v`` (forward-over-reverse) give the terms ``v^T H v`` and the variance bound
+    of :func:`~divjac._core.estimators.mean_and_stderr`, which the terms alone do not (a Taylor
+    sweep's terms covered 0.69-0.84 at a few probes, docs/calibration.md)."""
+    backend, B, n, k = call.backend, call.batch_size, call.n_in, int(probes.shape[0])
+    if math.prod(call.out_sample) != 1:
+        raise NumProbesError(
+            f"{call.spec.fname}: return_stderr=True with method='hutchinson' below n = {n} "
+            "probes needs the Hessian-vector products of a scalar-per-sample u; this u has "
+            f"outputs of shape {call.out_sample}: pass num_probes={n} (exact, stderr 0), "
+            "return_stderr=False, or each output component as its own function."
+        )
+    _checked_stderr_budget(call, k)
+    grad_spec = _grad_spec(call.spec)
+    images = _own_products(call, grad_spec, probes, _itself, k, opts.chunk_size, False, False)
+    v, hv = (backend.moveaxis(a.reshape(k, B, n), 0, -1) for a in (probes, images))
+    mean, err = est.mean_and_stderr((v * hv).sum(-2), est.namespace(v), hv, v)
+    shape = (B, *call.out_sample)
+    return mean.reshape(shape), err.reshape(shape)
+
+
+def _checked_stderr_budget(call: Call, k: int, least: int = 2) -> None:
+    if k < least:
+        raise NumProbesError(
+            f"{call.spec.fname}: return_stderr=True needs at least {least} probes below n "
+            f"(the error bar is estimated from them); pass num_probes={least} or more."
+        )
 
 
 def _second_order_transform(
@@ -736,8 +768,14 @@ def _diagonal_values(
     if hutchinson and _num_probes(opts, n) < n:
         k = _num_probes(opts, n)
         probes = _draw(call, randomness, k, opts.distribution)
-        terms = _own_products(call, grad_spec, probes, _itself, k, opts.chunk_size, shared=False)
-        mean, err = _mean_and_stderr(call, terms, opts.return_stderr)
+        images = _own_products(call, grad_spec, probes, _itself, k, opts.chunk_size, False, False)
+        v = probes.reshape(k, B, n)
+        if not opts.return_stderr:
+            return (v * images).mean(0).reshape(B, *call.in_sample), None
+        # Two probes leave the bound itself too noisy (coverage 0.93, docs/calibration.md).
+        _checked_stderr_budget(call, k, least=3)
+        v, hv = (backend.moveaxis(a, 0, -1) for a in (v, images))
+        mean, err = est.diagonal_mean_and_stderr(v, hv, est.namespace(v))
         return mean.reshape(B, *call.in_sample), _shaped(call, err)
     if planned.colors is not None:
         n_colors = int(planned.colors.max()) + 1
@@ -765,15 +803,17 @@ def _own_products(
     n_passes: int,
     chunk_size: int | None,
     shared: bool,
+    times_tangent: bool = True,
 ) -> Array:
-    """``v * H v`` ``(k, B, n)`` for the tangents ``v`` of the passes: Hessian-vector products,
-    JVPs of the per-sample gradient (forward-over-reverse)."""
+    """``v * H v`` ``(k, B, n)`` for the tangents ``v`` of the passes (``H v`` without
+    ``times_tangent``): Hessian-vector products, JVPs of the per-sample gradient
+    (forward-over-reverse)."""
     backend, B, n = call.backend, call.batch_size, call.n_in
     grad_call = prepare(grad_spec, call.args, call.kwargs)
     linear = backend.linearize(grad_call, False)
 
     def own(c: Array, t: Array, pushed: Array) -> Array:
-        return (pushed * t).reshape(B, n)
+        return (pushed * t if times_tangent else pushed).reshape(B, n)
 
     chunk = backend.ahead(Call.chunk, grad_call, n_passes, chunk_size)
     return linear.passes(inputs, seed, own, chunk, shared=shared)

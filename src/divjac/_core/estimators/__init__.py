@@ -61,7 +61,13 @@ from ._budget import (
     normalize_probes as normalize_probes,
     num_random_vectors as num_random_vectors,
 )
-from ._common import Array as Array, Matvec as Matvec
+from ._common import (
+    Array as Array,
+    Matvec as Matvec,
+    diagonal_mean_and_stderr as diagonal_mean_and_stderr,
+    mean_and_stderr as mean_and_stderr,
+    namespace as namespace,
+)
 from .epperly2024xtrace import xtrace as xtrace
 from .hutchinson import hutchinson as hutchinson, hutchinson_from_terms as hutchinson_from_terms
 from .meyer2020hutchpp import hutch_plus_plus as hutch_plus_plus
@@ -72,10 +78,13 @@ __all__ = [
     "DISTRIBUTIONS",
     "METHODS",
     "check_stderr_budget",
+    "diagonal_mean_and_stderr",
     "estimate_trace",
     "hutch_plus_plus",
     "hutchinson",
     "hutchinson_from_terms",
+    "mean_and_stderr",
+    "namespace",
     "normalize_probes",
     "num_random_vectors",
     "probe_matrix",
