@@ -321,7 +321,15 @@ def _calibrated_laplacian(call: Call, probes: Array, opts: _Options) -> tuple[Ar
     products ``H v`` (forward-over-reverse) give the terms ``v^T H v`` and the variance bound
     of :func:`~divjac._core.estimators.mean_and_stderr`, which the terms alone do not (a Taylor
     sweep's terms covered 0.69-0.84 at a few probes, docs/calibration.md)."""
-    backend, B, n, k = call.backend, call.batch_size, call.n_in, int(probes.shape[0])
+    k = int(probes.shape[0])
+    images = _hessian_images(call, probes, k, opts.chunk_size)
+    return _calibrated_trace(call, probes.reshape(k, call.batch_size, -1), images)
+
+
+def _hessian_images(call: Call, probes: Array, k: int, chunk_size: int | None) -> Array:
+    """``H v`` ``(k, B, n)`` for the probes ``v`` ``(k, B, *in)`` of a scalar-per-sample ``u``
+    below ``n`` probes, for a standard error (refused otherwise, naming the way out)."""
+    n = call.n_in
     if math.prod(call.out_sample) != 1:
         raise NumProbesError(
             f"{call.spec.fname}: return_stderr=True with method='hutchinson' below n = {n} "
@@ -330,11 +338,16 @@ def _calibrated_laplacian(call: Call, probes: Array, opts: _Options) -> tuple[Ar
             "return_stderr=False, or each output component as its own function."
         )
     _checked_stderr_budget(call, k)
-    grad_spec = _grad_spec(call.spec)
-    images = _own_products(call, grad_spec, probes, _itself, k, opts.chunk_size, False, False)
-    v, hv = (backend.moveaxis(a.reshape(k, B, n), 0, -1) for a in (probes, images))
-    mean, err = est.mean_and_stderr((v * hv).sum(-2), est.namespace(v), hv, v)
-    shape = (B, *call.out_sample)
+    return _own_products(call, _grad_spec(call.spec), probes, _itself, k, chunk_size, False, False)
+
+
+def _calibrated_trace(call: Call, probes: Array, images: Array) -> tuple[Array, Array]:
+    """Hutchinson's mean of ``v^T M v`` and its standard error from the probes ``v`` and their
+    images ``M v``, both ``(k, B, m)``, shaped as ``u``'s output ``(B, *out)``."""
+    backend = call.backend
+    v, mv = (backend.moveaxis(a, 0, -1) for a in (probes, images))
+    mean, err = est.mean_and_stderr((v * mv).sum(-2), est.namespace(v), mv, v)
+    shape = (call.batch_size, *call.out_sample)
     return mean.reshape(shape), err.reshape(shape)
 
 
@@ -512,9 +525,16 @@ def _weighted_values(
             raw = backend.draw(randomness, (B, r, k), opts.distribution, like=call.xb)
             v = backend.moveaxis(est.normalize_probes(raw, opts.distribution), -1, 0)
             directions = (M @ v[..., None])[..., 0].reshape(k, B, *shape)  # S v: (k, B, n)
+            if opts.return_stderr:  # tr(S^T H S) from w = S^T H S v
+                hsv = _hessian_images(call, directions, k, opts.chunk_size)
+                images = (backend.moveaxis(M, -1, -2) @ hsv[..., None])[..., 0]
+                return _calibrated_trace(call, v, images)
             terms = _sweep(call, directions, None, False, opts.chunk_size)
         else:
             v = _draw(call, randomness, k, opts.distribution).reshape(k, B, n)
+            if opts.return_stderr:  # tr(A H) from w = A H v
+                hv = _hessian_images(call, v.reshape(k, B, *shape), k, opts.chunk_size)
+                return _calibrated_trace(call, v, (M @ hv[..., None])[..., 0])
             Av = (M @ v[..., None])[..., 0]
             directions = backend.concatenate([v + Av, v - Av]).reshape(2 * k, B, *shape)
             second = _sweep(call, directions, None, False, opts.chunk_size)
