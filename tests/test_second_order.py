@@ -596,6 +596,14 @@ def test_errors_name_the_problem(ops: Ops) -> None:
         dj.laplacian(vector(ops), method="hutch++", num_probes=3)(ops.randomness(0), x)
     with pytest.raises(divjac.NumProbesError, match="at least 2 probes"):
         dj.laplacian(u, method="hutchinson", num_probes=1, return_stderr=True)(ops.randomness(0), x)
+    with pytest.raises(divjac.NumProbesError, match="scalar-per-sample u"):
+        dj.laplacian(vector(ops), method="hutchinson", num_probes=2, return_stderr=True)(
+            ops.randomness(0), x
+        )
+    with pytest.raises(divjac.NumProbesError, match="at least 3 probes"):
+        dj.hessian_diagonal(u, method="hutchinson", num_probes=2, return_stderr=True)(
+            ops.randomness(0), x
+        )
     with pytest.raises(divjac.NumProbesError, match="samples coordinates"):
         dj.laplacian(u, method="stde", num_probes=1)(ops.asarray(np.ones((1, B, 5))), x)
     with pytest.raises(divjac.MissingKeyError):
