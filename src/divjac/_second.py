@@ -59,7 +59,7 @@ from ._divergence import (
     _itself,
     _split_randomness,
 )
-from ._errors import ArgnumsError, CoefficientError, NumProbesError, OutputError
+from ._errors import ArgnumsError, CoefficientError, NumProbesError, OptionError, OutputError
 from ._transforms import auto_detects, per_argnum, shaped, tuple_of
 
 __all__ = [
@@ -305,6 +305,13 @@ def _laplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Arra
     if opts.method == "stde":
         n = call.n_in
         k = min(_num_probes(opts, n), n)
+        if opts.return_stderr and k < n:
+            raise NumProbesError(
+                f"{call.spec.fname}: method='stde' has no error bar that holds below n = {n} "
+                "coordinates (a coordinate not drawn is not seen: its terms' spread covered "
+                f"0.75-0.93, docs/calibration.md); pass num_probes={n} (exact, stderr 0), or "
+                "use method='hutchinson' with return_stderr=True."
+            )
         terms = _sweep(call, _coordinates(call, randomness, k), None, False, opts.chunk_size)
         mean, err = _mean_and_stderr(call, n * terms, opts.return_stderr)
         # Coordinates drawn without replacement: the finite-population correction.
@@ -673,6 +680,12 @@ def bilaplacian(
     check_option("method", method, BiLaplacianMethod, fname=fname)
     check_option("coupling", coupling, Coupling, fname=fname)
     opts = _Options(method, num_probes, "gaussian", return_stderr, chunk_size)
+    if method == "hutchinson" and return_stderr:
+        raise OptionError(
+            f"{fname}: method='hutchinson' has no error bar that holds (its terms, fourth "
+            "powers of Gaussian probes, are heavy-tailed: their spread covered 0.69-0.93 even at "
+            "64 probes, docs/calibration.md); pass return_stderr=False, or method='exact'."
+        )
 
     def one(argnum: int) -> Callable[..., Any]:
         def values(call: Call, randomness: Any) -> Any:

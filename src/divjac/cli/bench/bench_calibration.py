@@ -282,7 +282,8 @@ CORE_BUDGETS: dict[str, list[int]] = {
 least that gives a standard error (:func:`~divjac._core.estimators.check_stderr_budget`).
 The Laplacian's and the weighted Laplacian's ``"hutchinson"`` with a standard error are
 Hutchinson on Hessian-vector products (the ``hutchinson`` rows, on the Hessians of the set);
-``stde``: random coordinates, from its terms alone; ``hessian_diagonal``: Bekas' estimate per
+``stde``: random coordinates, from its terms alone (why ``laplacian(method="stde")`` refuses
+``return_stderr`` below ``n``); ``hessian_diagonal``: Bekas' estimate per
 coordinate, with the bound of :func:`~divjac._core.estimators.diagonal_mean_and_stderr`."""
 
 
