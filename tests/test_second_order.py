@@ -506,38 +506,30 @@ def _check_unbiased_and_calibrated(
     pooled_err = np.sqrt((err**2).sum(0)) / len(runs)
     assert np.all(np.abs(pooled - exact) <= 4 * pooled_err + 1e-12), (pooled, exact, pooled_err)
     z = ((est - exact) / np.where(err > 0, err, 1.0))[err > 0]
-    # +- 2 stderr covers the truth; >= 94 % is promised for the matvec estimators, the
-    # terms-only sweeps here at 2-3 probes cover 0.82-0.9 (docs/calibration.md, not yet).
-    assert np.mean(np.abs(z) < 2) > 0.8
-    assert np.mean(np.abs(z) < 0.5) < 0.75  # and the bar is not uselessly wide (kappa(2) = 1.95)
+    # +- 2 stderr covers the truth (>= 94 % promised; docs/calibration.md measures it)
+    assert np.mean(np.abs(z) < 2) > 0.85
+    assert np.mean(np.abs(z) < 0.5) < 0.6  # and the bar is not uselessly wide
 
 
 @pytest.mark.parametrize(
     "what",
     [
         "laplacian-hutchinson",
-        "laplacian-stde",
         "diagonal-hutchinson",
         "weighted-A",
         "weighted-factor",
     ],
 )
 def test_stochastic_methods_are_unbiased_and_calibrated(ops: Ops, what: str) -> None:
-    u, x, dj = elementary(ops), _x(ops, (B, 4)), ops.dj
+    # 8 probes of n = 20 (the factor: 8 of its r = 10 columns): below n,
+    # and enough for Student's factor (kappa(7) = 1.12) to leave the bar narrow enough.
+    u, x, dj = particles(ops), _x(ops, (2, 20)), ops.dj
     H = ops.hessians(u, x, ())
-    A = np.random.default_rng(9).normal(size=(4, 4))
-    S = np.random.default_rng(10).normal(size=(4, 3))
-    # Below n = 4 probes (the factor's r = 3 columns): 4 or more would give the exact value.
-    # Gaussian probes: from Rademacher terms alone, 3 terms tie too often at n = 4 (their
-    # sample variance is then 0; docs/calibration.md, not calibrated yet).
-    budget = {"laplacian-stde": 6, "weighted-factor": 2}.get(what, 3)
-    opts = dict(num_probes=budget, return_stderr=True, distribution="gaussian")
+    A = np.random.default_rng(9).normal(size=(20, 20))
+    S = np.random.default_rng(10).normal(size=(20, 10))
+    opts = dict(num_probes=8, return_stderr=True, distribution="gaussian")
     if what == "laplacian-hutchinson":
         fn, exact = dj.laplacian(u, method="hutchinson", **opts), np.trace(H, axis1=1, axis2=2)
-    elif what == "laplacian-stde":  # 6 of 20 coordinates per sample
-        u, x = particles(ops), _x(ops, (2, 20))
-        H = ops.hessians(u, x, ())
-        fn, exact = dj.laplacian(u, method="stde", **opts), np.trace(H, axis1=1, axis2=2)
     elif what == "diagonal-hutchinson":
         fn = dj.hessian_diagonal(u, method="hutchinson", **opts)
         exact = np.diagonal(H, axis1=1, axis2=2)
@@ -556,6 +548,19 @@ def test_stochastic_methods_are_unbiased_and_calibrated(ops: Ops, what: str) -> 
         e, s = fn(ops.randomness(seed), x)
         runs.append((ops.to_numpy(e), ops.to_numpy(s)))
     _check_unbiased_and_calibrated(runs, exact)
+
+
+def test_stde_is_unbiased_and_refuses_an_error_bar_below_n(ops: Ops) -> None:
+    """8 of 20 coordinates per sample: the mean over seeds converges to the trace; an error bar
+    from the drawn coordinates alone would not hold (docs/calibration.md), so none is given."""
+    u, x, dj = particles(ops), _x(ops, (2, 20)), ops.dj
+    exact = np.trace(ops.hessians(u, x, ()), axis1=1, axis2=2)
+    fn = dj.laplacian(u, method="stde", num_probes=8)
+    runs = np.stack([ops.to_numpy(fn(ops.randomness(seed), x)) for seed in range(RUNS)])
+    spread = runs.std(0, ddof=1) / np.sqrt(RUNS)
+    assert np.all(np.abs(runs.mean(0) - exact) < 4 * spread), (runs.mean(0), exact, spread)
+    with pytest.raises(divjac.NumProbesError, match="num_probes=20"):
+        dj.laplacian(u, method="stde", num_probes=8, return_stderr=True)(ops.randomness(0), x)
 
 
 def test_stochastic_methods_on_the_callers_probes(ops: Ops) -> None:
@@ -601,6 +606,14 @@ def test_errors_name_the_problem(ops: Ops) -> None:
         dj.laplacian(vector(ops), method="hutch++", num_probes=3)(ops.randomness(0), x)
     with pytest.raises(divjac.NumProbesError, match="at least 2 probes"):
         dj.laplacian(u, method="hutchinson", num_probes=1, return_stderr=True)(ops.randomness(0), x)
+    with pytest.raises(divjac.NumProbesError, match="scalar-per-sample u"):
+        dj.laplacian(vector(ops), method="hutchinson", num_probes=2, return_stderr=True)(
+            ops.randomness(0), x
+        )
+    with pytest.raises(divjac.NumProbesError, match="at least 3 probes"):
+        dj.hessian_diagonal(u, method="hutchinson", num_probes=2, return_stderr=True)(
+            ops.randomness(0), x
+        )
     with pytest.raises(divjac.NumProbesError, match="samples coordinates"):
         dj.laplacian(u, method="stde", num_probes=1)(ops.asarray(np.ones((1, B, 5))), x)
     with pytest.raises(divjac.MissingKeyError):
@@ -738,22 +751,18 @@ def test_bilaplacian_hutchinson_on_the_callers_probes(ops: Ops) -> None:
     u, x = mlp(ops), _x(ops, (B, 5))
     v = np.random.default_rng(9).normal(size=(3, B, 5))
     terms = _fourth(ops, u, x, v) / 3
-    mean, err = ops.dj.bilaplacian(u, method="hutchinson", num_probes=3, return_stderr=True)(
-        ops.asarray(v), x
-    )
-    from divjac._core.estimators import hutchinson_from_terms
-
-    want_mean, want_err = hutchinson_from_terms(terms)
-    _close(ops, mean, want_mean)
-    _close(ops, err, want_err)
+    mean = ops.dj.bilaplacian(u, method="hutchinson", num_probes=3)(ops.asarray(v), x)
+    _close(ops, mean, terms.mean(0))
+    # Heavy-tailed terms: no error bar holds (docs/calibration.md), so none is given.
+    with pytest.raises(divjac.OptionError, match="no error bar that holds"):
+        ops.dj.bilaplacian(u, method="hutchinson", return_stderr=True)
 
 
 @pytest.mark.slow
 def test_bilaplacian_hutchinson_is_unbiased(ops: Ops) -> None:
     u, x = mlp(ops), _x(ops, (B, 5))
     want = _fourth(ops, u, x, None)
-    mean, err = ops.dj.bilaplacian(u, method="hutchinson", num_probes=64, return_stderr=True)(
-        ops.randomness(3), x
-    )
-    z = (ops.to_numpy(mean) - want) / ops.to_numpy(err)
-    assert np.all(np.abs(z) < 4), z
+    fn = ops.dj.bilaplacian(u, method="hutchinson", num_probes=16)
+    means = np.stack([ops.to_numpy(fn(ops.randomness(seed), x)) for seed in range(8)])
+    z = (means.mean(0) - want) / (means.std(0, ddof=1) / np.sqrt(8))
+    assert np.all(np.abs(z) < 5), z

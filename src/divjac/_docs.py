@@ -108,10 +108,13 @@ _LAPLACIAN_METHOD = """``"exact"`` (one Taylor sweep of the ``n`` unit direction
         random probes, one direction each), ``"stde"`` (STDE, Shi et al. 2024: ``n H_ii`` at
         ``num_probes`` coordinates drawn without replacement; exact when it reaches ``n``;
         best when the diagonal dominates), or from Hessian-vector products (scalar ``u``):
-        ``"hutch++"``, ``"xtrace"``, ``"probing"``."""
+        ``"hutch++"``, ``"xtrace"``, ``"probing"``. ``"hutchinson"`` with ``return_stderr``
+        below ``n`` probes takes the probes' Hessian-vector products instead (scalar ``u``,
+        2 probes at least), whose images give an error bar that holds."""
 _WEIGHTED_METHOD = """``"exact"`` or ``"auto"`` (the directions above), or ``"hutchinson"``:
         ``(S v)^T H (S v)`` for random ``v`` in ``r`` dimensions with a factor, ``v^T H A v``
-        (two directions) with ``A``."""
+        (two directions) with ``A``; with ``return_stderr`` below the exact budget, from the
+        Hessian-vector products ``H v`` (scalar ``u``), as the Laplacian's."""
 _DIAGONAL_METHOD = """``"exact"``, ``"sparse"``, ``"auto"`` (sparse when the colors are at most
         half of ``n``) or ``"hutchinson"`` (Bekas-Kokiopoulou-Saad)."""
 _ONE_ARGNUM = (
@@ -365,7 +368,8 @@ _DOCS: dict[str, _Doc] = {
         Hessian-vector products with the indicators of a diagonal coloring of the detected
         Hessian pattern (each ``(H v_c)_i``, ``i`` of color ``c``, is ``H_ii``);
         ``"hutchinson"``: the estimator of Bekas, Kokiopoulou & Saad (2007), the mean of
-        ``v * H v`` over random probes (unbiased for ``E[v v^T] = I``).""",
+        ``v * H v`` over random probes (unbiased for ``E[v v^T] = I``); its ``stderr``
+        bounds each entry's variance by ``2 mean (H v)_i^2`` and needs 3 probes or more.""",
         ("u", *(a for a in _DIVERGENCE_ARGS[1:] if a not in ("mode", "probing_distance"))),
         """A function with ``u``'s signature returning the diagonals, shaped as the
         differentiated input (``(B, *in)``).""",

@@ -59,7 +59,7 @@ from ._divergence import (
     _itself,
     _split_randomness,
 )
-from ._errors import ArgnumsError, CoefficientError, NumProbesError, OutputError
+from ._errors import ArgnumsError, CoefficientError, NumProbesError, OptionError, OutputError
 from ._transforms import auto_detects, per_argnum, shaped, tuple_of
 
 __all__ = [
@@ -297,12 +297,21 @@ def _laplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Arra
     planned = call.backend.ahead(_plan, call, opts.method, stochastic_method)
     # A budget of n directions or more pays for the exact sweep (n directions, no error).
     if opts.method == "hutchinson" and _num_probes(opts, call.n_in) < call.n_in:
-        probes = _draw(call, randomness, _num_probes(opts, call.n_in), opts.distribution)
-        terms = _sweep(call, probes, None, False, opts.chunk_size)
-        return _mean_and_stderr(call, terms, opts.return_stderr)
+        k = _num_probes(opts, call.n_in)
+        probes = _draw(call, randomness, k, opts.distribution)
+        if opts.return_stderr:
+            return _calibrated_laplacian(call, probes, opts)
+        return _sweep(call, probes, None, True, opts.chunk_size) / k, None
     if opts.method == "stde":
         n = call.n_in
         k = min(_num_probes(opts, n), n)
+        if opts.return_stderr and k < n:
+            raise NumProbesError(
+                f"{call.spec.fname}: method='stde' has no error bar that holds below n = {n} "
+                "coordinates (a coordinate not drawn is not seen: its terms' spread covered "
+                f"0.75-0.93, docs/calibration.md); pass num_probes={n} (exact, stderr 0), or "
+                "use method='hutchinson' with return_stderr=True."
+            )
         terms = _sweep(call, _coordinates(call, randomness, k), None, False, opts.chunk_size)
         mean, err = _mean_and_stderr(call, n * terms, opts.return_stderr)
         # Coordinates drawn without replacement: the finite-population correction.
@@ -312,6 +321,49 @@ def _laplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Arra
         directions, weights = _one_sample_at_a_time(call, directions, None)
     second = _sweep(call, directions, weights, True, opts.chunk_size)
     return second, (call.backend.zeros_like(second) if opts.return_stderr else None)
+
+
+def _calibrated_laplacian(call: Call, probes: Array, opts: _Options) -> tuple[Array, Array]:
+    """Hutchinson's Laplacian with a standard error that holds: the probes' Hessian-vector
+    products ``H v`` (forward-over-reverse) give the terms ``v^T H v`` and the variance bound
+    of :func:`~divjac._core.estimators.mean_and_stderr`, which the terms alone do not (a Taylor
+    sweep's terms covered 0.69-0.84 at a few probes, docs/calibration.md)."""
+    k = int(probes.shape[0])
+    images = _hessian_images(call, probes, k, opts.chunk_size)
+    return _calibrated_trace(call, probes.reshape(k, call.batch_size, -1), images)
+
+
+def _hessian_images(call: Call, probes: Array, k: int, chunk_size: int | None) -> Array:
+    """``H v`` ``(k, B, n)`` for the probes ``v`` ``(k, B, *in)`` of a scalar-per-sample ``u``
+    below ``n`` probes, for a standard error (refused otherwise, naming the way out)."""
+    n = call.n_in
+    if math.prod(call.out_sample) != 1:
+        raise NumProbesError(
+            f"{call.spec.fname}: return_stderr=True with method='hutchinson' below n = {n} "
+            "probes needs the Hessian-vector products of a scalar-per-sample u; this u has "
+            f"outputs of shape {call.out_sample}: pass num_probes={n} (exact, stderr 0), "
+            "return_stderr=False, or each output component as its own function."
+        )
+    _checked_stderr_budget(call, k)
+    return _own_products(call, _grad_spec(call.spec), probes, _itself, k, chunk_size, False, False)
+
+
+def _calibrated_trace(call: Call, probes: Array, images: Array) -> tuple[Array, Array]:
+    """Hutchinson's mean of ``v^T M v`` and its standard error from the probes ``v`` and their
+    images ``M v``, both ``(k, B, m)``, shaped as ``u``'s output ``(B, *out)``."""
+    backend = call.backend
+    v, mv = (backend.moveaxis(a, 0, -1) for a in (probes, images))
+    mean, err = est.mean_and_stderr((v * mv).sum(-2), est.namespace(v), mv, v)
+    shape = (call.batch_size, *call.out_sample)
+    return mean.reshape(shape), err.reshape(shape)
+
+
+def _checked_stderr_budget(call: Call, k: int, least: int = 2) -> None:
+    if k < least:
+        raise NumProbesError(
+            f"{call.spec.fname}: return_stderr=True needs at least {least} probes below n "
+            f"(the error bar is estimated from them); pass num_probes={least} or more."
+        )
 
 
 def _second_order_transform(
@@ -480,9 +532,16 @@ def _weighted_values(
             raw = backend.draw(randomness, (B, r, k), opts.distribution, like=call.xb)
             v = backend.moveaxis(est.normalize_probes(raw, opts.distribution), -1, 0)
             directions = (M @ v[..., None])[..., 0].reshape(k, B, *shape)  # S v: (k, B, n)
+            if opts.return_stderr:  # tr(S^T H S) from w = S^T H S v
+                hsv = _hessian_images(call, directions, k, opts.chunk_size)
+                images = (backend.moveaxis(M, -1, -2) @ hsv[..., None])[..., 0]
+                return _calibrated_trace(call, v, images)
             terms = _sweep(call, directions, None, False, opts.chunk_size)
         else:
             v = _draw(call, randomness, k, opts.distribution).reshape(k, B, n)
+            if opts.return_stderr:  # tr(A H) from w = A H v
+                hv = _hessian_images(call, v.reshape(k, B, *shape), k, opts.chunk_size)
+                return _calibrated_trace(call, v, (M @ hv[..., None])[..., 0])
             Av = (M @ v[..., None])[..., 0]
             directions = backend.concatenate([v + Av, v - Av]).reshape(2 * k, B, *shape)
             second = _sweep(call, directions, None, False, opts.chunk_size)
@@ -621,6 +680,12 @@ def bilaplacian(
     check_option("method", method, BiLaplacianMethod, fname=fname)
     check_option("coupling", coupling, Coupling, fname=fname)
     opts = _Options(method, num_probes, "gaussian", return_stderr, chunk_size)
+    if method == "hutchinson" and return_stderr:
+        raise OptionError(
+            f"{fname}: method='hutchinson' has no error bar that holds (its terms, fourth "
+            "powers of Gaussian probes, are heavy-tailed: their spread covered 0.69-0.93 even at "
+            "64 probes, docs/calibration.md); pass return_stderr=False, or method='exact'."
+        )
 
     def one(argnum: int) -> Callable[..., Any]:
         def values(call: Call, randomness: Any) -> Any:
@@ -736,8 +801,14 @@ def _diagonal_values(
     if hutchinson and _num_probes(opts, n) < n:
         k = _num_probes(opts, n)
         probes = _draw(call, randomness, k, opts.distribution)
-        terms = _own_products(call, grad_spec, probes, _itself, k, opts.chunk_size, shared=False)
-        mean, err = _mean_and_stderr(call, terms, opts.return_stderr)
+        images = _own_products(call, grad_spec, probes, _itself, k, opts.chunk_size, False, False)
+        v = probes.reshape(k, B, n)
+        if not opts.return_stderr:
+            return (v * images).mean(0).reshape(B, *call.in_sample), None
+        # Two probes leave the bound itself too noisy (coverage 0.93, docs/calibration.md).
+        _checked_stderr_budget(call, k, least=3)
+        v, hv = (backend.moveaxis(a, 0, -1) for a in (v, images))
+        mean, err = est.diagonal_mean_and_stderr(v, hv, est.namespace(v))
         return mean.reshape(B, *call.in_sample), _shaped(call, err)
     if planned.colors is not None:
         n_colors = int(planned.colors.max()) + 1
@@ -765,15 +836,17 @@ def _own_products(
     n_passes: int,
     chunk_size: int | None,
     shared: bool,
+    times_tangent: bool = True,
 ) -> Array:
-    """``v * H v`` ``(k, B, n)`` for the tangents ``v`` of the passes: Hessian-vector products,
-    JVPs of the per-sample gradient (forward-over-reverse)."""
+    """``v * H v`` ``(k, B, n)`` for the tangents ``v`` of the passes (``H v`` without
+    ``times_tangent``): Hessian-vector products, JVPs of the per-sample gradient
+    (forward-over-reverse)."""
     backend, B, n = call.backend, call.batch_size, call.n_in
     grad_call = prepare(grad_spec, call.args, call.kwargs)
     linear = backend.linearize(grad_call, False)
 
     def own(c: Array, t: Array, pushed: Array) -> Array:
-        return (pushed * t).reshape(B, n)
+        return (pushed * t if times_tangent else pushed).reshape(B, n)
 
     chunk = backend.ahead(Call.chunk, grad_call, n_passes, chunk_size)
     return linear.passes(inputs, seed, own, chunk, shared=shared)

@@ -39,7 +39,7 @@ def jax_user(x: jax.Array, key: jax.Array) -> None:
     dj.divergence(f, method="exact", mode="rev")(x)
     dj.value_and_divergence(f, method="hutchinson", mode="fwd")(key, x)
     dj.laplacian(lambda x: jnp.sum(x**2, axis=1), method="sparse", has_aux=False)(x)
-    dj.laplacian(lambda x: x**2, method="stde", num_probes=2, return_stderr=True)(key, x)
+    dj.laplacian(lambda x: x**2, method="stde", num_probes=2)(key, x)
     dj.weighted_laplacian(lambda x: x**2, jnp.eye(x.shape[1]), 0, method="exact")(x)
     dj.weighted_laplacian(lambda x: x**2, factor=x[:, :, None], method="hutchinson")(key, x)
     dj.hessian(lambda x: jnp.sum(x**2, axis=1), mode="sparse")(x)

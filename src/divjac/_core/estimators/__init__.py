@@ -65,7 +65,9 @@ from ._common import (
     Array as Array,
     Matvec as Matvec,
     column_dots as column_dots,
+    diagonal_mean_and_stderr as diagonal_mean_and_stderr,
     mean_and_stderr as mean_and_stderr,
+    namespace as namespace,
     squared_norm_mean_and_stderr as squared_norm_mean_and_stderr,
 )
 from .epperly2024xtrace import xtrace as xtrace
@@ -79,11 +81,13 @@ __all__ = [
     "METHODS",
     "check_stderr_budget",
     "column_dots",
+    "diagonal_mean_and_stderr",
     "estimate_trace",
     "hutch_plus_plus",
     "hutchinson",
     "hutchinson_from_terms",
     "mean_and_stderr",
+    "namespace",
     "normalize_probes",
     "num_random_vectors",
     "probe_matrix",

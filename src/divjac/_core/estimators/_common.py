@@ -27,6 +27,7 @@ __all__ = [
     "check_probes",
     "column_dots",
     "device",
+    "diagonal_mean_and_stderr",
     "exact_trace",
     "is_int",
     "mean_and_stderr",
@@ -229,6 +230,25 @@ def squared_norm_mean_and_stderr(images: Array, xp: Any) -> tuple[Array, Array]:
 
 _MAX_RELATIVE = 0.9
 """The cap of the relative half-width ``2 s0 / mean`` of :func:`squared_norm_mean_and_stderr`."""
+
+
+def diagonal_mean_and_stderr(probes: Array, images: Array, xp: Any) -> tuple[Array, Array]:
+    """The diagonal estimate ``mean(v * A v)`` (Bekas, Kokiopoulou & Saad 2007) from ``k >= 2``
+    probes ``(B, n, k)`` with ``E[v v^T] = I`` and their images ``A v``, with its ``(B, n)``
+    standard error, entry by entry.
+
+    Entry ``i`` of a term is ``v_i (A v)_i``, of variance ``||A_i||^2 + A_ii^2`` for Gaussian
+    probes, ``||A_i||^2 - A_ii^2`` for Rademacher ones (``A_i``: row ``i``): at most
+    ``2 ||A_i||^2``, of which ``2 mean (A v)_i^2`` is an unbiased estimate. An entry's terms take
+    few values and are skewed (a row with one or two off-diagonal entries, a dominant
+    diagonal), so their sample variance ``s^2`` and even the unbiased estimate of the exact
+    variance fall short too often (docs/calibration.md); the standard error is this bound's:
+    ``kappa(k - 1) sqrt(max(s^2, 2 mean (A v)_i^2) / k)``.
+    """
+    k = images.shape[-1]
+    mean, variance = mean_and_variance(probes * images, xp)
+    bound = 2 * xp.mean(images * images, axis=-1) / k
+    return mean, t_factor(k - 1) * xp.sqrt(xp.maximum(variance, bound))
 
 
 def single_term_stderr(images: Array, xp: Any) -> Array:

@@ -274,16 +274,17 @@ CORE_BUDGETS: dict[str, list[int]] = {
     "hutch++": [6, 9, 12, 24],
     "xtrace": [4, 6, 8, 16, 24],
     "probing": [4, 8, 16],
-    "sweep terms (rademacher)": [2, 3, 4, 8, 16],
-    "sweep terms (gaussian)": [2, 3, 4, 8, 16],
     "stde": [2, 3, 4, 8, 16],
-    "hessian_diagonal (rademacher)": [2, 4, 8, 16],
+    "hessian_diagonal (rademacher)": [3, 4, 8, 16],
+    "hessian_diagonal (gaussian)": [3, 4, 8, 16],
 }
 """Budgets per sample (matvecs, sweep directions or probes) of each core estimator, from the
 least that gives a standard error (:func:`~divjac._core.estimators.check_stderr_budget`).
-``sweep terms``: Hutchinson from its terms ``v^T H v`` alone (the Laplacian's and the weighted
-Laplacian's Taylor sweep); ``stde``: random coordinates; ``hessian_diagonal``: Bekas' estimate
-per coordinate."""
+The Laplacian's and the weighted Laplacian's ``"hutchinson"`` with a standard error are
+Hutchinson on Hessian-vector products (the ``hutchinson`` rows, on the Hessians of the set);
+``stde``: random coordinates, from its terms alone (why ``laplacian(method="stde")`` refuses
+``return_stderr`` below ``n``); ``hessian_diagonal``: Bekas' estimate per
+coordinate, with the bound of :func:`~divjac._core.estimators.diagonal_mean_and_stderr`."""
 
 
 def _from_terms(terms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -329,12 +330,6 @@ def _core_estimate(
         return estimate, stderr, exact, None if is_exact else float(max(num - 1, 1))
     if not case.hessian or (budget >= n and not estimator.startswith("stde")):
         return None
-    if estimator.startswith("sweep terms"):
-        distribution = "gaussian" if "gaussian" in estimator else "rademacher"
-        probes = _draw(rng, distribution, (reps * batch, n, budget))
-        terms = np.sum(probes * matvec(probes), axis=-2)  # (R B, k)
-        estimate, stderr = _from_terms(terms.T)
-        return estimate, stderr, exact, float(budget - 1)
     if estimator == "stde":
         if budget >= n:
             return None
@@ -343,9 +338,10 @@ def _core_estimate(
         terms = n * np.take_along_axis(diagonal, order, axis=-1)
         estimate, stderr = _from_terms(terms.T)
         return estimate, stderr * math.sqrt(1 - budget / n), exact, float(budget - 1)
-    probes = _draw(rng, "rademacher", (reps * batch, n, budget))
-    products = probes * matvec(probes)  # (R B, n, k): v * H v
-    estimate, stderr = _from_terms(np.moveaxis(products, -1, 0).reshape(budget, -1))
+    distribution = "gaussian" if "gaussian" in estimator else "rademacher"
+    probes = _draw(rng, distribution, (reps * batch, n, budget))
+    estimate, stderr = est.diagonal_mean_and_stderr(probes, matvec(probes), np)
+    estimate, stderr = estimate.reshape(-1), stderr.reshape(-1)
     diagonal = np.broadcast_to(np.diagonal(j, axis1=1, axis2=2), (reps, batch, n)).reshape(-1)
     return estimate, stderr, diagonal, float(budget - 1)
 
@@ -414,7 +410,7 @@ FRAMEWORK_CELLS: list[tuple[str, str, list[int]]] = [
     ("laplacian hutch++", "scalar", [3, 6]),
     ("laplacian xtrace", "scalar", [2, 4]),
     ("weighted_laplacian hutchinson", "scalar", [2, 4, 16]),
-    ("hessian_diagonal hutchinson", "scalar", [2, 4, 16]),
+    ("hessian_diagonal hutchinson", "scalar", [3, 4, 16]),
 ]
 """End-to-end cells: (transform and method, which functions, budgets)."""
 
