@@ -227,12 +227,13 @@ class Cell:
 
 def _beyond_three(dof: float | None) -> float:
     """``P(|T| > 3 kappa(dof))`` for Student's ``T`` with ``dof`` degrees of freedom (``None``:
-    an exact result, 0), by the regularized incomplete beta function (SciPy)."""
+    an exact result, 0), by the regularized incomplete beta function (``scipy.special``, which
+    imports no array framework)."""
     if dof is None:
         return 0.0
-    from scipy import stats
+    from scipy import special
 
-    return float(2 * stats.t.sf(3 * t_factor(float(dof)), dof))
+    return float(2 * special.stdtr(dof, -3 * t_factor(float(dof))))
 
 
 def _score(
