@@ -601,7 +601,13 @@ def _view_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dic
 
     def view(t: Tensor) -> Tensor:
         # Terms constant along the batch axis stay so when the view keeps that axis.
-        if tuple(t.shape[2:]) == xs[1:] and t.shape[1] == 1 and xs[:1] == ys[:1]:
+        if (
+            xs
+            and t.ndim == len(xs) + 1
+            and tuple(t.shape[2:]) == xs[1:]
+            and t.shape[1] == 1
+            and xs[:1] == ys[:1]
+        ):
             return t.reshape(t.shape[0], 1, *ys[1:])
         return _full(t, xs).reshape(t.shape[0], *ys)
 
