@@ -191,16 +191,48 @@ def test_opinfo_samples(op_db, name):
     assert any(o.verdict == "ok" for o in result.outcomes["jacobian"])
 
 
+# The ops the sweep still finds a defect in (a wrong value, a missed nonzero, a crash), with
+# why: the test fails when this set differs from the sweep's, so a fix must remove its op and
+# any new defect is seen (a strict xfail per op).
+# Found by the partial sweep of 2026-12-02 (ops 0-276 and 410-; the rest not yet run).
+KNOWN_DEFECTS: dict[str, str] = {
+    "cartesian_prod": "hessian: a write into overlapping memory (RuntimeError) escapes the second-order sweep",
+    "nn.functional.linear_cross_entropy.chunked": "batched: wrong values (4.9e-01)",
+    "nn.functional.linear_cross_entropy.chunked_none": "jacobian: vmap in-place arithmetic (RuntimeError) escapes",
+    "as_strided.partial_views": "hessian: as_strided outside its base under vmap (RuntimeError) escapes",
+    "as_strided_scatter": "sparse: wrong values (1.0)",
+    "native_layer_norm": "hessian: hessian_diagonal wrong (2e-03): torch's kernel, not the composed form",
+    "native_batch_norm": "hessian: laplacian wrong (3.8e-02): torch's kernel, not the composed form",
+    "_native_batch_norm_legit": "hessian: laplacian wrong (3.8e-02)",
+    "_batch_norm_with_update": "hessian: laplacian wrong (3.4e-01)",
+    "nn.functional.batch_norm": "hessian: laplacian wrong (4.8e-02)",
+    "nn.functional.fractional_max_pool2d": "hessian: a random op under vmap (RuntimeError) escapes",
+    "nn.functional.fractional_max_pool3d": "hessian: a random op under vmap (RuntimeError) escapes",
+    "nn.functional.feature_alpha_dropout.with_train": "hessian: a random op under vmap (RuntimeError) escapes",
+    "nn.functional.multi_head_attention_forward": "hessian: a random op under vmap (RuntimeError) escapes",
+    "nn.functional.rrelu": "hessian: no vmap rule for rrelu_with_noise (RuntimeError) escapes",
+    "to": "hessian: channels_last of a lower-rank tensor (RuntimeError) escapes",
+    "grid_sampler_2d": "jacobian: no forward derivative (NotImplementedError) escapes",
+}
+
+
 @pytest.mark.slow
 def test_opinfo_sweep(op_db):
-    """Every differentiable float64 op: no wrong value, no missed nonzero, no crash beyond
-    those listed in the table; the committed table is the one the sweep renders."""
+    """Every differentiable float64 op: no wrong value, no missed nonzero, no crash (an error
+    escaping divjac that is not a divjac error) beyond :data:`KNOWN_DEFECTS`; ill-posed samples
+    (``jacrev`` and ``jacfwd`` disagree) are skipped with their reason. The committed table is
+    the one the sweep renders."""
     from tests.torch import opinfo
 
     results = [opinfo.sweep_op(op) for op in op_db.values()]
     text = opinfo.render(results)
     if os.environ.get("DIVJAC_UPDATE_DOCS") == "1":
         opinfo.DOC.write_text(text)
+    found = {r.name: r.defects for r in results if r.defects}
+    new = {name: defects for name, defects in found.items() if name not in KNOWN_DEFECTS}
+    fixed = sorted(set(KNOWN_DEFECTS) - set(found))
+    assert not new, f"defects: {new}"
+    assert not fixed, f"no longer defective, remove from KNOWN_DEFECTS: {fixed}"
     assert opinfo.DOC.read_text() == text, (
         "docs/conformance-torch.md is not what the sweep renders: run the slow test with "
         "DIVJAC_UPDATE_DOCS=1 and commit it"
