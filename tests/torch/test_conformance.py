@@ -213,6 +213,9 @@ KNOWN_DEFECTS: dict[str, str] = {
     "nn.functional.rrelu": "hessian: no vmap rule for rrelu_with_noise (RuntimeError) escapes",
     "to": "hessian: channels_last of a lower-rank tensor (RuntimeError) escapes",
     "grid_sampler_2d": "jacobian: no forward derivative (NotImplementedError) escapes",
+    "dist": "hessian: a forward gradient of another size (RuntimeError) escapes",
+    "ormqr": "hessian: no forward derivative of ormqr (NotImplementedError) escapes",
+    "__rpow__": "sparse: nan where jacrev is finite",
 }
 
 
