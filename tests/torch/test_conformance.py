@@ -240,3 +240,42 @@ def test_opinfo_sweep(op_db):
         "docs/conformance-torch.md is not what the sweep renders: run the slow test with "
         "DIVJAC_UPDATE_DOCS=1 and commit it"
     )
+
+
+# --- second order on OpInfo-shaped cases ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("scenario", ["addmm_added_term", "var_mean_of_all", "aminmax"])
+def test_second_order_sweep_of_op_samples(scenario):
+    """``addmm`` whose product is constant and views of terms lifted to fewer axes crashed
+    (TypeError, IndexError) in the second-order sweep."""
+    from divjac.torch import hessian_diagonal, laplacian
+
+    m1 = torch.randn(3, 4, dtype=D, generator=_gen(1))
+    m2 = torch.randn(4, 3, dtype=D, generator=_gen(2))
+    ops = {
+        "addmm_added_term": lambda x: torch.addmm(x, m1, m2, alpha=0.5).sin(),
+        "var_mean_of_all": lambda x: torch.stack(torch.var_mean(x)).exp(),
+        "aminmax": lambda x: torch.stack(torch.aminmax(x)).sin(),
+    }
+
+    def u(x):
+        return ops[scenario](x).square().sum()
+
+    x = torch.randn(3, 3, dtype=D, generator=_gen())
+    want = torch.func.hessian(u)(x).reshape(9, 9).diagonal().reshape(3, 3)
+    torch.testing.assert_close(hessian_diagonal(u, batch_axis=None)(x), want)
+    torch.testing.assert_close(laplacian(u, batch_axis=None)(x), want.sum())
+
+
+def test_second_order_sweep_names_an_op_without_forward_derivative():
+    from divjac.torch import hessian, laplacian
+
+    def u(x):
+        return torch.cholesky(x @ x.T + torch.eye(3, dtype=D)).sin().sum()
+
+    x = torch.randn(3, 3, dtype=D, generator=_gen())
+    with pytest.raises(OptionError, match=r"aten\.cholesky"):
+        laplacian(u, batch_axis=None)(x)
+    want = torch.func.jacrev(torch.func.jacrev(u))(x)
+    torch.testing.assert_close(hessian(u, batch_axis=None)(x), want)
