@@ -167,10 +167,22 @@ FAST = [
     "nn.functional.conv2d",
     "softmax",
     "nn.functional.cosine_similarity",
-    "nn.functional.instance_norm",
-    "nn.functional.batch_norm",
+    pytest.param(
+        "nn.functional.instance_norm",
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason="the sample's running statistics: StateUpdateError on every check (main, 2026-12-02)",
+        ),
+    ),
+    pytest.param(
+        "nn.functional.batch_norm",
+        marks=pytest.mark.xfail(strict=True, reason="laplacian wrong by 4.8e-02 (KNOWN_DEFECTS)"),
+    ),
     "cdist",
-    "pdist",
+    pytest.param(
+        "pdist",
+        marks=pytest.mark.xfail(strict=True, reason="no OpInfo of this name in torch 2.13's op_db"),
+    ),
 ]
 
 

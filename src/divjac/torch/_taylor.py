@@ -668,8 +668,8 @@ def _sum_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict
     keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
     if dims_arg is None or len(dims_arg) == 0:
         dims = list(range(x.ndim))
-    else:
-        dims = [int(d) % max(x.ndim, 1) for d in dims_arg]
+    else:  # a 0-d value has no axis to reduce (its dimension 0 or -1 is itself)
+        dims = [int(d) % x.ndim for d in dims_arg] if x.ndim else []
     axes = [d + 1 for d in dims]
     mean = node.target is aten.mean.dim
 
