@@ -167,10 +167,22 @@ FAST = [
     "nn.functional.conv2d",
     "softmax",
     "nn.functional.cosine_similarity",
-    "nn.functional.instance_norm",
-    "nn.functional.batch_norm",
+    pytest.param(
+        "nn.functional.instance_norm",
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason="the sample's running statistics: StateUpdateError on every check (main, 2026-12-02)",
+        ),
+    ),
+    pytest.param(
+        "nn.functional.batch_norm",
+        marks=pytest.mark.xfail(strict=True, reason="laplacian wrong by 4.8e-02 (KNOWN_DEFECTS)"),
+    ),
     "cdist",
-    "pdist",
+    pytest.param(
+        "pdist",
+        marks=pytest.mark.xfail(strict=True, reason="no OpInfo of this name in torch 2.13's op_db"),
+    ),
 ]
 
 
@@ -191,17 +203,91 @@ def test_opinfo_samples(op_db, name):
     assert any(o.verdict == "ok" for o in result.outcomes["jacobian"])
 
 
+# The ops the sweep still finds a defect in (a wrong value, a missed nonzero, a crash), with
+# why: the test fails when this set differs from the sweep's, so a fix must remove its op and
+# any new defect is seen (a strict xfail per op).
+# Found by the partial sweep of 2026-12-02 (ops 0-276 and 410-; the rest not yet run).
+KNOWN_DEFECTS: dict[str, str] = {
+    "cartesian_prod": "hessian: a write into overlapping memory (RuntimeError) escapes the second-order sweep",
+    "nn.functional.linear_cross_entropy.chunked": "batched: wrong values (4.9e-01)",
+    "nn.functional.linear_cross_entropy.chunked_none": "jacobian: vmap in-place arithmetic (RuntimeError) escapes",
+    "as_strided.partial_views": "hessian: as_strided outside its base under vmap (RuntimeError) escapes",
+    "as_strided_scatter": "sparse: wrong values (1.0)",
+    "native_layer_norm": "hessian: hessian_diagonal wrong (2e-03): torch's kernel, not the composed form",
+    "native_batch_norm": "hessian: laplacian wrong (3.8e-02): torch's kernel, not the composed form",
+    "_native_batch_norm_legit": "hessian: laplacian wrong (3.8e-02)",
+    "_batch_norm_with_update": "hessian: laplacian wrong (3.4e-01)",
+    "nn.functional.batch_norm": "hessian: laplacian wrong (4.8e-02)",
+    "nn.functional.fractional_max_pool2d": "hessian: a random op under vmap (RuntimeError) escapes",
+    "nn.functional.fractional_max_pool3d": "hessian: a random op under vmap (RuntimeError) escapes",
+    "nn.functional.feature_alpha_dropout.with_train": "hessian: a random op under vmap (RuntimeError) escapes",
+    "nn.functional.multi_head_attention_forward": "hessian: a random op under vmap (RuntimeError) escapes",
+    "nn.functional.rrelu": "hessian: no vmap rule for rrelu_with_noise (RuntimeError) escapes",
+    "to": "hessian: channels_last of a lower-rank tensor (RuntimeError) escapes",
+    "grid_sampler_2d": "jacobian: no forward derivative (NotImplementedError) escapes",
+    "dist": "hessian: a forward gradient of another size (RuntimeError) escapes",
+    "ormqr": "hessian: no forward derivative of ormqr (NotImplementedError) escapes",
+    "__rpow__": "sparse: nan where jacrev is finite",
+}
+
+
 @pytest.mark.slow
 def test_opinfo_sweep(op_db):
-    """Every differentiable float64 op: no wrong value, no missed nonzero, no crash beyond
-    those listed in the table; the committed table is the one the sweep renders."""
+    """Every differentiable float64 op: no wrong value, no missed nonzero, no crash (an error
+    escaping divjac that is not a divjac error) beyond :data:`KNOWN_DEFECTS`; ill-posed samples
+    (``jacrev`` and ``jacfwd`` disagree) are skipped with their reason. The committed table is
+    the one the sweep renders."""
     from tests.torch import opinfo
 
     results = [opinfo.sweep_op(op) for op in op_db.values()]
     text = opinfo.render(results)
     if os.environ.get("DIVJAC_UPDATE_DOCS") == "1":
         opinfo.DOC.write_text(text)
+    found = {r.name: r.defects for r in results if r.defects}
+    new = {name: defects for name, defects in found.items() if name not in KNOWN_DEFECTS}
+    fixed = sorted(set(KNOWN_DEFECTS) - set(found))
+    assert not new, f"defects: {new}"
+    assert not fixed, f"no longer defective, remove from KNOWN_DEFECTS: {fixed}"
     assert opinfo.DOC.read_text() == text, (
         "docs/conformance-torch.md is not what the sweep renders: run the slow test with "
         "DIVJAC_UPDATE_DOCS=1 and commit it"
     )
+
+
+# --- second order on OpInfo-shaped cases ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("scenario", ["addmm_added_term", "var_mean_of_all", "aminmax"])
+def test_second_order_sweep_of_op_samples(scenario):
+    """``addmm`` whose product is constant and views of terms lifted to fewer axes crashed
+    (TypeError, IndexError) in the second-order sweep."""
+    from divjac.torch import hessian_diagonal, laplacian
+
+    m1 = torch.randn(3, 4, dtype=D, generator=_gen(1))
+    m2 = torch.randn(4, 3, dtype=D, generator=_gen(2))
+    ops = {
+        "addmm_added_term": lambda x: torch.addmm(x, m1, m2, alpha=0.5).sin(),
+        "var_mean_of_all": lambda x: torch.stack(torch.var_mean(x)).exp(),
+        "aminmax": lambda x: torch.stack(torch.aminmax(x)).sin(),
+    }
+
+    def u(x):
+        return ops[scenario](x).square().sum()
+
+    x = torch.randn(3, 3, dtype=D, generator=_gen())
+    want = torch.func.hessian(u)(x).reshape(9, 9).diagonal().reshape(3, 3)
+    torch.testing.assert_close(hessian_diagonal(u, batch_axis=None)(x), want)
+    torch.testing.assert_close(laplacian(u, batch_axis=None)(x), want.sum())
+
+
+def test_second_order_sweep_names_an_op_without_forward_derivative():
+    from divjac.torch import hessian, laplacian
+
+    def u(x):
+        return torch.cholesky(x @ x.T + torch.eye(3, dtype=D)).sin().sum()
+
+    x = torch.randn(3, 3, dtype=D, generator=_gen())
+    with pytest.raises(OptionError, match=r"aten\.cholesky"):
+        laplacian(u, batch_axis=None)(x)
+    want = torch.func.jacrev(torch.func.jacrev(u))(x)
+    torch.testing.assert_close(hessian(u, batch_axis=None)(x), want)

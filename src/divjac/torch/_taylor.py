@@ -50,8 +50,8 @@ import torch.fx
 from torch.func import jvp, vjp, vmap
 from torch.utils import _pytree as pytree
 
-from .._errors import InternalError
-from ._aten import forward_derivative_wrong, inexact, packet
+from .._errors import InternalError, OptionError
+from ._aten import forward_derivative_wrong, inexact, lacks_forward_derivative, packet
 from ._backend import _ComposedNorms
 from ._detect import Traced, reach, trace
 
@@ -601,7 +601,13 @@ def _view_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dic
 
     def view(t: Tensor) -> Tensor:
         # Terms constant along the batch axis stay so when the view keeps that axis.
-        if tuple(t.shape[2:]) == xs[1:] and t.shape[1] == 1 and xs[:1] == ys[:1]:
+        if (
+            xs
+            and t.ndim == len(xs) + 1
+            and tuple(t.shape[2:]) == xs[1:]
+            and t.shape[1] == 1
+            and xs[:1] == ys[:1]
+        ):
             return t.reshape(t.shape[0], 1, *ys[1:])
         return _full(t, xs).reshape(t.shape[0], *ys)
 
@@ -662,8 +668,8 @@ def _sum_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict
     keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
     if dims_arg is None or len(dims_arg) == 0:
         dims = list(range(x.ndim))
-    else:
-        dims = [int(d) % max(x.ndim, 1) for d in dims_arg]
+    else:  # a 0-d value has no axis to reduce (its dimension 0 or -1 is itself)
+        dims = [int(d) % x.ndim for d in dims_arg] if x.ndim else []
     axes = [d + 1 for d in dims]
     mean = node.target is aten.mean.dim
 
@@ -726,15 +732,15 @@ def _addmm_rule(
     beta = kwargs.get("beta", 1)
     alpha = kwargs.get("alpha", 1)
     y = node.target(*args, **kwargs)  # type: ignore[operator]
-    prod = _matmul(sw, x, z, sw.jet(node.args[1]), sw.jet(node.args[2]), y)
-    jet = _map(prod, lambda t: t * alpha) if alpha != 1 else prod
-    cj = sw.jet(node.args[0])
+    a, b, cj = sw.jet(node.args[1]), sw.jet(node.args[2]), sw.jet(node.args[0])
+    terms = []
+    if a is not None or b is not None:  # the product depends on the input
+        prod = _matmul(sw, x, z, a, b, y)
+        terms.append(_map(prod, lambda t: t * alpha) if alpha != 1 else prod)
     if cj is not None:
-        jet = _Jet(
-            jet.first + beta * _lift(cj.first, y.ndim),
-            _add(jet.second, _scale(_lift(cj.second, y.ndim), beta)),
-        )
-    return y, jet
+        terms.append(_Jet(_lift(cj.first, y.ndim) * beta, _scale(_lift(cj.second, y.ndim), beta)))
+    first = _add(*(t.first for t in terms))
+    return y, _Jet(first, _add(*(t.second for t in terms)))  # type: ignore[arg-type]
 
 
 @_rule(aten.convolution.default)
@@ -833,31 +839,38 @@ def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[
         for j, p in zip(jets, primals, strict=True)
     ]
 
+    if lacks_forward_derivative(node, {node_leaves[i] for i in pos}):
+        raise OptionError(
+            "the second-order sweep (laplacian, hessian_diagonal) pushes forward derivatives, "
+            f"but the function runs {target}, which has none in PyTorch. Use "
+            "divjac.torch.hessian (reverse passes) for this function."
+        )
+    n = len(primals)
+    by_reverse = forward_derivative_wrong(target)
+
+    def lin(*pt: Tensor) -> tuple[Tensor, ...]:
+        """``J t`` at the primals ``pt[:n]`` for the tangents ``pt[n:]``."""
+        if not by_reverse:
+            return jvp(fn, pt[:n], pt[n:])[1]
+        # J t as the transpose of the VJP (linear in its cotangent): built from the
+        # backward formulas, whose forward derivatives are right. With grad mode on:
+        # under the caller's no_grad the backward of the VJP is not differentiated.
+        with torch.enable_grad():
+            y, pull = vjp(fn, *pt[:n])[:2]
+            zeros = tuple(torch.zeros_like(o) for o in y)
+            transposed = vjp(lambda *c: pull(c), *zeros)[1]
+            return cast(tuple[Tensor, ...], transposed(tuple(pt[n:])))
+
     def push(*t: Tensor) -> tuple[Tensor, ...]:
-        return jvp(fn, primals, t)[1]
+        return lin(*primals, *t)
 
     d2: tuple[Tensor, ...] | None
     if packet(target) in _LINEAR:
         d1 = vmap(push)(*firsts)
         d2 = vmap(push)(*seconds) if has_second else None
     else:
-        n = len(primals)
-
-        by_reverse = forward_derivative_wrong(target)
 
         def taylor(*t: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-            def lin(*pt: Tensor) -> tuple[Tensor, ...]:
-                if not by_reverse:
-                    return jvp(fn, pt[:n], pt[n:])[1]
-                # J t as the transpose of the VJP (linear in its cotangent): built from the
-                # backward formulas, whose forward derivatives are right. With grad mode on:
-                # under the caller's no_grad the backward of the VJP is not differentiated.
-                with torch.enable_grad():
-                    y, pull = vjp(fn, *pt[:n])[:2]
-                    zeros = tuple(torch.zeros_like(o) for o in y)
-                    transposed = vjp(lambda *c: pull(c), *zeros)[1]
-                    return cast(tuple[Tensor, ...], transposed(tuple(pt[n:])))
-
             return jvp(lin, (*primals, *t[:n]), t)  # type: ignore[return-value]
 
         if sw.per_direction:
