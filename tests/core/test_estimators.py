@@ -414,9 +414,9 @@ def test_term_variance_is_unbiased_over_all_signs(n: int) -> None:
     rng = np.random.default_rng(21)
     a = rng.standard_normal((n, n))
     signs = np.array(list(itertools.product([-1.0, 1.0], repeat=2 * n))).reshape(-1, n, 2)
-    from divjac._core.estimators._common import term_variance
+    from divjac._core.estimators._common import namespace, term_variance
 
-    estimates = term_variance(signs, a @ signs, np)
+    estimates = term_variance(signs, a @ signs, namespace(signs))
     off = ~np.eye(n, dtype=bool)
     np.testing.assert_allclose(estimates.mean(), np.sum((a * (a + a.T))[off]), rtol=1e-12)
 
@@ -426,9 +426,9 @@ def test_term_variance_is_unbiased_for_gaussian_probes() -> None:
     rng = np.random.default_rng(22)
     a = rng.standard_normal((6, 6))
     probes = rng.standard_normal((40000, 6, 3))
-    from divjac._core.estimators._common import term_variance
+    from divjac._core.estimators._common import namespace, term_variance
 
-    estimates = term_variance(probes, a @ probes, np)
+    estimates = term_variance(probes, a @ probes, namespace(probes))
     expected = np.sum(a * a) + np.trace(a @ a)
     sem = estimates.std() / np.sqrt(len(estimates))
     assert abs(estimates.mean() - expected) < 4 * sem

@@ -48,8 +48,8 @@ def test_squared_frobenius_norm_and_divergence_cover(distribution, k):
     for i, (name, J) in enumerate(_jacobians(n).items()):
         V = _probes(distribution, n, k, seed=100 * k + i)
         images = J @ V
-        norm, norm_se = est.squared_norm_mean_and_stderr(images, np)
-        div, div_se = est.mean_and_stderr(est.column_dots(V, images), np, images, V)
+        norm, norm_se = est.squared_norm_mean_and_stderr(images, est.namespace(images))
+        div, div_se = est.mean_and_stderr(est.column_dots(V, images), est.namespace(V), images, V)
         assert _coverage(norm, norm_se, (J**2).sum()) >= 0.94, name
         assert _coverage(div, div_se, np.trace(J)) >= 0.92, name
 

@@ -341,7 +341,7 @@ def _core_estimate(
         return estimate, stderr * math.sqrt(1 - budget / n), exact, float(budget - 1)
     distribution = "gaussian" if "gaussian" in estimator else "rademacher"
     probes = _draw(rng, distribution, (reps * batch, n, budget))
-    estimate, stderr = est.diagonal_mean_and_stderr(probes, matvec(probes), np)
+    estimate, stderr = est.diagonal_mean_and_stderr(probes, matvec(probes), est.namespace(probes))
     estimate, stderr = estimate.reshape(-1), stderr.reshape(-1)
     diagonal = np.broadcast_to(np.diagonal(j, axis1=1, axis2=2), (reps, batch, n)).reshape(-1)
     return estimate, stderr, diagonal, float(budget - 1)
