@@ -34,7 +34,7 @@ import scipy.sparse as sp
 from ..._core import estimators as est, stochastic
 from ..._core.estimators._common import t_factor
 from ..._core.pattern import SparsityPattern
-from ..._errors import NumProbesError
+from ..._errors import InternalError, NumProbesError
 from ._harness import Result
 
 __all__ = ["CASES", "Cell", "core_cells", "framework_cells", "markdown", "run"]
@@ -291,7 +291,8 @@ coordinate, with the bound of :func:`~divjac._core.estimators.diagonal_mean_and_
 def _from_terms(terms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Hutchinson from its terms ``(k, draws)`` alone, as the Taylor-sweep methods compute it."""
     estimate, stderr = est.hutchinson_from_terms(terms)
-    assert stderr is not None
+    if stderr is None:
+        raise InternalError("hutchinson_from_terms gave no standard error")
     return estimate, stderr
 
 
