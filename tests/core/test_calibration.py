@@ -307,7 +307,9 @@ def test_hessian_diagonal_bound_covers_every_entry(distribution: str) -> None:
                 probes = rng.standard_normal(shape)
             else:
                 probes = rng.choice([-1.0, 1.0], size=shape)
-            estimate, stderr = est.diagonal_mean_and_stderr(probes, matrix @ probes, est.namespace(probes))
+            estimate, stderr = est.diagonal_mean_and_stderr(
+                probes, matrix @ probes, est.namespace(probes)
+            )
             covered = np.abs(estimate - np.diagonal(matrix)) <= 2 * stderr + 1e-12
             assert covered.mean(0).min() >= 0.94 - 0.011, (k, covered.mean(0))
 

@@ -133,7 +133,7 @@ def _brute_force(
         square = J.reshape(B, n, n)
         if kind == "jacobian":
             return J
-        if kind == "hutchinson-divergence" and K < n:
+        if kind == "hutchinson-divergence" and n > K:
             v = probes.reshape(K, B, n)
             return jnp.einsum("kbi,bij,kbj->b", v, square, v) / K
         div = jnp.trace(square, axis1=1, axis2=2)
@@ -149,9 +149,9 @@ def _brute_force(
     if kind == "hessian":
         return H
     # A budget of K >= n probes is the exact sum (n directions, no error).
-    if kind == "laplacian" or (kind == "hutchinson-laplacian" and K >= n):
+    if kind == "laplacian" or (kind == "hutchinson-laplacian" and n <= K):
         return jnp.trace(square, axis1=1, axis2=2)
-    if kind == "hessian-diagonal" or (kind == "hutchinson-diagonal" and K >= n):
+    if kind == "hessian-diagonal" or (kind == "hutchinson-diagonal" and n <= K):
         return jnp.diagonal(square, axis1=1, axis2=2).reshape(x.shape)
     v = probes.reshape(K, B, n)
     if kind == "hutchinson-laplacian":

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from divjac import DenseFallbackWarning, OptionError
+from divjac import DenseFallbackWarning, OptionError, StateUpdateError
 from divjac.torch import divergence, jacobian, sparsity
 
 D = torch.float64
@@ -116,6 +116,15 @@ def test_a_traced_value_written_into_a_captured_tensor(scenario):
 
         def f(x):
             return torch.nn.functional.instance_norm(x, mean, var, momentum=0.5)
+
+        # It updates the running statistics it is given: refused before any update (defect 4),
+        # as every evaluation of f (the trace, the passes) would update them again.
+        with pytest.raises(StateUpdateError, match="updates a tensor it reads"):
+            sparsity(f, batch_axis=None)(x)
+        assert torch.equal(mean, torch.zeros(3, dtype=D)) and torch.equal(
+            var, torch.ones(3, dtype=D)
+        )
+        return
 
     pattern = sparsity(f, batch_axis=None)(x)
     assert torch.equal(mean, torch.zeros(3, dtype=D)) and torch.equal(var, torch.ones(3, dtype=D))
