@@ -183,15 +183,11 @@ FAST = [
             reason="the sample's running statistics: StateUpdateError on every check (main, 2026-12-02)",
         ),
     ),
-    pytest.param(
-        "nn.functional.batch_norm",
-        marks=pytest.mark.xfail(strict=True, reason="laplacian wrong by 4.8e-02 (KNOWN_DEFECTS)"),
-    ),
+    "nn.functional.batch_norm",
+    "native_batch_norm",
+    "native_layer_norm",
+    "bernoulli",
     "cdist",
-    pytest.param(
-        "pdist",
-        marks=pytest.mark.xfail(strict=True, reason="no OpInfo of this name in torch 2.13's op_db"),
-    ),
 ]
 
 
@@ -222,15 +218,7 @@ KNOWN_DEFECTS: dict[str, str] = {
     "nn.functional.linear_cross_entropy.chunked_none": "jacobian: vmap in-place arithmetic (RuntimeError) escapes",
     "as_strided.partial_views": "hessian: as_strided outside its base under vmap (RuntimeError) escapes",
     "as_strided_scatter": "sparse: wrong values (1.0)",
-    "native_layer_norm": "hessian: hessian_diagonal wrong (2e-03): torch's kernel, not the composed form",
-    "native_batch_norm": "hessian: laplacian wrong (3.8e-02): torch's kernel, not the composed form",
-    "_native_batch_norm_legit": "hessian: laplacian wrong (3.8e-02)",
-    "_batch_norm_with_update": "hessian: laplacian wrong (3.4e-01)",
-    "nn.functional.batch_norm": "hessian: laplacian wrong (4.8e-02)",
-    "nn.functional.fractional_max_pool2d": "hessian: a random op under vmap (RuntimeError) escapes",
-    "nn.functional.fractional_max_pool3d": "hessian: a random op under vmap (RuntimeError) escapes",
     "nn.functional.feature_alpha_dropout.with_train": "hessian: a random op under vmap (RuntimeError) escapes",
-    "nn.functional.multi_head_attention_forward": "hessian: a random op under vmap (RuntimeError) escapes",
     "nn.functional.rrelu": "hessian: no vmap rule for rrelu_with_noise (RuntimeError) escapes",
     "to": "hessian: channels_last of a lower-rank tensor (RuntimeError) escapes",
     "grid_sampler_2d": "jacobian: no forward derivative (NotImplementedError) escapes",

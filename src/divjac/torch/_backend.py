@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import re
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -41,6 +42,7 @@ from .._backend import Backend, Finish, Linear, Point, Seed
 from .._core.detection import LRU
 from .._errors import CompileError, OptionError
 from . import _ddp
+from ._aten import packet
 from ._detect import TensorSpec, Traced, plain_kernels, trace
 from ._running import NoFastPaths
 
@@ -308,6 +310,8 @@ class _ComposedNorms(TorchFunctionMode):
             return func(args[0].contiguous(), *args[1:], **kwargs)
         if self._forward and func in _LAYER_NORMS:
             return _layer_norm(*args, **kwargs)
+        if self._forward and func is torch.native_layer_norm:  # the kernel called directly
+            return composed_norm(torch.ops.aten.native_layer_norm.default)(*args, **kwargs)  # type: ignore[misc]
         if self._forward and func is F.instance_norm:
             composed = _instance_norm(*args, **kwargs)
             if composed is not None:
@@ -358,6 +362,33 @@ def _instance_norm(
     var = input.var(dims, unbiased=False, keepdim=True)
     y = (input - mean) * torch.rsqrt(var + eps)
     return _affine(y, weight, bias, (-1,) + (1,) * len(dims))
+
+
+# Every layer, group, batch and RMS normalization kernel, the functional variants a trace
+# records included.
+_NORM_KERNEL = re.compile(
+    r"_?(native_|_native_|fused_)?(layer|group|batch|rms)_norm"
+    r"(_legit|_with_update|_no_update)?(_functional|_no_training)?"
+)
+
+
+def composed_norm(target: Any) -> Callable[..., Any] | None:
+    """A normalization kernel composed of torch's own decomposition, its differentiability
+    kept: only the normalized value is differentiable (the saved statistics and running
+    statistics it also returns are not, for torch's autograd); ``None``: not such a kernel."""
+    from torch._decomp import decomposition_table
+
+    decomposed = decomposition_table.get(target) if _NORM_KERNEL.fullmatch(packet(target)) else None
+    if decomposed is None:
+        return None
+
+    def composed(*args: Any, **kwargs: Any) -> Any:
+        out = decomposed(*args, **kwargs)
+        if not isinstance(out, tuple | list):
+            return out
+        return (out[0], *(o.detach() if isinstance(o, torch.Tensor) else o for o in out[1:]))
+
+    return composed
 
 
 _GROUP_NORMS = frozenset({F.group_norm, torch.group_norm})

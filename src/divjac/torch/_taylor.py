@@ -52,7 +52,7 @@ from torch.utils import _pytree as pytree
 
 from .._errors import InternalError, OptionError
 from ._aten import forward_derivative_wrong, inexact, lacks_forward_derivative, packet
-from ._backend import _ComposedNorms
+from ._backend import _ComposedNorms, _Generators, composed_norm
 from ._detect import Traced, reach, trace
 
 __all__ = ["second_order_sweep"]
@@ -87,7 +87,12 @@ def second_order_sweep(
     v = directions.to(x.dtype)
     program = _program(f, x)
     if program is None:
-        return reference_sweep(f, x, directions, weights=weights, collapse=collapse)
+        random = not torch.compiler.is_compiling() and _traced(f, x).draws_random
+        if random:  # every chunk of directions of the call sees the first chunk's draws
+            _rewind(f, x.device)
+        return reference_sweep(
+            f, x, directions, weights=weights, collapse=collapse, same_randomness=random
+        )
     # Weights per sample need the batch axis of every intermediate (views may merge it): the
     # terms are kept per direction and weighted at the output, whose batch axis is known.
     per_sample = weights is not None and weights.ndim == 2
@@ -108,9 +113,12 @@ def reference_sweep(
     *,
     weights: torch.Tensor | None = None,
     collapse: bool = True,
+    same_randomness: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`second_order_sweep` by the generic reference: ``jvp`` of ``jvp`` of ``f``,
     batched over the directions with ``vmap`` (the benchmark's baseline, and the fallback).
+    With ``same_randomness``, random operations draw once, for all the directions (``f``'s
+    derivatives at one draw).
 
     Attention runs in its math form and layer and instance normalizations composed
     (:class:`~divjac.torch._backend._ComposedNorms`): the second forward derivatives of their
@@ -128,7 +136,7 @@ def reference_sweep(
         return y, d1, d2
 
     with sdpa_kernel(SDPBackend.MATH), _ComposedNorms(forward=True):
-        ys, d1, d2 = vmap(jet)(v)
+        ys, d1, d2 = vmap(jet, randomness="same" if same_randomness else "error")(v)
     y = ys[0]
     if not collapse:
         return y, d1, d2
@@ -232,13 +240,32 @@ class _Program:
         return y, first, second
 
 
+def _traced(f: Callable[[Tensor], Tensor], x: Tensor) -> Traced:
+    leaves, treedef = pytree.tree_flatten(((x,), {}))
+    return trace(f, leaves, treedef, x_leaf=0, batch_axis=0, has_aux=False)
+
+
+# The generators' state when a call's first sweep of a random function began, by the call's
+# function (the one of all its chunks of directions).
+_DRAWS: weakref.WeakKeyDictionary[Callable[..., Any], Any] = weakref.WeakKeyDictionary()
+
+
+def _rewind(f: Callable[[Tensor], Tensor], device: torch.device) -> None:
+    """Rewind torch's generators to where the first sweep of ``f`` began (record it if this
+    is the first), as the first-order passes do between their chunks."""
+    state = _DRAWS.get(f)
+    if state is None:
+        _DRAWS[f] = _Generators(device)
+    else:
+        state.rewind()
+
+
 def _program(f: Callable[[Tensor], Tensor], x: Tensor) -> _Program | None:
     """The trace of ``f`` at ``x``'s shape with the tensors it captured, or ``None`` where the
     sweep runs the reference (see the module docstring)."""
     if torch.compiler.is_compiling():
         return None
-    leaves, treedef = pytree.tree_flatten(((x,), {}))
-    traced = trace(f, leaves, treedef, x_leaf=0, batch_axis=0, has_aux=False)
+    traced = _traced(f, x)
     if traced.draws_random or tuple(traced.out_shape[:1]) != tuple(x.shape[:1]):
         return None
     plan = _PLANS.get(traced)
@@ -777,18 +804,6 @@ _LINEAR = frozenset(
     }
 )  # fmt: skip
 
-# Normalizations pushed in their composed forms (torch's kernels: see the module docstring).
-_COMPOSED = frozenset(
-    {
-        aten.native_layer_norm.default,
-        aten.native_group_norm.default,
-        aten.native_batch_norm.default,
-        aten._native_batch_norm_legit.default,
-        aten._native_batch_norm_legit.no_stats,
-        aten._native_batch_norm_legit_no_training.default,
-    }
-)
-
 
 def _cholesky_inverse(factor: Tensor, upper: bool = False) -> Tensor:
     eye = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
@@ -810,11 +825,7 @@ def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[
     floating = [i for i, o in enumerate(outs) if inexact(o)]
     if not floating:
         return y, None
-    op = _REWRITTEN.get(target, target)
-    if target in _COMPOSED:
-        from torch._decomp import decomposition_table
-
-        op = decomposition_table[target]
+    op = composed_norm(target) or _REWRITTEN.get(target, target)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     node_leaves = pytree.tree_leaves((node.args, node.kwargs))
     pos = [i for i, n in enumerate(node_leaves) if sw.jet(n) is not None]
