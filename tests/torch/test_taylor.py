@@ -473,3 +473,29 @@ def test_laplacian_circular_padding_and_in_place_ops(u, twin, method):
         got = laplacian(u, method=method)(x)
         want = H.diagonal(0, 1, 2).sum(-1)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1])
+def test_laplacian_of_a_random_function_is_one_draws_laplacian_in_every_chunk(chunk_size):
+    """A function that draws (a dropout mask) is differentiated at one draw: the one its
+    first evaluation makes, the same in every chunk of directions; the generators are left
+    where one evaluation leaves them (vmap's randomness 'error' mode crashed before)."""
+    from divjac.torch import hessian_diagonal, laplacian
+
+    p = torch.full((4, 3), 0.5, dtype=D)
+
+    def u(x):
+        return (torch.bernoulli(p) * x.sin()).sum(-1)
+
+    x = torch.rand(4, 3, dtype=D, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1)
+    mask = torch.bernoulli(p)
+    after_one = torch.get_rng_state()
+    for transform, want in (
+        (laplacian, -(mask * x.sin()).sum(-1)),
+        (hessian_diagonal, -mask * x.sin()),
+    ):
+        torch.manual_seed(1)
+        got = transform(u, chunk_size=chunk_size)(x)
+        torch.testing.assert_close(got, want)
+        assert torch.equal(torch.get_rng_state(), after_one)
