@@ -389,10 +389,18 @@ def _explicit_term_variance(a: np.ndarray, v: np.ndarray) -> float:
     return float(variance)
 
 
+def _one_signed(terms: np.ndarray, s0: float) -> float:
+    """``s0`` widened to ``s0 (1 + min(2 s0 / |mean|, 1) / 4)`` where the terms have one sign."""
+    if np.all(terms >= 0) or np.all(terms <= 0):
+        return s0 * (1 + min(2 * s0 / abs(terms.mean()), 1.0) / 4)
+    return s0
+
+
 @pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
 def test_hutchinson_matches_explicit_formula(distribution: str) -> None:
     """stderr = kappa(k - 1) sqrt(max(s^2, u) / k): the sample variance or the variance formula
-    estimated from the images, whichever is larger (both branches are exercised)."""
+    estimated from the images, whichever is larger (both branches are exercised), widened
+    where a sample's terms have one sign (both cases are exercised too)."""
     rng = np.random.default_rng(6)
     j = _dense(rng, 8, batch=40)
     probes = _draw(rng, distribution, (40, 8, 5))
@@ -402,9 +410,12 @@ def test_hutchinson_matches_explicit_formula(distribution: str) -> None:
     sample = terms.var(axis=-1, ddof=1)
     formula = np.array([_explicit_term_variance(j[b], probes[b]) for b in range(40)])
     floor = 2 * np.mean(np.sum((j @ probes) ** 2, axis=1), axis=-1) / 5
-    expected = t_factor(4) * np.sqrt(np.maximum(np.maximum(sample, formula), floor) / 5)
+    s0 = t_factor(4) * np.sqrt(np.maximum(np.maximum(sample, formula), floor) / 5)
+    expected = np.array([_one_signed(terms[b], s0[b]) for b in range(40)])
     np.testing.assert_allclose(stderr, expected, rtol=1e-10)
     assert np.any(sample > formula) and np.any(sample < formula)
+    one_signed = np.all(terms >= 0, axis=-1) | np.all(terms <= 0, axis=-1)
+    assert np.any(one_signed) and not np.all(one_signed)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -521,7 +532,7 @@ def test_hutch_plus_plus_matches_explicit_formula() -> None:
         formula = _explicit_term_variance(p @ j[b] @ p, g)
         floor = 2 * np.mean(np.sum((p @ j[b] @ p @ g) ** 2, axis=0)) / m
         variance = max(terms.var(ddof=1), formula, floor)
-        expected_stderr[b] = t_factor(m - 1) * np.sqrt(variance / m)
+        expected_stderr[b] = _one_signed(terms, t_factor(m - 1) * np.sqrt(variance / m))
     estimate, stderr = est.hutch_plus_plus(lambda v: j @ v, probes)
     np.testing.assert_allclose(estimate, expected, rtol=1e-12)
     np.testing.assert_allclose(stderr, expected_stderr, rtol=1e-10)

@@ -163,9 +163,14 @@ def mean_and_stderr(terms: Array, xp: Any, images: Array, probes: Array) -> tupl
     ``g = 2 mean ||A v||^2`` an unbiased estimate of the upper bound ``2 ||A||_F^2`` of the
     variance of one term: a floor ``k`` times below that bound's own ``g / k``, which matters
     only at a few probes. The standard error is
-    ``kappa(k - 1) sqrt(max(s^2 / k, u / k, g / k^2))``. A single term has neither estimate:
-    its standard error is ``sqrt(g)``, documented but refused by the transforms
-    (:func:`~divjac._core.estimators.check_stderr_budget`).
+    ``s0 = kappa(k - 1) sqrt(max(s^2 / k, u / k, g / k^2))``. Where every term of a sample has
+    one sign (the terms of a definite ``A``, as a nearly rank-one PSD Hessian), the terms are
+    skewed like chi-square ones and the draws that fall short have small variances too: the
+    standard error is then widened with the relative half-width ``c = 2 s0 / |mean|`` (capped
+    at 1), to ``s0 (1 + c / 4)``: at most by a quarter, the least widening that holds 0.94 on
+    the calibration set (docs/calibration.md; :func:`relative_stderr` is the full correction,
+    up to tenfold, which the squared norm needs). A single term has neither estimate: its standard error is ``sqrt(g)``, documented but
+    refused by the transforms (:func:`~divjac._core.estimators.check_stderr_budget`).
     """
     k = terms.shape[-1]
     if k == 1:
@@ -173,7 +178,17 @@ def mean_and_stderr(terms: Array, xp: Any, images: Array, probes: Array) -> tupl
     mean, variance = mean_and_variance(terms, xp)
     bound = term_variance(probes, images, xp)
     floor = 2 * xp.sum(images * images, axis=(-2, -1)) / k**3
-    return mean, t_factor(k - 1) * xp.sqrt(xp.maximum(xp.maximum(variance, bound / k), floor))
+    s0 = t_factor(k - 1) * xp.sqrt(xp.maximum(xp.maximum(variance, bound / k), floor))
+    return mean, one_signed_stderr(terms, mean, s0, xp)
+
+
+def one_signed_stderr(terms: Array, mean: Array, s0: Array, xp: Any) -> Array:
+    """The standard error ``s0`` of the mean of ``(B, k)`` terms, widened where every term of
+    a sample has one sign (see :func:`mean_and_stderr`): ``s0 (1 + c / 4)`` with
+    ``c = min(2 s0 / |mean|, 1)``."""
+    definite = xp.all(terms >= 0, axis=-1) | xp.all(terms <= 0, axis=-1)
+    c = _relative_halfwidth(mean, s0, xp, cap=1.0)
+    return xp.where(definite, s0 * (1 + c / 4), s0)
 
 
 def term_variance(probes: Array, images: Array, xp: Any) -> Array:
@@ -214,8 +229,7 @@ def squared_norm_mean_and_stderr(images: Array, xp: Any) -> tuple[Array, Array]:
     (chi-square-like) and the draws that fall short of ``tr(A)`` have small ``V`` too, so the
     interval is taken on the relative scale, where ``V / mean^2`` (the relative variance) does
     not shrink with the miss: the ``T`` with ``|mean - T| <= c T``, ``c = 2 s0 / mean``, reach
-    ``mean / (1 - c)``, and the standard error is half that distance, ``s0 / (1 - c)``
-    (``c`` capped at 0.9: at most a tenfold widening; docs/calibration.md measures it).
+    ``mean / (1 - c)``: :func:`relative_stderr`.
     """
     k = images.shape[-1]
     gram = xp.matrix_transpose(images) @ images  # (B, k, k)
@@ -223,13 +237,24 @@ def squared_norm_mean_and_stderr(images: Array, xp: Any) -> tuple[Array, Array]:
     mean, variance = mean_and_variance(terms, xp)
     off = (xp.sum(gram * gram, axis=(-2, -1)) - xp.sum(terms * terms, axis=-1)) / (k * (k - 1))
     s0 = t_factor(k - 1) * xp.sqrt(xp.maximum(variance, 2 * off / k))
+    return mean, relative_stderr(mean, s0, xp)
+
+
+def relative_stderr(mean: Array, s0: Array, xp: Any) -> Array:
+    """The standard error of a mean of one-signed terms whose relative spread, not their
+    spread, is what the sample tells: the variance of such terms scales with the square of
+    their mean (it depends on the matrix's normalized spectrum), and a draw that falls short of
+    the truth ``T`` has a small variance estimate too. With the relative half-width
+    ``c = 2 s0 / |mean|``, the ``T`` with ``|mean - T| <= c |T|`` reach ``mean / (1 - c)``, and
+    the standard error is half that distance, ``s0 / (1 - c)``: never below ``s0`` (``c``
+    capped at 0.9: at most a tenfold widening; docs/calibration.md measures it)."""
+    return s0 / (1 - _relative_halfwidth(mean, s0, xp, cap=0.9))
+
+
+def _relative_halfwidth(mean: Array, s0: Array, xp: Any, cap: float) -> Array:
+    """``min(2 s0 / |mean|, cap)``."""
     tiny = xp.full_like(mean, xp.finfo(mean.dtype).tiny)
-    c = xp.minimum(2 * s0 / xp.maximum(mean, tiny), xp.full_like(mean, _MAX_RELATIVE))
-    return mean, s0 / (1 - c)
-
-
-_MAX_RELATIVE = 0.9
-"""The cap of the relative half-width ``2 s0 / mean`` of :func:`squared_norm_mean_and_stderr`."""
+    return xp.minimum(2 * s0 / xp.maximum(xp.abs(mean), tiny), xp.full_like(mean, cap))
 
 
 def diagonal_mean_and_stderr(probes: Array, images: Array, xp: Any) -> tuple[Array, Array]:

@@ -27,6 +27,7 @@ from ._common import (
     mean_and_stderr,
     mean_and_variance,
     namespace,
+    one_signed_stderr,
     t_factor,
 )
 
@@ -137,7 +138,8 @@ def xtrace(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
     mean, variance = mean_and_variance(terms, xp)
     covariance = _xtrace_covariance(s, w, r, h, t, c, xp)
     corrected = variance + covariance
-    return mean, t_factor(m - 1) * xp.sqrt(xp.maximum(corrected, variance))
+    s0 = t_factor(m - 1) * xp.sqrt(xp.maximum(corrected, variance))
+    return mean, one_signed_stderr(terms, mean, s0, xp)
 
 
 def _xtrace_covariance(
