@@ -389,7 +389,7 @@ def _explicit_term_variance(a: np.ndarray, v: np.ndarray) -> float:
     return float(variance)
 
 
-def _one_signed(terms: np.ndarray, s0: float) -> float:
+def _widened(terms: np.ndarray, s0: float) -> float:
     """``s0`` widened to ``s0 (1 + min(2 s0 / |mean|, 1) / 4)`` where the terms have one sign."""
     if np.all(terms >= 0) or np.all(terms <= 0):
         return s0 * (1 + min(2 * s0 / abs(terms.mean()), 1.0) / 4)
@@ -411,7 +411,7 @@ def test_hutchinson_matches_explicit_formula(distribution: str) -> None:
     formula = np.array([_explicit_term_variance(j[b], probes[b]) for b in range(40)])
     floor = 2 * np.mean(np.sum((j @ probes) ** 2, axis=1), axis=-1) / 5
     s0 = t_factor(4) * np.sqrt(np.maximum(np.maximum(sample, formula), floor) / 5)
-    expected = np.array([_one_signed(terms[b], s0[b]) for b in range(40)])
+    expected = np.array([_widened(terms[b], s0[b]) for b in range(40)])
     np.testing.assert_allclose(stderr, expected, rtol=1e-10)
     assert np.any(sample > formula) and np.any(sample < formula)
     one_signed = np.all(terms >= 0, axis=-1) | np.all(terms <= 0, axis=-1)
@@ -469,13 +469,16 @@ def test_degenerate_rademacher_case_is_covered() -> None:
 
 
 def test_check_stderr_budget() -> None:
-    """A standard error needs two stochastic terms, unless the budget pays for the exact trace."""
-    for method, refused, accepted in [("hutchinson", 1, 2), ("hutch++", 3, 6), ("xtrace", 2, 4)]:
+    """A standard error needs two stochastic terms (XTrace three test vectors), unless the
+    budget pays for the exact trace."""
+    cases = [("hutchinson", 1, 2), ("hutch++", 3, 6), ("xtrace", 2, 6), ("xtrace", 4, 6)]
+    for method, refused, accepted in cases:
         with pytest.raises(NumProbesError, match=f"num_probes >= {accepted}"):
             est.check_stderr_budget(method, refused, 30, fname="divergence")
         est.check_stderr_budget(method, accepted, 30, fname="divergence")
     est.check_stderr_budget("hutchinson", 1, 1, fname="divergence")  # n = 1: exact
     est.check_stderr_budget("xtrace", 2, 2, fname="divergence")  # 2m >= n: exact
+    est.check_stderr_budget("xtrace", 4, 4, fname="divergence")
 
 
 def _explicit_xtrace_term(
@@ -532,7 +535,7 @@ def test_hutch_plus_plus_matches_explicit_formula() -> None:
         formula = _explicit_term_variance(p @ j[b] @ p, g)
         floor = 2 * np.mean(np.sum((p @ j[b] @ p @ g) ** 2, axis=0)) / m
         variance = max(terms.var(ddof=1), formula, floor)
-        expected_stderr[b] = _one_signed(terms, t_factor(m - 1) * np.sqrt(variance / m))
+        expected_stderr[b] = _widened(terms, t_factor(m - 1) * np.sqrt(variance / m))
     estimate, stderr = est.hutch_plus_plus(lambda v: j @ v, probes)
     np.testing.assert_allclose(estimate, expected, rtol=1e-12)
     np.testing.assert_allclose(stderr, expected_stderr, rtol=1e-10)

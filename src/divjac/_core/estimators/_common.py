@@ -164,13 +164,14 @@ def mean_and_stderr(terms: Array, xp: Any, images: Array, probes: Array) -> tupl
     variance of one term: a floor ``k`` times below that bound's own ``g / k``, which matters
     only at a few probes. The standard error is
     ``s0 = kappa(k - 1) sqrt(max(s^2 / k, u / k, g / k^2))``. Where every term of a sample has
-    one sign (the terms of a definite ``A``, as a nearly rank-one PSD Hessian), the terms are
-    skewed like chi-square ones and the draws that fall short have small variances too: the
-    standard error is then widened with the relative half-width ``c = 2 s0 / |mean|`` (capped
-    at 1), to ``s0 (1 + c / 4)``: at most by a quarter, the least widening that holds 0.94 on
-    the calibration set (docs/calibration.md; :func:`relative_stderr` is the full correction,
-    up to tenfold, which the squared norm needs). A single term has neither estimate: its standard error is ``sqrt(g)``, documented but
-    refused by the transforms (:func:`~divjac._core.estimators.check_stderr_budget`).
+    one sign (a definite ``A``, as a nearly rank-one PSD Hessian), the terms are skewed like
+    chi-square ones and the draws that fall short have small variances too, so the standard
+    error is widened with its relative half-width ``c = min(2 s0 / |mean|, 1)``, to
+    ``s0 (1 + c / 4)`` (:func:`skew_widened`): by at most a quarter, hardly where the estimate
+    is precise; with it every cell of the calibration set covers >= 0.94
+    (docs/calibration.md; :func:`relative_stderr` is the full correction, up to tenfold, which
+    the squared norm needs). A single term has neither estimate: its standard error is ``sqrt(g)``, documented
+    but refused by the transforms (:func:`~divjac._core.estimators.check_stderr_budget`).
     """
     k = terms.shape[-1]
     if k == 1:
@@ -179,16 +180,20 @@ def mean_and_stderr(terms: Array, xp: Any, images: Array, probes: Array) -> tupl
     bound = term_variance(probes, images, xp)
     floor = 2 * xp.sum(images * images, axis=(-2, -1)) / k**3
     s0 = t_factor(k - 1) * xp.sqrt(xp.maximum(xp.maximum(variance, bound / k), floor))
-    return mean, one_signed_stderr(terms, mean, s0, xp)
+    return mean, skew_widened(mean, s0, xp, weight=0.25, terms=terms)
 
 
-def one_signed_stderr(terms: Array, mean: Array, s0: Array, xp: Any) -> Array:
-    """The standard error ``s0`` of the mean of ``(B, k)`` terms, widened where every term of
-    a sample has one sign (see :func:`mean_and_stderr`): ``s0 (1 + c / 4)`` with
-    ``c = min(2 s0 / |mean|, 1)``."""
+def skew_widened(
+    mean: Array, s0: Array, xp: Any, *, weight: float, terms: Array | None = None
+) -> Array:
+    """The standard error ``s0`` of a mean of skewed terms, widened with its relative
+    half-width: ``s0 (1 + weight c)``, ``c = min(2 s0 / |mean|, 1)``; with ``terms``
+    ``(B, k)``, only where every term of a sample has one sign."""
+    widened = s0 * (1 + weight * _relative_halfwidth(mean, s0, xp, cap=1.0))
+    if terms is None:
+        return widened
     definite = xp.all(terms >= 0, axis=-1) | xp.all(terms <= 0, axis=-1)
-    c = _relative_halfwidth(mean, s0, xp, cap=1.0)
-    return xp.where(definite, s0 * (1 + c / 4), s0)
+    return xp.where(definite, widened, s0)
 
 
 def term_variance(probes: Array, images: Array, xp: Any) -> Array:
