@@ -216,6 +216,12 @@ class Backend(abc.ABC, Generic[TracedT]):
         some, only rows (VJPs) can be pushed. Asked only of programs about to push columns."""
         return frozenset()
 
+    def pull_hessian_rows(self, point: Point[TracedT]) -> bool:
+        """Whether the Hessian-vector products of the per-sample gradient at ``point`` are
+        pulled (VJPs of the gradient, ``v^T H``: the same by symmetry) rather than pushed
+        (JVPs, forward-over-reverse): where forward passes cannot go through the gradient."""
+        return bool(self.forward_less(point))
+
     @abc.abstractmethod
     def linearize(self, point: Point[TracedT], reverse: bool) -> Linear:
         """The JVP (or, with ``reverse``, the VJP) of the batch-first function at ``point``."""

@@ -810,9 +810,14 @@ def _diagonal_values(
         v, hv = (backend.moveaxis(a, 0, -1) for a in (v, images))
         mean, err = est.diagonal_mean_and_stderr(v, hv, est.namespace(v))
         return mean.reshape(B, *call.in_sample), _shaped(call, err)
-    if planned.colors is not None:
-        n_colors = int(planned.colors.max()) + 1
-        inputs, indicator = backend.indicators(planned.colors, n, n_colors, call.xb)
+    colors = planned.colors
+    # The sweep pushes forward derivatives: where an operation lacks them, Hessian rows.
+    sweep = colors is None and not planned.coupled
+    if sweep and not backend.ahead(Call.columns_possible, call, "auto"):
+        colors = np.arange(n)
+    if colors is not None:
+        n_colors = int(colors.max()) + 1
+        inputs, indicator = backend.indicators(colors, n, n_colors, call.xb)
         seed = shaped(indicator, call.in_sample)
         # Diagonal colors: H_ij = 0 for i != j of one color, so (H v_c)_i = H_ii for i in c.
         passes = _own_products(call, grad_spec, inputs, seed, n_colors, opts.chunk_size, True)
@@ -840,10 +845,11 @@ def _own_products(
 ) -> Array:
     """``v * H v`` ``(k, B, n)`` for the tangents ``v`` of the passes (``H v`` without
     ``times_tangent``): Hessian-vector products, JVPs of the per-sample gradient
-    (forward-over-reverse)."""
+    (forward-over-reverse), or its VJPs (``v^T H``, the same by symmetry) where the backend
+    says so (:meth:`~divjac._backend.Backend.pull_hessian_rows`)."""
     backend, B, n = call.backend, call.batch_size, call.n_in
     grad_call = prepare(grad_spec, call.args, call.kwargs)
-    linear = backend.linearize(grad_call, False)
+    linear = backend.linearize(grad_call, backend.pull_hessian_rows(grad_call))
 
     def own(c: Array, t: Array, pushed: Array) -> Array:
         return (pushed * t if times_tangent else pushed).reshape(B, n)

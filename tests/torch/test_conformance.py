@@ -218,11 +218,8 @@ KNOWN_DEFECTS: dict[str, str] = {
     "nn.functional.linear_cross_entropy.chunked_none": "jacobian: vmap in-place arithmetic (RuntimeError) escapes",
     "as_strided.partial_views": "hessian: as_strided outside its base under vmap (RuntimeError) escapes",
     "as_strided_scatter": "sparse: wrong values (1.0)",
-    "nn.functional.feature_alpha_dropout.with_train": "hessian: a random op under vmap (RuntimeError) escapes",
-    "nn.functional.rrelu": "hessian: no vmap rule for rrelu_with_noise (RuntimeError) escapes",
     "to": "hessian: channels_last of a lower-rank tensor (RuntimeError) escapes",
     "grid_sampler_2d": "jacobian: no forward derivative (NotImplementedError) escapes",
-    "dist": "hessian: a forward gradient of another size (RuntimeError) escapes",
     "ormqr": "hessian: no forward derivative of ormqr (NotImplementedError) escapes",
     "__rpow__": "sparse: nan where jacrev is finite",
 }
@@ -288,3 +285,161 @@ def test_second_order_sweep_names_an_op_without_forward_derivative():
         laplacian(u, batch_axis=None)(x)
     want = torch.func.jacrev(torch.func.jacrev(u))(x)
     torch.testing.assert_close(hessian(u, batch_axis=None)(x), want)
+
+
+# --- second order: hessian_diagonal and laplacian of OpInfo defects -------------------------------
+
+
+def _hessian_by_rows(u, x):
+    """The Hessian of a scalar ``u`` by plain backward passes of its gradient (no vmap)."""
+    return torch.autograd.functional.hessian(u, x).reshape(x.numel(), x.numel())
+
+
+def _assert_second_order(u, x, rtol=1e-10, laplacian_too=True):
+    from divjac.torch import hessian_diagonal, laplacian
+
+    h = _hessian_by_rows(u, x)
+    got = hessian_diagonal(u, batch_axis=None)(x)
+    torch.testing.assert_close(got.reshape(-1), h.diagonal(), rtol=rtol, atol=rtol)
+    if laplacian_too:
+        torch.testing.assert_close(
+            laplacian(u, batch_axis=None)(x), h.trace(), rtol=rtol, atol=rtol
+        )
+
+
+def test_scatter_reduce_prod_without_forward_derivative_is_pulled_or_refused():
+    """torch's forward derivative of scatter_reduce(reduce="prod") silently gives no tangent:
+    hessian_diagonal was wrong (1.97), laplacian and jacobian(mode="fwd") too. Its Hessian rows
+    are now pulled (VJPs of the gradient); the forward sweeps name the op."""
+    from divjac.torch import laplacian
+
+    index = torch.tensor([[0, 1], [0, 1]])
+    src = torch.randn(2, 2, dtype=D, generator=_gen(1))
+    w = torch.randn(4, 2, dtype=D, generator=_gen(2))
+
+    def f(x):
+        return x.sin().scatter_reduce(0, index, src, "prod", include_self=True)
+
+    def u(x):
+        return (f(x) * w).sum()
+
+    x = torch.randn(4, 2, dtype=D, generator=_gen())
+    _assert_second_order(u, x, laplacian_too=False)
+    with pytest.raises(OptionError, match=r"aten\.scatter_reduce"):
+        laplacian(u, batch_axis=None)(x)
+    with pytest.raises(OptionError, match=r"scatter_reduce"):
+        jacobian(f, batch_axis=None, mode="fwd")(x)
+    _check(f, x, modes=("auto",))
+
+
+def test_native_dropout_backward_without_forward_derivative_is_pulled_or_refused():
+    """hessian_diagonal let torch's NotImplementedError (no forward AD for
+    native_dropout_backward) escape from its forward-over-reverse rows."""
+    from divjac.torch import laplacian
+
+    mask = torch.tensor([[True, False, True], [False, True, True]])
+    w = torch.randn(2, 3, dtype=D, generator=_gen(1))
+
+    def u(x):
+        return (torch.ops.aten.native_dropout_backward(x.sin(), mask, 2.0) * w).sum()
+
+    x = torch.randn(2, 3, dtype=D, generator=_gen())
+    _assert_second_order(u, x, laplacian_too=False)
+    with pytest.raises(OptionError, match=r"aten\.native_dropout_backward"):
+        laplacian(u, batch_axis=None)(x)
+
+
+def test_abs_of_complex_eigenvalues_second_order():
+    """The abs rule of the sweep took |z|' = sgn(z) z' and |z|'' = 0, right only for real z:
+    linalg.eig's eigenvalue moduli were off by 2.2."""
+    w = torch.randn(4, dtype=D, generator=_gen(1))
+
+    def u(x):
+        return (torch.linalg.eigvals(x).abs() * w).sum()
+
+    _assert_second_order(u, torch.randn(4, 4, dtype=D, generator=_gen()), rtol=1e-8)
+
+
+def test_logaddexp_of_masked_entries_second_order():
+    """masked.logaddexp fills masked entries with -inf: torch's forward derivative of
+    logaddexp(-inf, -inf) is nan, times their zero tangent nan (reverse passes give 0)."""
+    mask = torch.tensor([True, True, False, True, False])
+    other = torch.randn(5, dtype=D, generator=_gen(1))
+    other_mask = torch.tensor([False, False, True, True, True])
+    w = torch.randn(5, dtype=D, generator=_gen(2))
+
+    def u(x):
+        a = torch.where(mask, x, -torch.inf)
+        b = torch.where(other_mask, other, -torch.inf)
+        return ((torch.logaddexp(a, b) + torch.logaddexp2(a, b)) * w).sum()
+
+    _assert_second_order(u, torch.randn(5, dtype=D, generator=_gen()))
+
+
+def test_entr_of_a_negative_input_second_order():
+    """special.entr at x < 0: its first derivative is nan but its second finite (torch's
+    formulas); the sweep multiplied the nan by a zero second-order tangent."""
+
+    def u(x):
+        return (torch.special.entr(x) * 1.3).sum()
+
+    _assert_second_order(u, torch.tensor([-4.8, 0.5, 2.0], dtype=D))
+
+
+def test_logcumsumexp_before_a_large_entry_second_order():
+    """torch's forward derivative of logcumsumexp normalizes by the axis maximum and adds 1e-13
+    to the denominator: 1.7e-6 off before an entry of 1e4. Against the exact Hessian,
+    sum_i w_i (p_ij - p_ij^2) with p_ij the prefix softmax."""
+    from divjac.torch import hessian_diagonal, laplacian
+
+    x = torch.randn(3, 6, dtype=D, generator=_gen())
+    x[:, 4] = 1e4
+    w = torch.randn(3, 6, dtype=D, generator=_gen(1))
+
+    def u(x):
+        return (torch.logcumsumexp(x, 1) * w).sum()
+
+    mask = torch.tril(torch.ones(6, 6, dtype=torch.bool))
+    p = torch.softmax(torch.where(mask, x[:, None, :], -torch.inf), -1)  # [row, i, j]
+    want = (w[:, :, None] * (p - p * p)).sum(1)
+    torch.testing.assert_close(
+        hessian_diagonal(u, batch_axis=None)(x), want, rtol=1e-10, atol=1e-12
+    )
+    torch.testing.assert_close(laplacian(u, batch_axis=None)(x), want.sum(), rtol=1e-10, atol=1e-12)
+
+    def v(x):  # a dependent second-order term into it
+        return (torch.logcumsumexp(3 * x.sin(), 0) * w).sum()
+
+    _assert_second_order(v, torch.randn(3, 6, dtype=D, generator=_gen(2)))
+
+
+def test_dist_second_order():
+    """torch.dist records norm.Scalar, whose forward derivative has the input's rank and fails
+    (RuntimeError: a forward gradient of another size)."""
+    other = torch.randn(3, 4, dtype=D, generator=_gen(1))
+    for p in (2, 3):
+        _assert_second_order(
+            lambda x, p=p: torch.dist(x, other, p) * 0.7,
+            torch.randn(3, 4, dtype=D, generator=_gen()),
+        )
+
+
+@pytest.mark.filterwarnings("ignore::divjac.DenseFallbackWarning")  # rrelu's kernel
+@pytest.mark.parametrize("kernel", ["rrelu", "feature_alpha_dropout"])
+def test_random_kernels_vmap_cannot_batch_second_order(kernel):
+    """rrelu's kernel has no batching rule, alpha dropout's jvp of jvp writes into a zero tensor
+    under vmap (RuntimeErrors escaped): such functions are swept one direction at a time, each
+    from the same draws."""
+    import torch.nn.functional as F
+
+    w = torch.randn(2, 3, 2, dtype=D, generator=_gen(1))
+
+    def u(x):
+        torch.manual_seed(7)  # the same draws at every call, as the OpInfo samples
+        if kernel == "rrelu":
+            y = F.rrelu(x, 0.1, 0.9, training=True)
+        else:
+            y = F.feature_alpha_dropout(x, p=0.5, training=True)
+        return (y.sin() * w).sum()
+
+    _assert_second_order(u, torch.randn(2, 3, 2, dtype=D, generator=_gen()))

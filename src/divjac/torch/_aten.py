@@ -14,6 +14,7 @@ __all__ = [
     "dim",
     "dims",
     "expand",
+    "forward_derivative_inexact",
     "forward_derivative_wrong",
     "host",
     "inexact",
@@ -42,6 +43,14 @@ def forward_derivative_wrong(target: Any) -> bool:
     their backward formulas; first-order passes that a gradient flows through are rows."""
     name = packet(target)
     return name.startswith(("linalg_", "_linalg_")) or name in _LINALG
+
+
+def forward_derivative_inexact(target: Any) -> bool:
+    """Whether PyTorch's forward derivative of the operation loses accuracy that its backward
+    keeps (torch 2.13: ``logcumsumexp``'s normalizes by the maximum of the whole axis and adds
+    ``1e-13`` to the denominator, off by ~1e-6 on the entries before a large one): Hessian
+    rows through it are pulled, and the second-order sweep has its own rule."""
+    return packet(target) in ("logcumsumexp",)
 
 
 # The linear-algebra operations outside the linalg_ names (torch.cholesky_solve, ...).
@@ -125,8 +134,11 @@ _FORWARD: dict[Any, bool] = {}
 def lacks_forward_derivative(node: Any, live: set[Any]) -> bool:
     """Whether the operation of a graph node has no forward derivative in PyTorch for its
     ``live`` arguments (those that depend on the differentiated input), as running it once on
-    meta tensors (no data, no compute) with those as dual numbers tells (once per operation).
-    An operation that cannot run so (no meta kernel) counts as having one."""
+    meta tensors (no data, no compute) with those as dual numbers that require gradients tells
+    (once per operation): it raises that forward AD is not supported, or it has a backward
+    formula (an output with a ``grad_fn``) but gives none of its floating outputs a tangent
+    (``scatter_reduce`` with ``reduce="prod"``, torch 2.13, drops it silently). An operation
+    that cannot run so (no meta kernel) counts as having one."""
     import torch.autograd.forward_ad as fwAD
 
     target = node.target
@@ -146,13 +158,18 @@ def lacks_forward_derivative(node: Any, live: set[Any]) -> bool:
         if not isinstance(val, torch.Tensor):
             return val
         t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
-        return fwAD.make_dual(t, torch.empty_like(t)) if inexact(val) and a in live else t
+        if not (inexact(val) and a in live):
+            return t
+        return fwAD.make_dual(t.requires_grad_(), torch.empty_like(t))
 
     missing = False
-    with fwAD.dual_level():
+    with torch.inference_mode(False), torch.enable_grad(), fwAD.dual_level():
         try:
             args, kwargs = pytree.tree_map(meta, (node.args, node.kwargs))
-            target(*args, **kwargs)
+            out = [o for o in pytree.tree_leaves(target(*args, **kwargs)) if inexact(o)]
+            missing = any(o.grad_fn is not None for o in out) and all(
+                fwAD.unpack_dual(o).tangent is None for o in out
+            )
         except NotImplementedError as err:
             missing = "forward AD" in str(err)
         except Exception:

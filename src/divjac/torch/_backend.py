@@ -727,6 +727,11 @@ class TorchBackend(Backend[Traced]):
             return traced.forward_less | traced.forward_twice_wrong
         return traced.forward_less
 
+    def pull_hessian_rows(self, point: Point[Traced]) -> bool:
+        """Also where the gradient runs an operation whose forward derivative PyTorch computes
+        inaccurately (:func:`~divjac.torch._aten.forward_derivative_inexact`)."""
+        return bool(self.forward_less(point) or point.traced.forward_inexact)
+
     def linearize(self, point: Point[Traced], reverse: bool) -> Linear:
         """Rows on the autograd tape outside ``torch.func`` transforms, ``torch.compile`` and
         ``torch.inference_mode`` (which no tape records, not even under ``enable_grad``: its

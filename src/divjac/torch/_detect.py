@@ -51,7 +51,7 @@ from torch.utils import _pytree as pytree
 from .._core import detection, rules as D
 from .._core.detection import LRU, EntryLimit, Propagated
 from .._errors import DivjacError, RetraceWarning, StateUpdateError
-from ._aten import forward_derivative_wrong, lacks_forward_derivative
+from ._aten import forward_derivative_inexact, forward_derivative_wrong, lacks_forward_derivative
 from ._branches import (
     MAX_BRANCHES as _MAX_BRANCHES,  # noqa: F401 (tests read it here)
     Branches,
@@ -244,15 +244,25 @@ class Traced(detection.Traced):
         """The operations on the path from the differentiated input whose forward derivative
         PyTorch does not differentiate right (:func:`forward_derivative_wrong`: the linalg
         kernels): a gradient must not flow through forward passes of them."""
+        return self._on_path(forward_derivative_wrong)
+
+    @functools.cached_property
+    def forward_inexact(self) -> frozenset[str]:
+        """The operations on the path from the differentiated input whose forward derivative
+        PyTorch computes inaccurately (:func:`forward_derivative_inexact`)."""
+        return self._on_path(forward_derivative_inexact)
+
+    def _on_path(self, which: Callable[[Any], bool]) -> frozenset[str]:
+        """The operations on the path from the differentiated input that ``which`` picks."""
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         live = {placeholders[self.x_pos]}
-        wrong = set()
+        found = set()
         for node in self.gm.graph.nodes:
             if node.op == "call_function" and any(a in live for a in node.all_input_nodes):
                 live.add(node)
-                if forward_derivative_wrong(node.target):
-                    wrong.add(str(node.target))
-        return frozenset(wrong)
+                if which(node.target):
+                    found.add(str(node.target))
+        return frozenset(found)
 
     @functools.cached_property
     def has_convolution(self) -> bool:

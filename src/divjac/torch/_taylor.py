@@ -39,6 +39,7 @@ the output (the batch axis of an intermediate is not known after views that merg
 
 from __future__ import annotations
 
+import math
 import operator
 import weakref
 from collections.abc import Callable, Sequence
@@ -118,7 +119,8 @@ def reference_sweep(
     """:func:`second_order_sweep` by the generic reference: ``jvp`` of ``jvp`` of ``f``,
     batched over the directions with ``vmap`` (the benchmark's baseline, and the fallback).
     With ``same_randomness``, random operations draw once, for all the directions (``f``'s
-    derivatives at one draw).
+    derivatives at one draw), or once per direction from the same state of the generators
+    where ``vmap`` cannot batch them.
 
     Attention runs in its math form and layer and instance normalizations composed
     (:class:`~divjac.torch._backend._ComposedNorms`): the second forward derivatives of their
@@ -136,7 +138,22 @@ def reference_sweep(
         return y, d1, d2
 
     with sdpa_kernel(SDPBackend.MATH), _ComposedNorms(forward=True):
-        ys, d1, d2 = vmap(jet, randomness="same" if same_randomness else "error")(v)
+        if not same_randomness:
+            ys, d1, d2 = vmap(jet, randomness="error")(v)
+        else:
+            start = _Generators(x.device)
+            try:
+                ys, d1, d2 = vmap(jet, randomness="same")(v)
+            except RuntimeError:
+                # Some random kernels do not batch (torch 2.13: rrelu's has no batching rule,
+                # alpha dropout's jvp of jvp writes into a zero tensor under vmap): one
+                # direction at a time then, each from the same draws (an error that is not
+                # vmap's is raised again by the first).
+                terms = []
+                for vk in v:
+                    start.rewind()
+                    terms.append(jet(vk))
+                ys, d1, d2 = (torch.stack(t) for t in zip(*terms, strict=True))
     y = ys[0]
     if not collapse:
         return y, d1, d2
@@ -426,10 +443,11 @@ def _rule(*targets: Any) -> Callable[[Rule], Rule]:
 
 def _unary(derivatives: Callable[..., tuple[Tensor, Tensor | None]]) -> Rule:
     """An element-wise function of its first argument: ``derivatives(x, y, *params)`` gives
-    ``g'`` and ``g''`` (``None``: zero)."""
+    ``g'`` and ``g''`` (``None``: zero) of a real argument (a complex one is pushed by
+    :func:`_generic`: ``abs`` of it is not holomorphic)."""
 
     def rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        if any(isinstance(a, torch.fx.Node) for a in node.args[1:]):
+        if args[0].is_complex() or any(isinstance(a, torch.fx.Node) for a in node.args[1:]):
             return _generic(sw, node, args, kwargs)
         x = args[0]
         y = node.target(*args, **kwargs)  # type: ignore[operator]
@@ -552,6 +570,68 @@ def _mul_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict
         None if a1 is None or b1 is None else 2 * sw.quad(a1, b1),
     )
     return y, _Jet(first, second)  # type: ignore[arg-type]
+
+
+@_rule(aten.logaddexp.default, aten.logaddexp2.default)
+def _logaddexp_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    x, z = args[0], args[1]
+    if x.is_complex() or z.is_complex():
+        return _generic(sw, node, args, kwargs)
+    y = node.target(x, z)  # type: ignore[operator]
+    n = y.ndim
+    # y' = s x' + (1 - s) z' with s = sigmoid(c (x - z)), y'' = s x'' + (1 - s) z''
+    # + c s (1 - s) (x' - z')^2 (c = 1, or log 2 in base 2). At x = z, s = 1/2, infinities
+    # included: where both are -inf (a masked entry) the tangents are zero and so is y'.
+    c = 1.0 if node.target is aten.logaddexp.default else math.log(2.0)
+    s = torch.sigmoid(c * torch.where(x == z, 0.0, x - z))
+    a, b = sw.jet(node.args[0]), sw.jet(node.args[1])
+    a1 = None if a is None else _lift(a.first, n)
+    b1 = None if b is None else _lift(b.first, n)
+    diff = _add(a1, _scale(b1, -1))
+    first = _add(_scale(a1, s), _scale(b1, 1 - s))
+    second = _add(
+        None if a is None else _scale(_lift(a.second, n), s),
+        None if b is None else _scale(_lift(b.second, n), 1 - s),
+        c * s * (1 - s) * sw.quad(diff, diff),  # type: ignore[arg-type]
+    )
+    return y, _Jet(first, second)  # type: ignore[arg-type]
+
+
+def _prefix_average(x: Tensor, y: Tensor, t: Tensor, axis: int) -> Tensor:
+    """``sum_{j <= i} exp(x_j - y_i) t_j`` along ``axis`` of terms ``t`` ``[K, *s]``, where
+    ``y = logcumsumexp(x)``: in the log domain, the positive and negative parts of ``t``
+    apart (as torch's backward of ``logcumsumexp``; its forward derivative normalizes by the
+    maximum of the whole axis and adds ``1e-13``, off by ~1e-6 before a large entry). The
+    logarithms are taken where they are finite, so that gradients through them are too."""
+    y = torch.where(torch.isneginf(y), 0.0, y)  # an empty prefix (all -inf) has zero weights
+
+    def part(mask: Tensor, magnitude: Tensor) -> Tensor:
+        log = torch.where(mask, torch.log(torch.where(mask, magnitude, 1.0)), -torch.inf)
+        return torch.exp(torch.logcumsumexp(x + log, axis) - y)
+
+    return part(t > 0, t) - part(t < 0, -t)
+
+
+@_rule(aten.logcumsumexp.default)
+def _logcumsumexp_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    x = args[0]
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    if x.is_complex() or x.ndim == 0:
+        return _generic(sw, node, args, kwargs)
+    axis = int(args[1] if len(args) > 1 else kwargs["dim"]) % x.ndim + 1
+    a = sw.needed(node.args[0])
+    # y_i = log sum_{j <= i} exp(x_j): y' = P x', y'' = P x'' + P (x')^2 - (y')^2 with
+    # P the prefix average of weights exp(x_j - y_i).
+    a1 = _full(a.first, tuple(x.shape))
+    first = _prefix_average(x, y, a1, axis)
+    curvature = sw.weighted(_prefix_average(x, y, a1 * a1, axis) - first * first)
+    if a.second is not None:
+        curvature = curvature + _prefix_average(x, y, _full(a.second, tuple(x.shape)), axis)
+    return y, _Jet(first, curvature)
 
 
 @_rule(aten.div.Tensor)
@@ -810,9 +890,19 @@ def _cholesky_inverse(factor: Tensor, upper: bool = False) -> Tensor:
     return torch.cholesky_solve(eye.expand(factor.shape), factor, upper=upper)
 
 
-# Operations pushed in another form with the same values: the derivatives of torch's
-# ``cholesky_inverse`` are wrong at second order both ways (forward and backward, torch 2.13).
-_REWRITTEN: dict[Any, Callable[..., Any]] = {aten.cholesky_inverse.default: _cholesky_inverse}
+def _norm(x: Tensor, p: Any = 2, *, dtype: torch.dtype | None = None) -> Tensor:
+    return torch.linalg.vector_norm(x, 2 if p is None else p, dtype=dtype)
+
+
+# Operations pushed in another form with the same values (torch 2.13): the derivatives of
+# ``cholesky_inverse`` are wrong at second order both ways (forward and backward); the forward
+# derivative of the norm of all entries (``norm.Scalar``, as ``torch.dist`` records it) has
+# the input's rank, not the norm's, and fails.
+_REWRITTEN: dict[Any, Callable[..., Any]] = {
+    aten.cholesky_inverse.default: _cholesky_inverse,
+    aten.norm.Scalar: _norm,
+    aten.norm.ScalarOpt_dtype: _norm,
+}
 
 
 def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -852,9 +942,10 @@ def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[
 
     if lacks_forward_derivative(node, {node_leaves[i] for i in pos}):
         raise OptionError(
-            "the second-order sweep (laplacian, hessian_diagonal) pushes forward derivatives, "
+            "the second-order Taylor sweep (laplacian and the like) pushes forward derivatives, "
             f"but the function runs {target}, which has none in PyTorch. Use "
-            "divjac.torch.hessian (reverse passes) for this function."
+            "divjac.torch.hessian_diagonal or divjac.torch.hessian (reverse passes of the gradient) "
+            "for this function."
         )
     n = len(primals)
     by_reverse = forward_derivative_wrong(target)
@@ -882,16 +973,14 @@ def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[
     else:
 
         def taylor(*t: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-            return jvp(lin, (*primals, *t[:n]), t)  # type: ignore[return-value]
+            # J t, and its derivative along t with t itself held constant (not a tangent of
+            # zero: where the derivative of J is infinite, a zero times it would be nan).
+            return jvp(lambda *p: lin(*p, *t), primals, t)  # type: ignore[return-value]
 
-        if sw.per_direction:
-            d1, d2 = vmap(taylor)(*firsts, *seconds)
-        else:
-            zeros = [torch.zeros_like(t) for t in firsts]
-            d1, curv = vmap(taylor)(*firsts, *zeros)
-            d2 = tuple(sw.weighted(c) for c in curv)
-            if has_second:
-                d2 = tuple(c + s for c, s in zip(d2, vmap(push)(*seconds), strict=True))
+        d1, curv = vmap(taylor)(*firsts)
+        d2 = tuple(sw.weighted(c) for c in curv)
+        if has_second:
+            d2 = tuple(c + s for c, s in zip(d2, vmap(push)(*seconds), strict=True))
     jets_out: list[_Jet | None] = [None] * len(outs)
     for j, i in enumerate(floating):
         jets_out[i] = _Jet(d1[j], None if d2 is None else d2[j])
