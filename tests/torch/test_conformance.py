@@ -213,10 +213,8 @@ def test_opinfo_samples(op_db, name):
 # any new defect is seen (a strict xfail per op).
 # Found by the partial sweep of 2026-12-02 (ops 0-276 and 410-; the rest not yet run).
 KNOWN_DEFECTS: dict[str, str] = {
-    "cartesian_prod": "hessian: a write into overlapping memory (RuntimeError) escapes the second-order sweep",
     "nn.functional.linear_cross_entropy.chunked": "batched: wrong values (4.9e-01)",
     "nn.functional.linear_cross_entropy.chunked_none": "jacobian: vmap in-place arithmetic (RuntimeError) escapes",
-    "as_strided.partial_views": "hessian: as_strided outside its base under vmap (RuntimeError) escapes",
     "as_strided_scatter": "sparse: wrong values (1.0)",
     "nn.functional.feature_alpha_dropout.with_train": "hessian: a random op under vmap (RuntimeError) escapes",
     "nn.functional.rrelu": "hessian: no vmap rule for rrelu_with_noise (RuntimeError) escapes",
@@ -288,3 +286,83 @@ def test_second_order_sweep_names_an_op_without_forward_derivative():
         laplacian(u, batch_axis=None)(x)
     want = torch.func.jacrev(torch.func.jacrev(u))(x)
     torch.testing.assert_close(hessian(u, batch_axis=None)(x), want)
+
+
+# --- memory layouts in the second-order sweep -----------------------------------------------------
+
+
+def _second_order_matches(u, x, reference=None):
+    """``hessian_diagonal`` and ``laplacian`` equal the diagonal and trace of torch's Hessian
+    of ``u`` (or of ``reference``, the same function in other operations)."""
+    from divjac.torch import hessian_diagonal, laplacian
+
+    n = x.numel()
+    want = torch.func.hessian(reference or u)(x).reshape(n, n).diagonal().reshape(x.shape)
+    torch.testing.assert_close(hessian_diagonal(u, batch_axis=None)(x), want)
+    torch.testing.assert_close(laplacian(u, batch_axis=None)(x), want.sum())
+
+
+def test_second_order_sweep_pushes_an_expanded_value_through_an_op():
+    """cartesian_prod: stack of an expanded (stride-0) value, pushed by jvp, which writes its
+    tangent into a tensor of the primal's layout."""
+    other = torch.randn(3, dtype=D, generator=_gen(1))
+
+    def u(x):
+        return torch.cartesian_prod(x.sin(), other).square().sum()
+
+    _second_order_matches(u, torch.randn(2, dtype=D, generator=_gen()))
+
+
+@pytest.mark.parametrize(
+    ("size", "stride", "offset"),
+    [((2, 2), (1, 2), 0), ((3, 2), (2, 3), 1), ((2, 3), (0, 1), 2)],
+    ids=["partial", "offset", "overlapping"],
+)
+def test_second_order_sweep_gathers_an_as_strided_view(size, stride, offset):
+    """as_strided.partial_views: a strided view of a value with jets (vmap refuses to view a
+    batched tensor so), of the input's elements, a nonzero offset, elements read twice."""
+
+    def u(x):
+        return torch.as_strided(x.sin(), size, stride, offset).exp().sum()
+
+    _second_order_matches(u, torch.randn(10, dtype=D, generator=_gen()))
+
+
+@pytest.mark.filterwarnings("ignore::divjac.DenseFallbackWarning")
+def test_second_order_sweep_refuses_an_as_strided_view_outside_its_input():
+    from divjac.torch import laplacian
+
+    def u(x):
+        return torch.as_strided(x[2:], (2,), (1,), 0).exp().sum()
+
+    with pytest.raises(OptionError, match=r"aten\.as_strided"):
+        laplacian(u, batch_axis=None)(torch.randn(4, dtype=D, generator=_gen()))
+
+
+@pytest.mark.parametrize("dependent", ["input", "src", "both"])
+def test_second_order_sweep_scatters_into_an_as_strided_view(dependent):
+    """as_strided_scatter (no batching rule): the input's terms, those of the view's elements
+    replaced by src's. The reference writes by index_put: torch's derivative of
+    as_strided_scatter w.r.t. its input is wrong (torch 2.13: one on the overwritten elements,
+    zero on the others)."""
+    base = torch.randn(3, 3, dtype=D, generator=_gen(1))
+    src = torch.randn(2, 2, dtype=D, generator=_gen(2))
+    written = torch.tensor([1, 4, 2, 5])  # the storage positions of the view's elements
+
+    def parts(x):
+        into = x.sin() if dependent != "src" else base
+        put = (x[:2, :2] * x[1:, 1:]) if dependent != "input" else src
+        return into, put
+
+    def scattered(x):
+        return torch.as_strided_scatter(*parts(x), (2, 2), (1, 3), 1)
+
+    def by_index(x):
+        into, put = parts(x)
+        return into.reshape(-1).index_put((written,), put.reshape(-1)).reshape(3, 3)
+
+    x = torch.randn(3, 3, dtype=D, generator=_gen())
+    torch.testing.assert_close(scattered(x), by_index(x))
+    _second_order_matches(
+        lambda x: scattered(x).square().sum(), x, lambda x: by_index(x).square().sum()
+    )
