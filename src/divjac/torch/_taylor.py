@@ -52,7 +52,13 @@ from torch.utils import _pytree as pytree
 
 from .._errors import InternalError, OptionError
 from ._aten import forward_derivative_wrong, inexact, lacks_forward_derivative, packet
-from ._backend import _ComposedNorms, _Generators, _without_overlap, composed_norm
+from ._backend import (
+    PlainLayouts,
+    _ComposedNorms,
+    _Generators,
+    _without_overlap,
+    composed_norm,
+)
 from ._detect import Traced, reach, trace
 
 __all__ = ["second_order_sweep"]
@@ -122,7 +128,8 @@ def reference_sweep(
 
     Attention runs in its math form and layer and instance normalizations composed
     (:class:`~divjac.torch._backend._ComposedNorms`): the second forward derivatives of their
-    kernels are wrong or missing (torch 2.13).
+    kernels are wrong or missing (torch 2.13); memory formats as in
+    :class:`~divjac.torch._backend.PlainLayouts`.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -135,7 +142,7 @@ def reference_sweep(
         (y, d1), (_, d2) = cast(Any, jvp(first, (x,), (vk,)))
         return y, d1, d2
 
-    with sdpa_kernel(SDPBackend.MATH), _ComposedNorms(forward=True):
+    with sdpa_kernel(SDPBackend.MATH), _ComposedNorms(forward=True), PlainLayouts():
         ys, d1, d2 = vmap(jet, randomness="same" if same_randomness else "error")(v)
     y = ys[0]
     if not collapse:
