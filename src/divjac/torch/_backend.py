@@ -265,9 +265,9 @@ def _differentiable_kernels(
 ) -> tuple[contextlib.AbstractContextManager[Any], ...]:
     """Kernels that forward-mode AD, ``vmap`` and double backward go through: attention in its
     math form (the fused CPU and CUDA kernels have no forward derivative, nor batching rules
-    for their gradients) and without the fast paths of :class:`NoFastPaths`, recurrent layers without oneDNN and cuDNN (whose kernels have no
-    forward derivative), the normalizations of :class:`_ComposedNorms`, and the memory
-    formats of :class:`PlainLayouts`. Only where the
+    for their gradients) and without the fast paths of :class:`NoFastPaths`, recurrent layers
+    without oneDNN and cuDNN (whose kernels have no forward derivative), the normalizations of
+    :class:`_ComposedNorms`, and the memory formats of :class:`PlainLayouts`. Only where the
     graph has them (the contexts cost ~25 us). Separate contexts, entered in one ``with``
     statement (dynamo traces those, not an ``ExitStack``)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
