@@ -213,12 +213,9 @@ def test_opinfo_samples(op_db, name):
 # any new defect is seen (a strict xfail per op).
 # Found by the partial sweep of 2026-12-02 (ops 0-276 and 410-; the rest not yet run).
 KNOWN_DEFECTS: dict[str, str] = {
-    "cartesian_prod": "hessian: a write into overlapping memory (RuntimeError) escapes the second-order sweep",
     "nn.functional.linear_cross_entropy.chunked": "batched: wrong values (4.9e-01)",
     "nn.functional.linear_cross_entropy.chunked_none": "jacobian: vmap in-place arithmetic (RuntimeError) escapes",
-    "as_strided.partial_views": "hessian: as_strided outside its base under vmap (RuntimeError) escapes",
     "as_strided_scatter": "sparse: wrong values (1.0)",
-    "to": "hessian: channels_last of a lower-rank tensor (RuntimeError) escapes",
     "grid_sampler_2d": "jacobian: no forward derivative (NotImplementedError) escapes",
     "ormqr": "hessian: no forward derivative of ormqr (NotImplementedError) escapes",
     "__rpow__": "sparse: nan where jacrev is finite",
@@ -443,3 +440,124 @@ def test_random_kernels_vmap_cannot_batch_second_order(kernel):
         return (y.sin() * w).sum()
 
     _assert_second_order(u, torch.randn(2, 3, 2, dtype=D, generator=_gen()))
+
+
+# --- memory layouts in the second-order sweep -----------------------------------------------------
+
+
+def _second_order_matches(u, x, reference=None):
+    """``hessian_diagonal`` and ``laplacian`` equal the diagonal and trace of the Hessian of
+    ``u`` (or of ``reference``, the same function in other operations) by plain double
+    backward passes, one per row."""
+    from divjac.torch import hessian_diagonal, laplacian
+
+    n = x.numel()
+    want = torch.autograd.functional.hessian(reference or u, x)
+    want = want.reshape(n, n).diagonal().reshape(x.shape)
+    torch.testing.assert_close(hessian_diagonal(u, batch_axis=None)(x), want)
+    torch.testing.assert_close(laplacian(u, batch_axis=None)(x), want.sum())
+
+
+def test_second_order_sweep_pushes_an_expanded_value_through_an_op():
+    """cartesian_prod: stack of an expanded (stride-0) value, pushed by jvp, which writes its
+    tangent into a tensor of the primal's layout."""
+    other = torch.randn(3, dtype=D, generator=_gen(1))
+
+    def u(x):
+        return torch.cartesian_prod(x.sin(), other).square().sum()
+
+    _second_order_matches(u, torch.randn(2, dtype=D, generator=_gen()))
+
+
+@pytest.mark.parametrize(
+    ("size", "stride", "offset"),
+    [((2, 2), (1, 2), 0), ((3, 2), (2, 3), 1), ((2, 3), (0, 1), 2)],
+    ids=["partial", "offset", "overlapping"],
+)
+def test_second_order_sweep_gathers_an_as_strided_view(size, stride, offset):
+    """as_strided.partial_views: a strided view of a value with jets (vmap refuses to view a
+    batched tensor so), of the input's elements, a nonzero offset, elements read twice."""
+
+    def u(x):
+        return torch.as_strided(x.sin(), size, stride, offset).exp().sum()
+
+    _second_order_matches(u, torch.randn(10, dtype=D, generator=_gen()))
+
+
+@pytest.mark.filterwarnings("ignore::divjac.DenseFallbackWarning")
+def test_second_order_sweep_refuses_an_as_strided_view_outside_its_input():
+    from divjac.torch import laplacian
+
+    def u(x):
+        return torch.as_strided(x[2:], (2,), (1,), 0).exp().sum()
+
+    with pytest.raises(OptionError, match=r"aten\.as_strided"):
+        laplacian(u, batch_axis=None)(torch.randn(4, dtype=D, generator=_gen()))
+
+
+@pytest.mark.parametrize("dependent", ["input", "src", "both"])
+def test_second_order_sweep_scatters_into_an_as_strided_view(dependent):
+    """as_strided_scatter (no batching rule): the input's terms, those of the view's elements
+    replaced by src's. The reference writes by index_put: torch's derivative of
+    as_strided_scatter w.r.t. its input is wrong (torch 2.13: one on the overwritten elements,
+    zero on the others)."""
+    base = torch.randn(3, 3, dtype=D, generator=_gen(1))
+    src = torch.randn(2, 2, dtype=D, generator=_gen(2))
+    written = torch.tensor([1, 4, 2, 5])  # the storage positions of the view's elements
+
+    def parts(x):
+        into = x.sin() if dependent != "src" else base
+        put = (x[:2, :2] * x[1:, 1:]) if dependent != "input" else src
+        return into, put
+
+    def scattered(x):
+        return torch.as_strided_scatter(*parts(x), (2, 2), (1, 3), 1)
+
+    def by_index(x):
+        into, put = parts(x)
+        return into.reshape(-1).index_put((written,), put.reshape(-1)).reshape(3, 3)
+
+    x = torch.randn(3, 3, dtype=D, generator=_gen())
+    torch.testing.assert_close(scattered(x), by_index(x))
+    _second_order_matches(
+        lambda x: scattered(x).square().sum(), x, lambda x: by_index(x).square().sum()
+    )
+
+
+@pytest.mark.parametrize(
+    "relayout",
+    [
+        lambda x: x.to(torch.float64, memory_format=torch.channels_last),
+        lambda x: x.contiguous(memory_format=torch.channels_last),
+        lambda x: x.clone(memory_format=torch.channels_last),
+    ],
+    ids=["to", "contiguous", "clone"],
+)
+def test_passes_run_a_channels_last_layout_under_vmap(relayout):
+    """to (memory_format=channels_last): the passes run the function under vmap, on tensors
+    with one more axis, which channels_last does not fit; the layout changes no value."""
+    from divjac.torch import hessian_diagonal, laplacian
+
+    w = torch.randn(2, 3, 2, 2, dtype=D, generator=_gen(1))
+
+    def f(x):
+        return relayout(x.sin()) * w
+
+    def u(x):
+        return f(x).exp().sum()
+
+    x = torch.randn(2, 3, 2, 2, dtype=D, generator=_gen())
+    _second_order_matches(u, x)
+    hess = torch.autograd.functional.hessian(u, x).reshape(24, 24)
+    for method in ("exact", "sparse"):
+        torch.testing.assert_close(
+            hessian_diagonal(u, batch_axis=None, method=method)(x),
+            hess.diagonal().reshape(x.shape),
+        )
+    torch.testing.assert_close(laplacian(u, batch_axis=None, method="exact")(x), hess.trace())
+    want = torch.autograd.functional.jacobian(f, x)
+    for mode in ("fwd", "rev", "sparse"):
+        torch.testing.assert_close(jacobian(f, batch_axis=None, mode=mode)(x), want)
+    torch.testing.assert_close(
+        divergence(f, batch_axis=None, mode="fwd")(x), want.reshape(24, 24).trace()
+    )

@@ -43,7 +43,7 @@ from .._core.detection import LRU
 from .._errors import CompileError, OptionError
 from . import _ddp
 from ._aten import packet
-from ._detect import TensorSpec, Traced, plain_kernels, trace
+from ._detect import LAYOUTS, TensorSpec, Traced, plain_kernels, trace
 from ._running import NoFastPaths
 
 __all__ = ["BACKEND", "TorchBackend"]
@@ -94,8 +94,10 @@ class _Passes(Linear):
         traced = self._traced
         # Under torch.compile no batch normalization runs (_check_compilable).
         quiet = contextlib.nullcontext() if _compiling() else traced.running_stats()
-        attention, fused, rnn, norms = _differentiable_kernels(traced, forward=not self._reverse)
-        with quiet, attention, fused, rnn, norms:
+        attention, fused, rnn, norms, layouts = _differentiable_kernels(
+            traced, forward=not self._reverse
+        )
+        with quiet, attention, fused, rnn, norms, layouts:
             if self._reverse:
                 if self._vjp is None:
                     pulled: Any = torch.func.vjp(g, xb, has_aux=aux_of is not None)
@@ -222,8 +224,8 @@ class _Tape(Linear):
 
         traced = self._traced
         parts: list[torch.Tensor] = []
-        attention, fused, rnn, norms = _differentiable_kernels(traced)
-        with traced.running_stats(), attention, fused, rnn, norms:
+        attention, fused, rnn, norms, layouts = _differentiable_kernels(traced)
+        with traced.running_stats(), attention, fused, rnn, norms, layouts:
             if self._tape is None:
                 self._tape = self._record()
             tape = self._tape
@@ -263,8 +265,9 @@ def _differentiable_kernels(
 ) -> tuple[contextlib.AbstractContextManager[Any], ...]:
     """Kernels that forward-mode AD, ``vmap`` and double backward go through: attention in its
     math form (the fused CPU and CUDA kernels have no forward derivative, nor batching rules
-    for their gradients) and without the fast paths of :class:`NoFastPaths`, recurrent layers without oneDNN and cuDNN (whose kernels have no
-    forward derivative), and the normalizations of :class:`_ComposedNorms`. Only where the
+    for their gradients) and without the fast paths of :class:`NoFastPaths`, recurrent layers
+    without oneDNN and cuDNN (whose kernels have no forward derivative), the normalizations of
+    :class:`_ComposedNorms`, and the memory formats of :class:`PlainLayouts`. Only where the
     graph has them (the contexts cost ~25 us). Separate contexts, entered in one ``with``
     statement (dynamo traces those, not an ``ExitStack``)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -277,7 +280,27 @@ def _differentiable_kernels(
         NoFastPaths() if traced.attends and not _compiling() else contextlib.nullcontext(),
         plain_kernels(cudnn=True) if traced.runs_rnn else contextlib.nullcontext(),
         _ComposedNorms(forward) if norms else contextlib.nullcontext(),
+        PlainLayouts() if traced.lays_out else contextlib.nullcontext(),
     )
+
+
+class PlainLayouts(TorchFunctionMode):
+    """Memory formats of a given rank (``channels_last``) asked as the contiguous one: under
+    ``vmap`` the function runs on tensors with one more axis, which the format does not fit
+    (torch 2.13: ``Tensor.to``, ``contiguous``, ``clone``, ``empty_like`` fail). Values do not
+    depend on the layout."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if kwargs.get("memory_format") in LAYOUTS:
+            kwargs = {**kwargs, "memory_format": torch.contiguous_format}
+        return func(*args, **kwargs)
 
 
 class _ComposedNorms(TorchFunctionMode):

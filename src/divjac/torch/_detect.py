@@ -188,6 +188,15 @@ class Traced(detection.Traced):
         )
 
     @functools.cached_property
+    def lays_out(self) -> bool:
+        """Whether the graph asks for a memory format other than the contiguous one
+        (``channels_last``), which ``vmap`` cannot give the tensors it batches (torch 2.13)."""
+        return any(
+            node.op == "call_function" and node.kwargs.get("memory_format") in LAYOUTS
+            for node in self.gm.graph.nodes
+        )
+
+    @functools.cached_property
     def runs_rnn(self) -> bool:
         """Whether the function runs a recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``)."""
         return any(isinstance(m, nn.RNNBase) for m in self.modules())
@@ -313,6 +322,8 @@ def _live_peak(gm: torch.fx.GraphModule) -> int:
     return peak
 
 
+# The memory formats of a given rank (vmap's batched tensors have one more axis).
+LAYOUTS = frozenset({torch.channels_last, torch.channels_last_3d})
 _SOFTMAXES = (torch.ops.aten._softmax.default, torch.ops.aten._safe_softmax.default)
 _SOLVES_EX = (torch.ops.aten._linalg_solve_ex.default, torch.ops.aten.linalg_solve_ex.default)
 

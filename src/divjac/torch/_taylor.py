@@ -53,7 +53,13 @@ from torch.utils import _pytree as pytree
 
 from .._errors import InternalError, OptionError
 from ._aten import forward_derivative_wrong, inexact, lacks_forward_derivative, packet
-from ._backend import _ComposedNorms, _Generators, composed_norm
+from ._backend import (
+    PlainLayouts,
+    _ComposedNorms,
+    _Generators,
+    _without_overlap,
+    composed_norm,
+)
 from ._detect import Traced, reach, trace
 
 __all__ = ["second_order_sweep"]
@@ -124,7 +130,8 @@ def reference_sweep(
 
     Attention runs in its math form and layer and instance normalizations composed
     (:class:`~divjac.torch._backend._ComposedNorms`): the second forward derivatives of their
-    kernels are wrong or missing (torch 2.13).
+    kernels are wrong or missing (torch 2.13); memory formats as in
+    :class:`~divjac.torch._backend.PlainLayouts`.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -137,7 +144,7 @@ def reference_sweep(
         (y, d1), (_, d2) = cast(Any, jvp(first, (x,), (vk,)))
         return y, d1, d2
 
-    with sdpa_kernel(SDPBackend.MATH), _ComposedNorms(forward=True):
+    with sdpa_kernel(SDPBackend.MATH), _ComposedNorms(forward=True), PlainLayouts():
         if not same_randomness:
             ys, d1, d2 = vmap(jet, randomness="error")(v)
         else:
@@ -868,6 +875,94 @@ def _conv_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dic
     return y, _map(a, conv)
 
 
+def _positions(t: Tensor, size: Sequence[int], stride: Sequence[int], offset: int) -> Tensor:
+    """The storage position of every element of the view ``(size, stride, offset)`` (shaped
+    ``size``)."""
+    pos = torch.tensor(offset, device=t.device)
+    for n, step in zip(size, stride, strict=True):
+        pos = pos.unsqueeze(-1) + torch.arange(n, device=t.device) * step
+    return pos
+
+
+def _located(positions: Tensor, within: Tensor) -> tuple[Tensor, Tensor]:
+    """For every entry of ``positions``, the flat index of an element of the view whose
+    storage positions are ``within``, and whether one is there (each shaped as ``positions``)."""
+    flat = within.reshape(-1)
+    if not flat.numel():
+        return torch.zeros_like(positions), torch.zeros_like(positions, dtype=torch.bool)
+    order = torch.argsort(flat, stable=True)
+    ordered = flat[order]
+    at = torch.searchsorted(ordered, positions.reshape(-1)).clamp(max=flat.numel() - 1)
+    return order[at].reshape(positions.shape), (ordered[at] == positions.reshape(-1)).reshape(
+        positions.shape
+    )
+
+
+def _gathered(t: Tensor, shape: Sequence[int], index: Tensor) -> Tensor:
+    """The terms ``[*, *shape]`` of a value at its flat indices ``index`` (shaped as them)."""
+    flat = _full(t, shape).reshape(t.shape[0], -1)
+    return flat[:, index.reshape(-1)].reshape(t.shape[0], *index.shape)
+
+
+def _strided_view(args: Sequence[Any], kwargs: dict[str, Any], at: int) -> tuple[Any, Any, int]:
+    """``(size, stride, storage_offset)`` of an ``as_strided`` family call whose size is its
+    argument ``at`` (the offset defaults to that of the first argument)."""
+    size, stride = args[at], args[at + 1]
+    offset = args[at + 2] if len(args) > at + 2 else kwargs.get("storage_offset")
+    return size, stride, int(args[0].storage_offset() if offset is None else offset)
+
+
+@_rule(aten.as_strided.default, aten.as_strided_copy.default)
+def _as_strided_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    # The view reads the storage of its input: its terms are those of the input's elements at
+    # the positions it reads (a gather; vmap cannot view a batched tensor so).
+    x = args[0]
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.needed(node.args[0])
+    index, found = _located(
+        _positions(x, *_strided_view(args, kwargs, 1)),
+        _positions(x, x.shape, x.stride(), int(x.storage_offset())),
+    )
+    if not bool(found.all()):
+        raise OptionError(
+            f"the second-order sweep (laplacian, hessian_diagonal) differentiates {node.target} "
+            "through its input's elements, but this one reads memory outside its input. Take "
+            "the strided view of the whole tensor the function is given."
+        )
+    return y, _map(a, lambda t: _gathered(t, x.shape, index))
+
+
+@_rule(aten.as_strided_scatter.default)
+def _as_strided_scatter_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    # The input's values, those its strided view reads replaced by src's: the terms likewise,
+    # by the storage positions of the output (laid out as the input, or contiguous where the
+    # input's elements share memory, as torch's clone_preserve_strides).
+    x, src = args[0], args[1]
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a, b = sw.jet(node.args[0]), sw.jet(node.args[1])
+    out = _without_overlap(x)
+    index, written = _located(
+        _positions(x, out.shape, out.stride(), int(out.storage_offset())),
+        _positions(x, *_strided_view(args, kwargs, 2)),
+    )
+    n = y.ndim
+
+    def scatter(self_terms: Tensor | None, src_terms: Tensor | None) -> Tensor | None:
+        if self_terms is None and src_terms is None:
+            return None
+        kept = 0 if self_terms is None else _lift(self_terms, n)
+        put = 0 if src_terms is None else _gathered(src_terms, src.shape, index)
+        return torch.where(written, put, kept).expand(-1, *y.shape)
+
+    first = scatter(None if a is None else a.first, None if b is None else b.first)
+    second = scatter(None if a is None else a.second, None if b is None else b.second)
+    return y, _Jet(first, second)  # type: ignore[arg-type]
+
+
 # Operations whose second derivative is zero (linear in their inputs, or piecewise linear):
 # their jets are pushed by one ``jvp`` each.
 _LINEAR = frozenset(
@@ -875,7 +970,7 @@ _LINEAR = frozenset(
         "cat", "stack", "slice", "select", "index", "index_select", "gather", "constant_pad_nd",
         "flip", "roll", "repeat", "where", "split", "split_with_sizes", "unbind", "narrow",
         "diagonal", "tril", "triu", "squeeze", "masked_fill", "avg_pool2d", "avg_pool1d",
-        "avg_pool3d", "adaptive_avg_pool2d", "as_strided", "max_pool2d_with_indices",
+        "avg_pool3d", "adaptive_avg_pool2d", "max_pool2d_with_indices",
         "reflection_pad2d", "replication_pad2d", "pixel_shuffle", "im2col", "col2im",
         "slice_scatter", "select_scatter", "index_put", "scatter", "scatter_add", "copy",
         "lift_fresh_copy", "expand_copy", "view_copy", "permute_copy", "unfold", "sub", "add",
@@ -919,7 +1014,9 @@ def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[
     leaves, spec = pytree.tree_flatten((args, kwargs))
     node_leaves = pytree.tree_leaves((node.args, node.kwargs))
     pos = [i for i, n in enumerate(node_leaves) if sw.jet(n) is not None]
-    primals = tuple(leaves[i] for i in pos)
+    # Materialized where elements share memory (an expanded value): forward-mode AD writes
+    # tangents into a tensor of the primal's layout.
+    primals = tuple(_without_overlap(leaves[i]) for i in pos)
     jets = [sw.jet(node_leaves[i]) for i in pos]
 
     def fn(*deps: Tensor) -> tuple[Tensor, ...]:
