@@ -152,13 +152,10 @@ def test_cdist_refuses_forward_passes():
         jacobian(lambda x: torch.cdist(x, other), batch_axis=None, mode="fwd")(x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch 2.13: cdist's backward under vmap is wrong (jacrev is too); divjac's rows "
-    "are batched VJPs",
-)
 @pytest.mark.parametrize("mode", ["auto", "sparse"])
 def test_cdist_jacobian(mode):
+    """torch 2.13: cdist's backward under vmap is wrong (jacrev is too): the rows of a graph
+    with an operation without forward derivative are pulled one by one."""
     other = torch.randn(9, 2, dtype=D, generator=_gen(1))
     _check(lambda x: torch.cdist(x, other), torch.randn(6, 2, dtype=D, generator=_gen()), (mode,))
 
@@ -214,9 +211,7 @@ def test_opinfo_samples(op_db, name):
 # Found by the partial sweep of 2026-12-02 (ops 0-276 and 410-; the rest not yet run).
 KNOWN_DEFECTS: dict[str, str] = {
     "nn.functional.linear_cross_entropy.chunked": "batched: wrong values (4.9e-01)",
-    "nn.functional.linear_cross_entropy.chunked_none": "jacobian: vmap in-place arithmetic (RuntimeError) escapes",
     "as_strided_scatter": "sparse: wrong values (1.0)",
-    "grid_sampler_2d": "jacobian: no forward derivative (NotImplementedError) escapes",
     "ormqr": "hessian: no forward derivative of ormqr (NotImplementedError) escapes",
     "__rpow__": "sparse: nan where jacrev is finite",
 }
@@ -561,3 +556,57 @@ def test_passes_run_a_channels_last_layout_under_vmap(relayout):
     torch.testing.assert_close(
         divergence(f, batch_axis=None, mode="fwd")(x), want.reshape(24, 24).trace()
     )
+# --- operations without forward derivative: decomposed, custom, batched backward ---------------
+
+
+def test_a_decomposed_op_without_forward_derivative_pushes_rows():
+    """``grid_sampler_2d`` is decomposed by the trace (its graph has no node of it) and has no
+    forward derivative: auto and sparse crashed (NotImplementedError) pushing columns; they
+    pull rows, and ``mode="fwd"`` names the op."""
+    grid = torch.rand(2, 5, 4, 2, dtype=D, generator=_gen(1)) * 2 - 1
+
+    def f(x):
+        return torch.grid_sampler_2d(x, grid, 0, 0, False)
+
+    _check(f, torch.randn(2, 3, 5, 6, dtype=D, generator=_gen()))
+    with pytest.raises(OptionError, match=r"aten\.grid_sampler_2d"):
+        jacobian(f, batch_axis=None, mode="fwd")(torch.randn(2, 3, 5, 6, dtype=D))
+
+
+def _chunked_cross_entropy(reduction):
+    weight = torch.randn(4, 3, dtype=D, generator=_gen(1))
+    target = torch.tensor([0, 3, 1, 2, 2, 0, 1, 3])
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2)
+
+    def f(x):
+        return torch.nn.functional.linear_cross_entropy(
+            x, weight, target, reduction=reduction, options=options
+        )
+
+    return f
+
+
+@pytest.mark.filterwarnings("ignore::divjac.DenseFallbackWarning")
+def test_a_custom_op_without_forward_derivative_pulls_rows_one_by_one():
+    """The chunked ``linear_cross_entropy`` (a ``torch.library`` custom operation) drops forward
+    tangents silently and its backward has no batching rule (vmap: in-place arithmetic escaped):
+    its rows are pulled one by one, and ``mode="fwd"`` names it."""
+    f = _chunked_cross_entropy("none")
+    x = torch.randn(8, 3, dtype=D, generator=_gen())
+    _check(f, x)
+    with pytest.raises(OptionError, match=r"_linear_cross_entropy_batch_chunked_no_reduction"):
+        jacobian(f, batch_axis=None, mode="fwd")(x)
+
+
+def test_cdist_rows_under_inference_mode():
+    """The torch.func passes (inference mode) pull cdist's rows one by one too."""
+    other = torch.randn(9, 2, dtype=D, generator=_gen(1))
+    x = torch.randn(6, 2, dtype=D, generator=_gen())
+
+    def f(x):
+        return torch.cdist(x, other)
+
+    want = torch.autograd.functional.jacobian(f, x)
+    with torch.inference_mode():
+        got = jacobian(f, batch_axis=None)(x)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 __all__ = [
+    "Decomposed",
     "bind",
     "dim",
     "dims",
@@ -125,6 +127,23 @@ def host(value: Any) -> np.ndarray | None:
     if not is_tensor(value):
         return None
     return value.detach().cpu().resolve_conj().resolve_neg().numpy()
+
+
+@dataclass(frozen=True)
+class Decomposed:
+    """A call of an operation that the trace decomposed (its graph has the decomposition's
+    nodes in its place), as a graph node reads: its arguments are graph nodes where they are
+    traced tensors; ``meta["val"]`` holds its fake outputs."""
+
+    target: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def all_input_nodes(self) -> list[torch.fx.Node]:
+        found = pytree.tree_leaves((self.args, self.kwargs))
+        return list(dict.fromkeys(a for a in found if isinstance(a, torch.fx.Node)))
 
 
 # Per ATen operation: whether PyTorch has a forward derivative for it (probed once).

@@ -110,6 +110,8 @@ class _Passes(Linear):
                     t = seed(c)
                     return finish(c, t, vjp_fn(tangent(t))[0])
 
+                if traced.forward_less and n_passes:  # one by one, as _Tape says why
+                    return torch.stack([pull(c) for c in inputs])
                 chunk_size = None if chunk >= n_passes else chunk
                 return torch.func.vmap(pull, chunk_size=chunk_size)(inputs)
             auxes: list[Any] = []
@@ -158,7 +160,11 @@ class _Generators:
 class _Tape(Linear):
     """The VJP of the batch-first function on torch's autograd tape, as FFJORD's code does it:
     one forward pass, then ``torch.autograd.grad`` per chunk of cotangents (batched by
-    ``is_grads_batched``, or one by one for a few). Outside ``torch.func`` transforms this is
+    ``vmap``, or one by one for a few). Graphs with an operation that has no forward
+    derivative (``cdist``, a ``torch.library`` custom operation) pull every cotangent one by
+    one: the backward kernels of such operations are not composed of differentiable
+    operations, and their batching rules are wrong (``cdist``'s in torch 2.13) or missing (the
+    in-place arithmetic of the chunked ``linear_cross_entropy``'s backward). Outside ``torch.func`` transforms this is
     the fast way to pull rows: ``torch.func.vjp`` wraps every operation of the forward pass
     (about 2 ms per call on FFJORD's ODE function at B=256, against its 1.5 ms of compute).
 
@@ -233,7 +239,7 @@ class _Tape(Linear):
             for lo in range(0, max(n_passes, 1), chunk):  # no pass: one empty chunk
                 cs = inputs if chunk >= n_passes else inputs[lo : lo + chunk]
                 count = int(cs.shape[0])
-                if 0 < count <= _ONE_BY_ONE:
+                if count > 0 and (count <= _ONE_BY_ONE or traced.forward_less):
                     parts.extend(one(cs[i])[None] for i in range(count))
                 else:  # batched backward passes: torch.func's vmap over autograd
                     # (is_grads_batched's own vmap lacks batching rules for some backward
