@@ -14,8 +14,9 @@ floating outputs concatenated when there are several), checked against ``torch.f
   ``w``) equal the diagonal and trace of ``torch.func.hessian(u)``.
 
 A check is skipped, with the reason recorded, where the reference cannot be had: the op draws
-random numbers, ``jacrev`` fails, or ``jacrev`` and ``jacfwd`` disagree (the op is ill-posed at
-the sample, as ``max_unpool`` with repeated indices). A divjac error is a refusal (its class and
+random numbers, ``jacrev`` fails, ``jacrev`` and ``jacfwd`` disagree (the op is ill-posed at
+the sample, as ``max_unpool`` with repeated indices), or the op is nan at the sample (``__rpow__``
+of a negative base: its derivative is undefined). A divjac error is a refusal (its class and
 message are recorded); any other exception escaping divjac is a crash, a defect.
 
 :func:`render` writes the coverage table of ``docs/conformance-torch.md``; the slow test of
@@ -205,10 +206,14 @@ def _quiet(compute: Callable[[], Any]) -> Any:
 def _reference(f: Callable[..., Any], x: torch.Tensor, forward: bool) -> tuple[Any, str]:
     """The Jacobian of ``f`` at ``x`` by plain backward passes, one per row (``jacrev``'s
     ``vmap`` of some backward kernels is wrong: ``cdist`` in torch 2.13), or why it cannot
-    serve (it fails, or ``jacfwd`` disagrees)."""
+    serve (it fails, ``jacfwd`` disagrees, or the op is nan at the sample: its derivative is
+    undefined there, and the nan of every backward pass spreads over its whole row, as
+    ``0 * nan``, where the entry is structurally zero)."""
     rev = _quiet(lambda: torch.autograd.functional.jacobian(f, x))
     if rev is None:
         return None, "jacrev fails"
+    if rev.isnan().any() and f(x).isnan().any():
+        return None, "ill-posed: the op is nan at the sample"
     fwd = _quiet(lambda: torch.func.jacfwd(f)(x)) if forward else None
     if fwd is not None and not _close(fwd, rev, rtol=1e-5):
         return None, "ill-posed: jacrev and jacfwd disagree"

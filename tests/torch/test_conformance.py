@@ -213,7 +213,6 @@ KNOWN_DEFECTS: dict[str, str] = {
     "nn.functional.linear_cross_entropy.chunked": "batched: wrong values (4.9e-01)",
     "as_strided_scatter": "sparse: wrong values (1.0)",
     "ormqr": "hessian: no forward derivative of ormqr (NotImplementedError) escapes",
-    "__rpow__": "sparse: nan where jacrev is finite",
 }
 
 
@@ -610,3 +609,44 @@ def test_cdist_rows_under_inference_mode():
     with torch.inference_mode():
         got = jacobian(f, batch_axis=None)(x)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def _slogdet_flat(x):
+    return torch.cat([t.reshape(-1) for t in torch.linalg.slogdet(x)])
+
+
+@pytest.mark.parametrize(
+    "scenario", ["det", "vecdot", "slogdet_reshaped"], ids=["det", "vecdot", "slogdet_reshaped"]
+)
+def test_an_empty_sample_runs_no_vmap_over_no_passes(scenario):
+    """An empty sample needs no pass: ``vmap`` over none crashed in ``linalg.det``'s kernel
+    (IndexError) and in the function's ``reshape(-1)`` of an empty value (RuntimeError)."""
+    empty = torch.zeros(0, dtype=D)
+    f, x = {
+        "det": (torch.linalg.det, torch.zeros(0, 0, dtype=D)),
+        "vecdot": (lambda x: torch.linalg.vecdot(x, empty), empty),
+        "slogdet_reshaped": (_slogdet_flat, torch.zeros(0, 0, dtype=D)),
+    }[scenario]
+    want = torch.autograd.functional.jacobian(f, x)
+    for mode in ("auto", "sparse", "fwd", "rev"):
+        torch.testing.assert_close(jacobian(f, batch_axis=None, mode=mode)(x), want)
+    assert sparsity(f, batch_axis=None)(x).csr.shape == (f(x).numel(), 0)
+    xb = torch.stack([x, x])
+    got = jacobian(torch.func.vmap(f))(xb)
+    torch.testing.assert_close(got, torch.stack([want, want]))
+
+
+def test_rpow_of_a_negative_base_is_ill_posed_at_the_sample():
+    """``__rpow__`` of a negative 0-d base is nan: every backward (and forward) pass spreads
+    its nan over the whole row (``0 * nan``), where divjac's sparse passes keep the structural
+    zeros. The sweep classifies such samples as ill-posed; a positive base is checked."""
+    from tests.torch import opinfo
+
+    x = torch.randn(5, dtype=D, generator=_gen())
+    negative = torch.tensor(-4.1, dtype=D)
+    jac, why = opinfo._reference(lambda x: negative**x, x, forward=True)
+    assert jac is None and why == "ill-posed: the op is nan at the sample"
+    got = jacobian(lambda x: negative**x, batch_axis=None, mode="sparse")(x)
+    assert got.diagonal().isnan().all() and not got.fill_diagonal_(0.0).any()
+    positive = torch.tensor(4.1, dtype=D)
+    _check(lambda x: positive**x, x)

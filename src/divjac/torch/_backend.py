@@ -110,7 +110,9 @@ class _Passes(Linear):
                     t = seed(c)
                     return finish(c, t, vjp_fn(tangent(t))[0])
 
-                if traced.forward_less and n_passes:  # one by one, as _Tape says why
+                if not n_passes:
+                    return _no_passes(pull, inputs)
+                if traced.forward_less:  # one by one, as _Tape says why
                     return torch.stack([pull(c) for c in inputs])
                 chunk_size = None if chunk >= n_passes else chunk
                 return torch.func.vmap(pull, chunk_size=chunk_size)(inputs)
@@ -132,7 +134,11 @@ class _Passes(Linear):
             for lo in range(0, max(n_passes, 1), chunk):  # no pass: one empty chunk (the value)
                 if self._rng is not None:
                     self._rng.rewind()
-                y, part = pushes(inputs[lo : lo + chunk])
+                if n_passes:
+                    y, part = pushes(inputs[lo : lo + chunk])
+                else:
+                    y, one = push(inputs.new_zeros(inputs.shape[1:]))
+                    part = one[None][:0]
                 parts.append(part)
             self._keep(y, aux_of(auxes[0]) if aux_of is not None else None)
             return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -239,13 +245,22 @@ class _Tape(Linear):
             for lo in range(0, max(n_passes, 1), chunk):  # no pass: one empty chunk
                 cs = inputs if chunk >= n_passes else inputs[lo : lo + chunk]
                 count = int(cs.shape[0])
-                if count > 0 and (count <= _ONE_BY_ONE or traced.forward_less):
+                if not count:
+                    parts.append(_no_passes(one, cs))
+                elif count <= _ONE_BY_ONE or traced.forward_less:
                     parts.extend(one(cs[i])[None] for i in range(count))
                 else:  # batched backward passes: torch.func's vmap over autograd
                     # (is_grads_batched's own vmap lacks batching rules for some backward
                     # kernels, GroupNorm's among them)
                     parts.append(torch.func.vmap(one)(cs))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _no_passes(pull: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
+    """The result of no passes (``inputs`` holds none): ``pull`` of a zero pass, sliced to none.
+    ``vmap`` over an empty batch fails in some kernels (``linalg.det``'s) and in reshapes the
+    function makes of an empty sample (``reshape(-1)``)."""
+    return pull(inputs.new_zeros(inputs.shape[1:]))[None][:0]
 
 
 def _on_graph(point: Point[Traced]) -> bool:
