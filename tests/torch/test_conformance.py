@@ -555,6 +555,8 @@ def test_passes_run_a_channels_last_layout_under_vmap(relayout):
     torch.testing.assert_close(
         divergence(f, batch_axis=None, mode="fwd")(x), want.reshape(24, 24).trace()
     )
+
+
 # --- operations without forward derivative: decomposed, custom, batched backward ---------------
 
 
@@ -587,9 +589,10 @@ def _chunked_cross_entropy(reduction):
 
 @pytest.mark.filterwarnings("ignore::divjac.DenseFallbackWarning")
 def test_a_custom_op_without_forward_derivative_pulls_rows_one_by_one():
-    """The chunked ``linear_cross_entropy`` (a ``torch.library`` custom operation) drops forward
-    tangents silently and its backward has no batching rule (vmap: in-place arithmetic escaped):
-    its rows are pulled one by one, and ``mode="fwd"`` names it."""
+    """The chunked ``linear_cross_entropy`` (a ``torch.library`` custom operation) has no
+    forward derivative (its autograd.Function no jvp: "forward mode AD" in torch's message) and
+    its backward no batching rule (vmap: in-place arithmetic escaped): its rows are pulled one
+    by one, and ``mode="fwd"`` names it."""
     f = _chunked_cross_entropy("none")
     x = torch.randn(8, 3, dtype=D, generator=_gen())
     _check(f, x)

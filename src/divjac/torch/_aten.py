@@ -157,7 +157,8 @@ def lacks_forward_derivative(node: Any, live: set[Any]) -> bool:
     (once per operation): it raises that forward AD is not supported, or it has a backward
     formula (an output with a ``grad_fn``) but gives none of its floating outputs a tangent
     (``scatter_reduce`` with ``reduce="prod"``, torch 2.13, drops it silently). An operation
-    that cannot run so (no meta kernel) counts as having one."""
+    that cannot run so (no meta kernel) counts as having one. ``node`` is a graph node or a
+    :class:`Decomposed` call."""
     import torch.autograd.forward_ad as fwAD
 
     target = node.target
@@ -189,8 +190,8 @@ def lacks_forward_derivative(node: Any, live: set[Any]) -> bool:
             missing = any(o.grad_fn is not None for o in out) and all(
                 fwAD.unpack_dual(o).tangent is None for o in out
             )
-        except NotImplementedError as err:
-            missing = "forward AD" in str(err)
+        except NotImplementedError as err:  # (an autograd.Function: "forward mode AD")
+            missing = "forward AD" in str(err) or "forward mode AD" in str(err)
         except Exception:
             pass
     _FORWARD[key] = not missing
