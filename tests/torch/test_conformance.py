@@ -653,3 +653,21 @@ def test_rpow_of_a_negative_base_is_ill_posed_at_the_sample():
     assert got.diagonal().isnan().all() and not got.fill_diagonal_(0.0).any()
     positive = torch.tensor(4.1, dtype=D)
     _check(lambda x: positive**x, x)
+
+
+@pytest.mark.filterwarnings("ignore::divjac.DenseFallbackWarning")
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_a_sparse_intermediate_pulls_rows_one_by_one():
+    """``to_sparse`` (and ``to_dense`` of its result) have no forward derivative, and the
+    backward of a sparse intermediate cannot run under vmap ("Could not run 'aten::view' with
+    arguments from the 'SparseCPU' backend" escaped jacobian and divergence): rows one by one."""
+
+    def f(x):
+        return x.to_sparse().to_dense().sin()
+
+    x = torch.randn(5, 5, dtype=D, generator=_gen())
+    _check(f, x, modes=("auto", "sparse", "rev"))
+    want = torch.autograd.functional.jacobian(f, x).reshape(25, 25).trace()
+    torch.testing.assert_close(divergence(f, batch_axis=None)(x), want)
+    with pytest.raises(OptionError, match=r"aten\._to_sparse"):
+        jacobian(f, batch_axis=None, mode="fwd")(x)
