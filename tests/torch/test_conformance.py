@@ -210,8 +210,6 @@ def test_opinfo_samples(op_db, name):
 # any new defect is seen (a strict xfail per op).
 # Found by the partial sweep of 2026-12-02 (ops 0-276 and 410-; the rest not yet run).
 KNOWN_DEFECTS: dict[str, str] = {
-    "nn.functional.linear_cross_entropy.chunked": "batched: wrong values (4.9e-01)",
-    "as_strided_scatter": "sparse: wrong values (1.0)",
     "ormqr": "hessian: no forward derivative of ormqr (NotImplementedError) escapes",
 }
 
@@ -671,3 +669,52 @@ def test_a_sparse_intermediate_pulls_rows_one_by_one():
     torch.testing.assert_close(divergence(f, batch_axis=None)(x), want)
     with pytest.raises(OptionError, match=r"aten\._to_sparse"):
         jacobian(f, batch_axis=None, mode="fwd")(x)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.parametrize("scenario", ["overwritten", "strided"])
+def test_as_strided_scatter_against_forward_passes_and_differences(scenario):
+    """torch 2.13's backward of ``as_strided_scatter`` passes the gradient of the elements
+    ``src`` overwrites and drops the others' (its forward derivative and finite differences
+    agree); it has no batching rule either. Its passes run it composed of a gather and a
+    ``where``: every mode equals plain forward passes, one per column."""
+    from tests.torch import opinfo
+
+    if scenario == "overwritten":  # the OpInfo sample: the whole input overwritten
+        x = torch.tensor([3.0], dtype=D)
+        src = torch.tensor(2.0, dtype=D)
+        view = ((), (), 0)
+    else:
+        x = torch.randn(7, dtype=D, generator=_gen())
+        src = torch.randn(3, dtype=D, generator=_gen(1))
+        view = ((3,), (2,), 1)
+
+    def f(x):
+        return torch.as_strided_scatter(x.sin(), src, *view)
+
+    want = opinfo._columns(f, x)
+    torch.testing.assert_close(want, opinfo._central_differences(f, x), rtol=1e-6, atol=1e-8)
+    assert not torch.allclose(torch.autograd.functional.jacobian(f, x), want)  # torch's rows
+    for mode in ("auto", "sparse", "rev", "fwd"):
+        torch.testing.assert_close(jacobian(f, batch_axis=None, mode=mode)(x), want)
+    pattern = sparsity(f, batch_axis=None)(x).csr.toarray().astype(bool)
+    assert not ((want.reshape(x.numel(), x.numel()) != 0).numpy() & ~pattern).any()
+    torch.testing.assert_close(divergence(f, batch_axis=None)(x), want.trace())
+    torch.testing.assert_close(opinfo._reference(f, x, forward=True)[0], want)
+
+
+@pytest.mark.filterwarnings("ignore::divjac.DenseFallbackWarning")
+def test_a_custom_op_that_drops_the_gradient_under_vmap_is_refused():
+    """Under ``torch.func.vmap`` batched tensors report ``requires_grad=False``: the chunked
+    ``linear_cross_entropy`` (mean) then computes no input gradient, so torch's own Jacobian of
+    ``vmap(f)`` is zero (divjac's was too, silently: 4.9e-01 off). divjac refuses, naming the
+    op; ``f`` itself (no vmap) is right."""
+    f = _chunked_cross_entropy("mean")
+    x = torch.randn(8, 3, dtype=D, generator=_gen())
+    xb = torch.stack([x, 1.1 * x])
+    want = torch.stack([torch.autograd.functional.jacobian(f, s) for s in xb])
+    wrong = torch.autograd.functional.jacobian(torch.func.vmap(f), xb)
+    assert not wrong.any() and want.any()  # torch's own
+    with pytest.raises(OptionError, match=r"_linear_cross_entropy_batch_chunked"):
+        jacobian(torch.func.vmap(f))(xb)
+    _check(f, x)

@@ -193,6 +193,25 @@ class Traced(detection.Traced):
         )
 
     @functools.cached_property
+    def custom_ops(self) -> frozenset[str]:
+        """The ``torch.library`` custom operations (outside ATen) on the path from the
+        differentiated input."""
+        return self._on_path(
+            lambda target: (
+                isinstance(target, torch._ops.OpOverload)
+                and target.namespace not in ("aten", "prims")
+            )
+        )
+
+    @functools.cached_property
+    def scatters_strided(self) -> bool:
+        """Whether the graph has ``as_strided_scatter`` (whose backward is wrong, torch 2.13)."""
+        return any(
+            node.op == "call_function" and node.target is torch.ops.aten.as_strided_scatter.default
+            for node in self.gm.graph.nodes
+        )
+
+    @functools.cached_property
     def lays_out(self) -> bool:
         """Whether the graph asks for a memory format other than the contiguous one
         (``channels_last``), which ``vmap`` cannot give the tensors it batches (torch 2.13)."""
