@@ -716,6 +716,7 @@ def _check_compilable(traced: Traced) -> None:
     method of the trace)."""
     _ddp.check_synchronized(traced.modules())
     _differentiable_kernels(traced)
+    _ = traced.forward_less  # (reverse passes read it: rows one by one)
     if traced.draws_random:
         what = "draws random numbers (dropout in training mode, randn)"
     elif traced.batch_norms:
