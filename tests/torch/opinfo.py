@@ -14,8 +14,10 @@ floating outputs concatenated when there are several), checked against ``torch.f
   ``w``) equal the diagonal and trace of ``torch.func.hessian(u)``.
 
 A check is skipped, with the reason recorded, where the reference cannot be had: the op draws
-random numbers, ``jacrev`` fails, or ``jacrev`` and ``jacfwd`` disagree (the op is ill-posed at
-the sample, as ``max_unpool`` with repeated indices). A divjac error is a refusal (its class and
+random numbers, ``jacrev`` fails, ``jacrev`` and ``jacfwd`` disagree (the op is ill-posed at
+the sample, as ``max_unpool`` with repeated indices; unless finite differences side with one of
+them: ``as_strided_scatter``'s backward is wrong), or the op is nan at the sample (``__rpow__``
+of a negative base: its derivative is undefined). A divjac error is a refusal (its class and
 message are recorded); any other exception escaping divjac is a crash, a defect.
 
 :func:`render` writes the coverage table of ``docs/conformance-torch.md``; the slow test of
@@ -205,14 +207,52 @@ def _quiet(compute: Callable[[], Any]) -> Any:
 def _reference(f: Callable[..., Any], x: torch.Tensor, forward: bool) -> tuple[Any, str]:
     """The Jacobian of ``f`` at ``x`` by plain backward passes, one per row (``jacrev``'s
     ``vmap`` of some backward kernels is wrong: ``cdist`` in torch 2.13), or why it cannot
-    serve (it fails, or ``jacfwd`` disagrees)."""
+    serve (it fails, ``jacfwd`` disagrees, or the op is nan at the sample: its derivative is
+    undefined there, and the nan of every backward pass spreads over its whole row, as
+    ``0 * nan``, where the entry is structurally zero). Where ``jacfwd`` cannot ``vmap`` the
+    op, plain forward passes, one per column, check the rows; where they disagree, the one
+    that central differences confirm is the reference."""
     rev = _quiet(lambda: torch.autograd.functional.jacobian(f, x))
     if rev is None:
         return None, "jacrev fails"
+    if rev.isnan().any() and f(x).isnan().any():
+        return None, "ill-posed: the op is nan at the sample"
     fwd = _quiet(lambda: torch.func.jacfwd(f)(x)) if forward else None
     if fwd is not None and not _close(fwd, rev, rtol=1e-5):
         return None, "ill-posed: jacrev and jacfwd disagree"
+    if forward and fwd is None:  # no batching rule (as_strided_scatter): columns one by one
+        fwd = _quiet(lambda: _columns(f, x))
+        if fwd is not None and not _close(fwd, rev, rtol=1e-5):
+            # torch's reverse or forward derivative is wrong: the one finite differences
+            # confirm (as_strided_scatter's backward, torch 2.13), else the op is ill-posed
+            fd = _quiet(lambda: _central_differences(f, x))
+            for ref in (fwd, rev):
+                if fd is not None and _close(ref, fd, rtol=1e-5):
+                    return ref, ""
+            return None, "ill-posed: jacrev and jacfwd disagree"
     return rev, ""
+
+
+def _basis(x: torch.Tensor) -> torch.Tensor:
+    return torch.eye(x.numel(), dtype=x.dtype).reshape(x.numel(), *x.shape)
+
+
+def _stacked_columns(columns: list[torch.Tensor], y: torch.Tensor, x: torch.Tensor) -> Any:
+    """The Jacobian (``jacrev``'s shape) of its columns, one per element of ``x``."""
+    return torch.stack(columns, -1).reshape(*y.shape, *x.shape)
+
+
+def _columns(f: Callable[..., Any], x: torch.Tensor) -> Any:
+    """The Jacobian of ``f`` at ``x`` by plain forward passes, one per column."""
+    y = f(x)
+    return _stacked_columns([torch.func.jvp(f, (x,), (e,))[1] for e in _basis(x)], y, x)
+
+
+def _central_differences(f: Callable[..., Any], x: torch.Tensor, eps: float = 1e-6) -> Any:
+    y = f(x)
+    return _stacked_columns(
+        [(f(x + eps * e) - f(x - eps * e)) / (2 * eps) for e in _basis(x)], y, x
+    )
 
 
 def sweep_sample(op: Any, sample: Any, result: Result, seed: int) -> None:

@@ -152,13 +152,10 @@ def test_cdist_refuses_forward_passes():
         jacobian(lambda x: torch.cdist(x, other), batch_axis=None, mode="fwd")(x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch 2.13: cdist's backward under vmap is wrong (jacrev is too); divjac's rows "
-    "are batched VJPs",
-)
 @pytest.mark.parametrize("mode", ["auto", "sparse"])
 def test_cdist_jacobian(mode):
+    """torch 2.13: cdist's backward under vmap is wrong (jacrev is too): the rows of a graph
+    with an operation without forward derivative are pulled one by one."""
     other = torch.randn(9, 2, dtype=D, generator=_gen(1))
     _check(lambda x: torch.cdist(x, other), torch.randn(6, 2, dtype=D, generator=_gen()), (mode,))
 
@@ -213,12 +210,7 @@ def test_opinfo_samples(op_db, name):
 # any new defect is seen (a strict xfail per op).
 # Found by the partial sweep of 2026-12-02 (ops 0-276 and 410-; the rest not yet run).
 KNOWN_DEFECTS: dict[str, str] = {
-    "nn.functional.linear_cross_entropy.chunked": "batched: wrong values (4.9e-01)",
-    "nn.functional.linear_cross_entropy.chunked_none": "jacobian: vmap in-place arithmetic (RuntimeError) escapes",
-    "as_strided_scatter": "sparse: wrong values (1.0)",
-    "grid_sampler_2d": "jacobian: no forward derivative (NotImplementedError) escapes",
     "ormqr": "hessian: no forward derivative of ormqr (NotImplementedError) escapes",
-    "__rpow__": "sparse: nan where jacrev is finite",
 }
 
 
@@ -561,3 +553,168 @@ def test_passes_run_a_channels_last_layout_under_vmap(relayout):
     torch.testing.assert_close(
         divergence(f, batch_axis=None, mode="fwd")(x), want.reshape(24, 24).trace()
     )
+
+
+# --- operations without forward derivative: decomposed, custom, batched backward ---------------
+
+
+def test_a_decomposed_op_without_forward_derivative_pushes_rows():
+    """``grid_sampler_2d`` is decomposed by the trace (its graph has no node of it) and has no
+    forward derivative: auto and sparse crashed (NotImplementedError) pushing columns; they
+    pull rows, and ``mode="fwd"`` names the op."""
+    grid = torch.rand(2, 5, 4, 2, dtype=D, generator=_gen(1)) * 2 - 1
+
+    def f(x):
+        return torch.grid_sampler_2d(x, grid, 0, 0, False)
+
+    _check(f, torch.randn(2, 3, 5, 6, dtype=D, generator=_gen()))
+    with pytest.raises(OptionError, match=r"aten\.grid_sampler_2d"):
+        jacobian(f, batch_axis=None, mode="fwd")(torch.randn(2, 3, 5, 6, dtype=D))
+
+
+def _chunked_cross_entropy(reduction):
+    weight = torch.randn(4, 3, dtype=D, generator=_gen(1))
+    target = torch.tensor([0, 3, 1, 2, 2, 0, 1, 3])
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2)
+
+    def f(x):
+        return torch.nn.functional.linear_cross_entropy(
+            x, weight, target, reduction=reduction, options=options
+        )
+
+    return f
+
+
+@pytest.mark.filterwarnings("ignore::divjac.DenseFallbackWarning")
+def test_a_custom_op_without_forward_derivative_pulls_rows_one_by_one():
+    """The chunked ``linear_cross_entropy`` (a ``torch.library`` custom operation) has no
+    forward derivative (its autograd.Function no jvp: "forward mode AD" in torch's message) and
+    its backward no batching rule (vmap: in-place arithmetic escaped): its rows are pulled one
+    by one, and ``mode="fwd"`` names it."""
+    f = _chunked_cross_entropy("none")
+    x = torch.randn(8, 3, dtype=D, generator=_gen())
+    _check(f, x)
+    with pytest.raises(OptionError, match=r"_linear_cross_entropy_batch_chunked_no_reduction"):
+        jacobian(f, batch_axis=None, mode="fwd")(x)
+
+
+def test_cdist_rows_under_inference_mode():
+    """The torch.func passes (inference mode) pull cdist's rows one by one too."""
+    other = torch.randn(9, 2, dtype=D, generator=_gen(1))
+    x = torch.randn(6, 2, dtype=D, generator=_gen())
+
+    def f(x):
+        return torch.cdist(x, other)
+
+    want = torch.autograd.functional.jacobian(f, x)
+    with torch.inference_mode():
+        got = jacobian(f, batch_axis=None)(x)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def _slogdet_flat(x):
+    return torch.cat([t.reshape(-1) for t in torch.linalg.slogdet(x)])
+
+
+@pytest.mark.parametrize(
+    "scenario", ["det", "vecdot", "slogdet_reshaped"], ids=["det", "vecdot", "slogdet_reshaped"]
+)
+def test_an_empty_sample_runs_no_vmap_over_no_passes(scenario):
+    """An empty sample needs no pass: ``vmap`` over none crashed in ``linalg.det``'s kernel
+    (IndexError) and in the function's ``reshape(-1)`` of an empty value (RuntimeError)."""
+    empty = torch.zeros(0, dtype=D)
+    f, x = {
+        "det": (torch.linalg.det, torch.zeros(0, 0, dtype=D)),
+        "vecdot": (lambda x: torch.linalg.vecdot(x, empty), empty),
+        "slogdet_reshaped": (_slogdet_flat, torch.zeros(0, 0, dtype=D)),
+    }[scenario]
+    want = torch.autograd.functional.jacobian(f, x)
+    for mode in ("auto", "sparse", "fwd", "rev"):
+        torch.testing.assert_close(jacobian(f, batch_axis=None, mode=mode)(x), want)
+    assert sparsity(f, batch_axis=None)(x).csr.shape == (f(x).numel(), 0)
+    xb = torch.stack([x, x])
+    got = jacobian(torch.func.vmap(f))(xb)
+    torch.testing.assert_close(got, torch.stack([want, want]))
+
+
+def test_rpow_of_a_negative_base_is_ill_posed_at_the_sample():
+    """``__rpow__`` of a negative 0-d base is nan: every backward (and forward) pass spreads
+    its nan over the whole row (``0 * nan``), where divjac's sparse passes keep the structural
+    zeros. The sweep classifies such samples as ill-posed; a positive base is checked."""
+    from tests.torch import opinfo
+
+    x = torch.randn(5, dtype=D, generator=_gen())
+    negative = torch.tensor(-4.1, dtype=D)
+    jac, why = opinfo._reference(lambda x: negative**x, x, forward=True)
+    assert jac is None and why == "ill-posed: the op is nan at the sample"
+    got = jacobian(lambda x: negative**x, batch_axis=None, mode="sparse")(x)
+    assert got.diagonal().isnan().all() and not got.fill_diagonal_(0.0).any()
+    positive = torch.tensor(4.1, dtype=D)
+    _check(lambda x: positive**x, x)
+
+
+@pytest.mark.filterwarnings("ignore::divjac.DenseFallbackWarning")
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_a_sparse_intermediate_pulls_rows_one_by_one():
+    """``to_sparse`` (and ``to_dense`` of its result) have no forward derivative, and the
+    backward of a sparse intermediate cannot run under vmap ("Could not run 'aten::view' with
+    arguments from the 'SparseCPU' backend" escaped jacobian and divergence): rows one by one."""
+
+    def f(x):
+        return x.to_sparse().to_dense().sin()
+
+    x = torch.randn(5, 5, dtype=D, generator=_gen())
+    _check(f, x, modes=("auto", "sparse", "rev"))
+    want = torch.autograd.functional.jacobian(f, x).reshape(25, 25).trace()
+    torch.testing.assert_close(divergence(f, batch_axis=None)(x), want)
+    with pytest.raises(OptionError, match=r"aten\._to_sparse"):
+        jacobian(f, batch_axis=None, mode="fwd")(x)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.parametrize("scenario", ["overwritten", "strided"])
+def test_as_strided_scatter_against_forward_passes_and_differences(scenario):
+    """torch 2.13's backward of ``as_strided_scatter`` passes the gradient of the elements
+    ``src`` overwrites and drops the others' (its forward derivative and finite differences
+    agree); it has no batching rule either. Its passes run it composed of a gather and a
+    ``where``: every mode equals plain forward passes, one per column."""
+    from tests.torch import opinfo
+
+    if scenario == "overwritten":  # the OpInfo sample: the whole input overwritten
+        x = torch.tensor([3.0], dtype=D)
+        src = torch.tensor(2.0, dtype=D)
+        view = ((), (), 0)
+    else:
+        x = torch.randn(7, dtype=D, generator=_gen())
+        src = torch.randn(3, dtype=D, generator=_gen(1))
+        view = ((3,), (2,), 1)
+
+    def f(x):
+        return torch.as_strided_scatter(x.sin(), src, *view)
+
+    want = opinfo._columns(f, x)
+    torch.testing.assert_close(want, opinfo._central_differences(f, x), rtol=1e-6, atol=1e-8)
+    assert not torch.allclose(torch.autograd.functional.jacobian(f, x), want)  # torch's rows
+    for mode in ("auto", "sparse", "rev", "fwd"):
+        torch.testing.assert_close(jacobian(f, batch_axis=None, mode=mode)(x), want)
+    pattern = sparsity(f, batch_axis=None)(x).csr.toarray().astype(bool)
+    assert not ((want.reshape(x.numel(), x.numel()) != 0).numpy() & ~pattern).any()
+    torch.testing.assert_close(divergence(f, batch_axis=None)(x), want.trace())
+    torch.testing.assert_close(opinfo._reference(f, x, forward=True)[0], want)
+
+
+@pytest.mark.filterwarnings("ignore::divjac.DenseFallbackWarning")
+def test_a_custom_op_that_drops_the_gradient_under_vmap_is_refused():
+    """Under ``torch.func.vmap`` batched tensors report ``requires_grad=False``: the chunked
+    ``linear_cross_entropy`` (mean) then computes no input gradient, so torch's own Jacobian of
+    ``vmap(f)`` is zero (divjac's was too, silently: 4.9e-01 off). divjac refuses, naming the
+    op; ``f`` itself (no vmap) is right."""
+    f = _chunked_cross_entropy("mean")
+    x = torch.randn(8, 3, dtype=D, generator=_gen())
+    xb = torch.stack([x, 1.1 * x])
+    want = torch.stack([torch.autograd.functional.jacobian(f, s) for s in xb])
+    wrong = torch.autograd.functional.jacobian(torch.func.vmap(f), xb)
+    assert not wrong.any() and want.any()  # torch's own
+    with pytest.raises(OptionError, match=r"_linear_cross_entropy_batch_chunked"):
+        jacobian(torch.func.vmap(f))(xb)
+    _check(f, x)

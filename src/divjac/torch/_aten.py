@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 __all__ = [
+    "Decomposed",
     "bind",
     "dim",
     "dims",
@@ -127,6 +129,23 @@ def host(value: Any) -> np.ndarray | None:
     return value.detach().cpu().resolve_conj().resolve_neg().numpy()
 
 
+@dataclass(frozen=True)
+class Decomposed:
+    """A call of an operation that the trace decomposed (its graph has the decomposition's
+    nodes in its place), as a graph node reads: its arguments are graph nodes where they are
+    traced tensors; ``meta["val"]`` holds its fake outputs."""
+
+    target: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def all_input_nodes(self) -> list[torch.fx.Node]:
+        found = pytree.tree_leaves((self.args, self.kwargs))
+        return list(dict.fromkeys(a for a in found if isinstance(a, torch.fx.Node)))
+
+
 # Per ATen operation: whether PyTorch has a forward derivative for it (probed once).
 _FORWARD: dict[Any, bool] = {}
 
@@ -138,7 +157,8 @@ def lacks_forward_derivative(node: Any, live: set[Any]) -> bool:
     (once per operation): it raises that forward AD is not supported, or it has a backward
     formula (an output with a ``grad_fn``) but gives none of its floating outputs a tangent
     (``scatter_reduce`` with ``reduce="prod"``, torch 2.13, drops it silently). An operation
-    that cannot run so (no meta kernel) counts as having one."""
+    that cannot run so (no meta kernel) counts as having one. ``node`` is a graph node or a
+    :class:`Decomposed` call."""
     import torch.autograd.forward_ad as fwAD
 
     target = node.target
@@ -170,8 +190,8 @@ def lacks_forward_derivative(node: Any, live: set[Any]) -> bool:
             missing = any(o.grad_fn is not None for o in out) and all(
                 fwAD.unpack_dual(o).tangent is None for o in out
             )
-        except NotImplementedError as err:
-            missing = "forward AD" in str(err)
+        except NotImplementedError as err:  # (an autograd.Function: "forward mode AD")
+            missing = "forward AD" in str(err) or "forward mode AD" in str(err)
         except Exception:
             pass
     _FORWARD[key] = not missing

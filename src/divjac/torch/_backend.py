@@ -94,10 +94,10 @@ class _Passes(Linear):
         traced = self._traced
         # Under torch.compile no batch normalization runs (_check_compilable).
         quiet = contextlib.nullcontext() if _compiling() else traced.running_stats()
-        attention, fused, rnn, norms, layouts = _differentiable_kernels(
+        attention, fused, rnn, norms, layouts, scatters = _differentiable_kernels(
             traced, forward=not self._reverse
         )
-        with quiet, attention, fused, rnn, norms, layouts:
+        with quiet, attention, fused, rnn, norms, layouts, scatters:
             if self._reverse:
                 if self._vjp is None:
                     pulled: Any = torch.func.vjp(g, xb, has_aux=aux_of is not None)
@@ -110,6 +110,10 @@ class _Passes(Linear):
                     t = seed(c)
                     return finish(c, t, vjp_fn(tangent(t))[0])
 
+                if not n_passes:
+                    return _no_passes(pull, inputs)
+                if traced.forward_less:  # one by one, as _Tape says why
+                    return torch.stack([pull(c) for c in inputs])
                 chunk_size = None if chunk >= n_passes else chunk
                 return torch.func.vmap(pull, chunk_size=chunk_size)(inputs)
             auxes: list[Any] = []
@@ -130,7 +134,11 @@ class _Passes(Linear):
             for lo in range(0, max(n_passes, 1), chunk):  # no pass: one empty chunk (the value)
                 if self._rng is not None:
                     self._rng.rewind()
-                y, part = pushes(inputs[lo : lo + chunk])
+                if n_passes:
+                    y, part = pushes(inputs[lo : lo + chunk])
+                else:
+                    y, one = push(inputs.new_zeros(inputs.shape[1:]))
+                    part = one[None][:0]
                 parts.append(part)
             self._keep(y, aux_of(auxes[0]) if aux_of is not None else None)
             return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -158,7 +166,11 @@ class _Generators:
 class _Tape(Linear):
     """The VJP of the batch-first function on torch's autograd tape, as FFJORD's code does it:
     one forward pass, then ``torch.autograd.grad`` per chunk of cotangents (batched by
-    ``is_grads_batched``, or one by one for a few). Outside ``torch.func`` transforms this is
+    ``vmap``, or one by one for a few). Graphs with an operation that has no forward
+    derivative (``cdist``, a ``torch.library`` custom operation) pull every cotangent one by
+    one: the backward kernels of such operations are not composed of differentiable
+    operations, and their batching rules are wrong (``cdist``'s in torch 2.13) or missing (the
+    in-place arithmetic of the chunked ``linear_cross_entropy``'s backward). Outside ``torch.func`` transforms this is
     the fast way to pull rows: ``torch.func.vjp`` wraps every operation of the forward pass
     (about 2 ms per call on FFJORD's ODE function at B=256, against its 1.5 ms of compute).
 
@@ -209,8 +221,20 @@ class _Tape(Linear):
             retain_graph=True,
             create_graph=create,
             allow_unused=True,
-            materialize_grads=True,
         )
+        if pulled is None:  # no gradient reached x
+            if self._traced.custom_ops:
+                raise OptionError(
+                    "divjac: the function's output depends on its input through "
+                    f"{', '.join(sorted(self._traced.custom_ops))}, a torch.library custom "
+                    "operation, but torch's autograd gives the input no gradient through it. "
+                    "Its Python wrapper may have decided, under torch.func.vmap, that nothing "
+                    "requires grad (batched tensors report requires_grad=False; torch 2.13's "
+                    "chunked linear_cross_entropy computes no input gradient then): call it "
+                    "outside vmap (batch_axis instead), or use its reference path "
+                    "(linear_cross_entropy with options=None)."
+                )
+            return x.new_zeros(x.shape)
         return pulled
 
     def passes(
@@ -224,8 +248,8 @@ class _Tape(Linear):
 
         traced = self._traced
         parts: list[torch.Tensor] = []
-        attention, fused, rnn, norms, layouts = _differentiable_kernels(traced)
-        with traced.running_stats(), attention, fused, rnn, norms, layouts:
+        attention, fused, rnn, norms, layouts, scatters = _differentiable_kernels(traced)
+        with traced.running_stats(), attention, fused, rnn, norms, layouts, scatters:
             if self._tape is None:
                 self._tape = self._record()
             tape = self._tape
@@ -233,13 +257,22 @@ class _Tape(Linear):
             for lo in range(0, max(n_passes, 1), chunk):  # no pass: one empty chunk
                 cs = inputs if chunk >= n_passes else inputs[lo : lo + chunk]
                 count = int(cs.shape[0])
-                if 0 < count <= _ONE_BY_ONE:
+                if not count:
+                    parts.append(_no_passes(one, cs))
+                elif count <= _ONE_BY_ONE or traced.forward_less:
                     parts.extend(one(cs[i])[None] for i in range(count))
                 else:  # batched backward passes: torch.func's vmap over autograd
                     # (is_grads_batched's own vmap lacks batching rules for some backward
                     # kernels, GroupNorm's among them)
                     parts.append(torch.func.vmap(one)(cs))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _no_passes(pull: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
+    """The result of no passes (``inputs`` holds none): ``pull`` of a zero pass, sliced to none.
+    ``vmap`` over an empty batch fails in some kernels (``linalg.det``'s) and in reshapes the
+    function makes of an empty sample (``reshape(-1)``)."""
+    return pull(inputs.new_zeros(inputs.shape[1:]))[None][:0]
 
 
 def _on_graph(point: Point[Traced]) -> bool:
@@ -267,7 +300,8 @@ def _differentiable_kernels(
     math form (the fused CPU and CUDA kernels have no forward derivative, nor batching rules
     for their gradients) and without the fast paths of :class:`NoFastPaths`, recurrent layers
     without oneDNN and cuDNN (whose kernels have no forward derivative), the normalizations of
-    :class:`_ComposedNorms`, and the memory formats of :class:`PlainLayouts`. Only where the
+    :class:`_ComposedNorms`, the memory formats of :class:`PlainLayouts`, and the strided
+    scatters of :class:`_ComposedScatters`. Only where the
     graph has them (the contexts cost ~25 us). Separate contexts, entered in one ``with``
     statement (dynamo traces those, not an ``ExitStack``)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -281,7 +315,53 @@ def _differentiable_kernels(
         plain_kernels(cudnn=True) if traced.runs_rnn else contextlib.nullcontext(),
         _ComposedNorms(forward) if norms else contextlib.nullcontext(),
         PlainLayouts() if traced.lays_out else contextlib.nullcontext(),
+        _ComposedScatters() if traced.scatters_strided else contextlib.nullcontext(),
     )
+
+
+class _ComposedScatters(TorchFunctionMode):
+    """``as_strided_scatter`` composed of a gather and a ``where`` by storage positions, with
+    the same values (torch 2.13): torch's backward of it with respect to its input is wrong
+    (it passes the gradient of the elements ``src`` overwrites and drops that of the others),
+    and it has no batching rule, so neither rows nor columns could go through it."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _STRIDED_SCATTERS:
+            return _as_strided_scatter(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+_STRIDED_SCATTERS = frozenset({torch.as_strided_scatter, torch.Tensor.as_strided_scatter})
+
+
+def _as_strided_scatter(
+    input: torch.Tensor,
+    src: torch.Tensor,
+    size: Sequence[int],
+    stride: Sequence[int],
+    storage_offset: int | None = None,
+) -> torch.Tensor:
+    """``torch.as_strided_scatter``: the input's values, those at the storage positions of the
+    view ``(size, stride, storage_offset)`` replaced by ``src``'s, the output laid out as the
+    input (contiguous where its elements share memory, as torch's ``clone_preserve_strides``)."""
+    from ._taylor import _located, _positions  # (the second-order sweep's, shared)
+
+    out = _without_overlap(input)
+    offset = int(input.storage_offset() if storage_offset is None else storage_offset)
+    index, written = _located(
+        _positions(input, out.shape, out.stride(), int(out.storage_offset())),
+        _positions(input, size, stride, offset),
+    )
+    if not src.numel():
+        return input.clone()
+    return torch.where(written, src.reshape(-1)[index], input)
 
 
 class PlainLayouts(TorchFunctionMode):
@@ -636,6 +716,7 @@ def _check_compilable(traced: Traced) -> None:
     method of the trace)."""
     _ddp.check_synchronized(traced.modules())
     _differentiable_kernels(traced)
+    _ = traced.forward_less  # (reverse passes read it: rows one by one)
     if traced.draws_random:
         what = "draws random numbers (dropout in training mode, randn)"
     elif traced.batch_norms:

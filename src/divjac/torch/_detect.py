@@ -51,7 +51,12 @@ from torch.utils import _pytree as pytree
 from .._core import detection, rules as D
 from .._core.detection import LRU, EntryLimit, Propagated
 from .._errors import DivjacError, RetraceWarning, StateUpdateError
-from ._aten import forward_derivative_inexact, forward_derivative_wrong, lacks_forward_derivative
+from ._aten import (
+    Decomposed,
+    forward_derivative_inexact,
+    forward_derivative_wrong,
+    lacks_forward_derivative,
+)
 from ._branches import (
     MAX_BRANCHES as _MAX_BRANCHES,  # noqa: F401 (tests read it here)
     Branches,
@@ -188,6 +193,25 @@ class Traced(detection.Traced):
         )
 
     @functools.cached_property
+    def custom_ops(self) -> frozenset[str]:
+        """The ``torch.library`` custom operations (outside ATen) on the path from the
+        differentiated input."""
+        return self._on_path(
+            lambda target: (
+                isinstance(target, torch._ops.OpOverload)
+                and target.namespace not in ("aten", "prims")
+            )
+        )
+
+    @functools.cached_property
+    def scatters_strided(self) -> bool:
+        """Whether the graph has ``as_strided_scatter`` (whose backward is wrong, torch 2.13)."""
+        return any(
+            node.op == "call_function" and node.target is torch.ops.aten.as_strided_scatter.default
+            for node in self.gm.graph.nodes
+        )
+
+    @functools.cached_property
     def lays_out(self) -> bool:
         """Whether the graph asks for a memory format other than the contiguous one
         (``channels_last``), which ``vmap`` cannot give the tensors it batches (torch 2.13)."""
@@ -246,6 +270,11 @@ class Traced(detection.Traced):
                 live.add(node)
                 if lacks_forward_derivative(node, live):
                     missing.add(str(node.target))
+        for call in self.gm.meta.get(DECOMPOSED, ()):  # the decomposed ones (grid_sampler_2d)
+            if any(a in live for a in call.all_input_nodes) and lacks_forward_derivative(
+                call, live
+            ):
+                missing.add(str(call.target))
         return frozenset(missing)
 
     @functools.cached_property
@@ -745,19 +774,26 @@ def _functional_trace(
     evaluations never update the caller's tensors)."""
     from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
 
+    calls: list[Decomposed] = []
+
     def traced(f: Callable[..., Any], functional: bool) -> Callable[..., torch.fx.GraphModule]:
+        calls.clear()
         return make_fx(
             dispatch_functionalize(f, FunctionalTensorMode(_allow_token_discovery=True))
             if functional
             else f,
             tracing_mode=mode,
-            decomposition_table=decompositions(),
+            decomposition_table={
+                op: _recorded(op, fn, calls) for op, fn in decompositions().items()
+            },
             _allow_non_fake_inputs=True,
             _error_on_data_dependent_ops=False,
         )
 
     try:
-        return traced(fn, True)(*inputs)
+        gm = traced(fn, True)(*inputs)
+        gm.meta[DECOMPOSED] = tuple(calls)
+        return gm
     except RuntimeError as err:
         if "mutating a non-functional tensor with a functional tensor" not in str(err):
             raise
@@ -797,4 +833,33 @@ def _functional_trace(
             node.replace_all_uses_with(const)
             gm.graph.erase_node(node)
     gm.recompile()
+    gm.meta[DECOMPOSED] = tuple(calls)
     return gm
+
+
+DECOMPOSED = "divjac_decomposed"
+"""The key of a traced graph's ``meta`` to the :class:`Decomposed` calls of its trace."""
+
+
+def _recorded(op: Any, fn: Callable[..., Any], calls: list[Decomposed]) -> Callable[..., Any]:
+    """The decomposition ``fn`` of ``op``, recording each call into ``calls`` with the graph
+    nodes of its traced arguments (what :attr:`Traced.forward_less` probes: the graph keeps
+    no node of a decomposed operation)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        mode = get_proxy_mode()
+        if mode is not None:
+
+            def node(a: Any) -> Any:
+                if not isinstance(a, torch.Tensor):
+                    return a
+                slot = get_proxy_slot(a, mode.tracer, None)
+                return a if slot is None else slot.proxy.node
+
+            nodes, named = pytree.tree_map(node, (args, kwargs))
+            calls.append(Decomposed(op, tuple(nodes), dict(named), {"val": out}))
+        return out
+
+    return run
