@@ -813,7 +813,7 @@ def _diagonal_values(
     colors = planned.colors
     # The sweep pushes forward derivatives: where an operation lacks them, Hessian rows.
     sweep = colors is None and not planned.coupled
-    if sweep and not backend.ahead(Call.columns_possible, call, "auto"):
+    if sweep and n and not backend.ahead(Call.columns_possible, call, "auto"):
         colors = np.arange(n)
     if colors is not None:
         n_colors = int(colors.max()) + 1

@@ -183,6 +183,7 @@ FAST = [
     "nn.functional.batch_norm",
     "native_batch_norm",
     "native_layer_norm",
+    "native_group_norm",
     "bernoulli",
     "cdist",
 ]
@@ -718,3 +719,32 @@ def test_a_custom_op_that_drops_the_gradient_under_vmap_is_refused():
     with pytest.raises(OptionError, match=r"_linear_cross_entropy_batch_chunked"):
         jacobian(torch.func.vmap(f))(xb)
     _check(f, x)
+
+
+# --- regressions found by the full sweep of 2026-12-02 ---------------------------------------------
+
+
+def test_second_order_through_an_in_place_zero_of_an_intermediate():
+    """Forward AD of ``zero_`` writes into its tangent: the sweep's tangents must not be tensors
+    the transform captured (torch.func raised 'mutate a captured Tensor')."""
+    from divjac.torch import hessian_diagonal, laplacian
+
+    def u(x):
+        return ((x * x).zero_() + x.sin() * x).sum()
+
+    x = torch.randn(3, 2, dtype=D, generator=_gen())
+    want = torch.autograd.functional.hessian(u, x).reshape(6, 6).diagonal().reshape(3, 2)
+    torch.testing.assert_close(hessian_diagonal(u, batch_axis=None)(x), want)
+    torch.testing.assert_close(laplacian(u, batch_axis=None)(x), want.sum())
+
+
+def test_hessian_diagonal_of_an_empty_sample_through_circular_padding():
+    """An op without forward passes on an empty sample: no colours to count (``max`` of none)."""
+    from divjac.torch import hessian_diagonal, laplacian
+
+    def u(x):
+        return torch.nn.functional.pad(x, (1, 2), mode="circular").sin().sum()
+
+    x = torch.randn(0, 3, 3, dtype=D)
+    assert hessian_diagonal(u, batch_axis=None)(x).shape == (0, 3, 3)
+    assert float(laplacian(u, batch_axis=None)(x)) == 0.0

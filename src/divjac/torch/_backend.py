@@ -477,13 +477,16 @@ _NORM_KERNEL = re.compile(
 
 def composed_norm(target: Any) -> Callable[..., Any] | None:
     """A normalization kernel composed of torch's own decomposition, its differentiability
-    kept: only the normalized value is differentiable (the saved statistics and running
-    statistics it also returns are not, for torch's autograd); ``None``: not such a kernel."""
+    kept: for torch's autograd only the normalized value of a layer, batch or RMS
+    normalization is differentiable (the saved and running statistics it also returns are
+    not), while a group normalization's mean and inverse deviation are (torch 2.13's
+    derivatives); ``None``: not such a kernel."""
     from torch._decomp import decomposition_table
 
-    decomposed = decomposition_table.get(target) if _NORM_KERNEL.fullmatch(packet(target)) else None
-    if decomposed is None:
-        return None
+    name = packet(target)
+    decomposed = decomposition_table.get(target) if _NORM_KERNEL.fullmatch(name) else None
+    if decomposed is None or name == "native_group_norm":
+        return decomposed
 
     def composed(*args: Any, **kwargs: Any) -> Any:
         out = decomposed(*args, **kwargs)

@@ -1071,8 +1071,10 @@ def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[
 
         def taylor(*t: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
             # J t, and its derivative along t with t itself held constant (not a tangent of
-            # zero: where the derivative of J is infinite, a zero times it would be nan).
-            return jvp(lambda *p: lin(*p, *t), primals, t)  # type: ignore[return-value]
+            # zero: where the derivative of J is infinite, a zero times it would be nan). The
+            # tangents are copies made inside: forward AD of an in-place operation (zero_)
+            # writes into its tangent, which must not be a tensor the transform captured.
+            return jvp(lambda *p: lin(*p, *(ti.clone() for ti in t)), primals, t)  # type: ignore[return-value]
 
         d1, curv = vmap(taylor)(*firsts)
         d2 = tuple(sw.weighted(c) for c in curv)
