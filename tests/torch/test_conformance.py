@@ -208,11 +208,8 @@ def test_opinfo_samples(op_db, name):
 
 # The ops the sweep still finds a defect in (a wrong value, a missed nonzero, a crash), with
 # why: the test fails when this set differs from the sweep's, so a fix must remove its op and
-# any new defect is seen (a strict xfail per op).
-# Found by the partial sweep of 2026-12-02 (ops 0-276 and 410-; the rest not yet run).
-KNOWN_DEFECTS: dict[str, str] = {
-    "ormqr": "hessian: no forward derivative of ormqr (NotImplementedError) escapes",
-}
+# any new defect is seen (a strict xfail per op). None since the full sweep of 2026-12-02.
+KNOWN_DEFECTS: dict[str, str] = {}
 
 
 @pytest.mark.slow
