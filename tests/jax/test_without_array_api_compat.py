@@ -30,8 +30,8 @@ SCRIPT = textwrap.dedent(
     for method, num_probes, matrix, exact in [
         ("hutchinson", 6, a, False),  # fewer than n: an estimate with its stderr
         ("hutch++", 6, low_rank, True),  # a sketch of 2 columns spans the rank-1 range
-        ("xtrace", 4, low_rank, True),  # each leave-one-out basis has 1 column: exact
-        ("xtrace", 4, a, False),
+        ("xtrace", 6, low_rank, True),  # each leave-one-out basis has 2 columns: exact
+        ("xtrace", 6, a, False),  # 6 matvecs: the least that gives a stderr
     ]:
         div = dj.divergence(
             lambda x, m=matrix: x @ m.T, method=method, num_probes=num_probes, return_stderr=True
