@@ -47,7 +47,8 @@ pytest: install
 test: lint typecheck pytest
 
 # The op sweeps of the conformance matrix (every differentiable float64 OpInfo op of PyTorch,
-# every JAX primitive case), with their coverage tables in docs/: in CI (about 10 minutes).
+# every JAX primitive case), with their coverage tables in docs/ (about 10 minutes). Not in CI
+# yet: its first CI run found two defects (fixed since) and was not re-run (CHANGELOG).
 test-conformance: install
 	$(BIN)/python -m pytest -n 2 -m slow tests/torch/test_conformance.py tests/jax/test_conformance.py
 

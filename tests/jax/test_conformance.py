@@ -553,3 +553,17 @@ def test_coverage_doc_is_current():
     assert DOC.exists() and DOC.read_text() == text, (
         "docs/conformance-jax.md is stale: rerun with DIVJAC_UPDATE_DOCS=1"
     )
+
+
+def test_sparse_jacobian_of_a_piecewise_constant_function_is_zero():
+    """No nonzero in the pattern (``sign``, ``floor``): the dense Jacobian is all zeros (the
+    scatter of no values failed to broadcast)."""
+    import jax
+    import jax.numpy as jnp
+
+    from divjac.jax import jacobian
+
+    x = jax.random.normal(jax.random.key(0), (2, 4), jnp.float64)
+    for fn in (jnp.sign, jnp.floor):
+        got = jacobian(fn, mode="sparse")(x)
+        np.testing.assert_array_equal(got, np.zeros((2, 4, 4)))

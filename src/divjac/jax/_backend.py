@@ -279,6 +279,8 @@ class JaxBackend(Backend[Traced]):
     ) -> jax.Array:
         """One scatter at the sorted, unique flat positions ``rows * n_in + cols``."""
         batch, n_out, n_in = shape
+        if values.shape[1] == 0:  # no nonzero (a piecewise constant function): no scatter
+            return jnp.zeros(shape, values.dtype)
         flat = (rows * n_in + cols).astype(_index_dtype((n_out * n_in,)))
         dnums = lax.ScatterDimensionNumbers(
             update_window_dims=(0,), inserted_window_dims=(1,), scatter_dims_to_operand_dims=(1,)
