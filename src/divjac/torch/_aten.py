@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,9 +23,11 @@ __all__ = [
     "inexact",
     "is_tensor",
     "lacks_forward_derivative",
+    "located",
     "outputs",
     "packet",
     "shape",
+    "storage_positions",
 ]
 
 
@@ -196,3 +199,28 @@ def lacks_forward_derivative(node: Any, live: set[Any]) -> bool:
             pass
     _FORWARD[key] = not missing
     return missing
+
+
+def storage_positions(
+    t: torch.Tensor, size: Sequence[int], stride: Sequence[int], offset: int
+) -> torch.Tensor:
+    """The storage position of every element of the view ``(size, stride, offset)`` (shaped
+    ``size``)."""
+    pos = torch.tensor(offset, device=t.device)
+    for n, step in zip(size, stride, strict=True):
+        pos = pos.unsqueeze(-1) + torch.arange(n, device=t.device) * step
+    return pos
+
+
+def located(positions: torch.Tensor, within: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every entry of ``positions``, the flat index of an element of the view whose
+    storage positions are ``within``, and whether one is there (each shaped as ``positions``)."""
+    flat = within.reshape(-1)
+    if not flat.numel():
+        return torch.zeros_like(positions), torch.zeros_like(positions, dtype=torch.bool)
+    order = torch.argsort(flat, stable=True)
+    ordered = flat[order]
+    at = torch.searchsorted(ordered, positions.reshape(-1)).clamp(max=flat.numel() - 1)
+    return order[at].reshape(positions.shape), (ordered[at] == positions.reshape(-1)).reshape(
+        positions.shape
+    )

@@ -42,7 +42,7 @@ from .._backend import Backend, Finish, Linear, Point, Seed
 from .._core.detection import LRU
 from .._errors import CompileError, OptionError
 from . import _ddp
-from ._aten import packet
+from ._aten import located, packet, storage_positions
 from ._detect import LAYOUTS, TensorSpec, Traced, plain_kernels, trace
 from ._running import NoFastPaths
 
@@ -351,16 +351,14 @@ def _as_strided_scatter(
     """``torch.as_strided_scatter``: the input's values, those at the storage positions of the
     view ``(size, stride, storage_offset)`` replaced by ``src``'s, the output laid out as the
     input (contiguous where its elements share memory, as torch's ``clone_preserve_strides``)."""
-    from ._taylor import _located, _positions  # (the second-order sweep's, shared)
-
-    out = _without_overlap(input)
-    offset = int(input.storage_offset() if storage_offset is None else storage_offset)
-    index, written = _located(
-        _positions(input, out.shape, out.stride(), int(out.storage_offset())),
-        _positions(input, size, stride, offset),
-    )
     if not src.numel():
         return input.clone()
+    out = _without_overlap(input)
+    offset = int(input.storage_offset() if storage_offset is None else storage_offset)
+    index, written = located(
+        storage_positions(input, out.shape, out.stride(), int(out.storage_offset())),
+        storage_positions(input, size, stride, offset),
+    )
     return torch.where(written, src.reshape(-1)[index], input)
 
 

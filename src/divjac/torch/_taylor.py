@@ -52,7 +52,14 @@ from torch.func import jvp, vjp, vmap
 from torch.utils import _pytree as pytree
 
 from .._errors import InternalError, OptionError
-from ._aten import forward_derivative_wrong, inexact, lacks_forward_derivative, packet
+from ._aten import (
+    forward_derivative_wrong,
+    inexact,
+    lacks_forward_derivative,
+    located,
+    packet,
+    storage_positions,
+)
 from ._backend import (
     PlainLayouts,
     _ComposedNorms,
@@ -875,29 +882,6 @@ def _conv_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dic
     return y, _map(a, conv)
 
 
-def _positions(t: Tensor, size: Sequence[int], stride: Sequence[int], offset: int) -> Tensor:
-    """The storage position of every element of the view ``(size, stride, offset)`` (shaped
-    ``size``)."""
-    pos = torch.tensor(offset, device=t.device)
-    for n, step in zip(size, stride, strict=True):
-        pos = pos.unsqueeze(-1) + torch.arange(n, device=t.device) * step
-    return pos
-
-
-def _located(positions: Tensor, within: Tensor) -> tuple[Tensor, Tensor]:
-    """For every entry of ``positions``, the flat index of an element of the view whose
-    storage positions are ``within``, and whether one is there (each shaped as ``positions``)."""
-    flat = within.reshape(-1)
-    if not flat.numel():
-        return torch.zeros_like(positions), torch.zeros_like(positions, dtype=torch.bool)
-    order = torch.argsort(flat, stable=True)
-    ordered = flat[order]
-    at = torch.searchsorted(ordered, positions.reshape(-1)).clamp(max=flat.numel() - 1)
-    return order[at].reshape(positions.shape), (ordered[at] == positions.reshape(-1)).reshape(
-        positions.shape
-    )
-
-
 def _gathered(t: Tensor, shape: Sequence[int], index: Tensor) -> Tensor:
     """The terms ``[*, *shape]`` of a value at its flat indices ``index`` (shaped as them)."""
     flat = _full(t, shape).reshape(t.shape[0], -1)
@@ -921,9 +905,9 @@ def _as_strided_rule(
     x = args[0]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     a = sw.needed(node.args[0])
-    index, found = _located(
-        _positions(x, *_strided_view(args, kwargs, 1)),
-        _positions(x, x.shape, x.stride(), int(x.storage_offset())),
+    index, found = located(
+        storage_positions(x, *_strided_view(args, kwargs, 1)),
+        storage_positions(x, x.shape, x.stride(), int(x.storage_offset())),
     )
     if not bool(found.all()):
         raise OptionError(
@@ -945,9 +929,9 @@ def _as_strided_scatter_rule(
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     a, b = sw.jet(node.args[0]), sw.jet(node.args[1])
     out = _without_overlap(x)
-    index, written = _located(
-        _positions(x, out.shape, out.stride(), int(out.storage_offset())),
-        _positions(x, *_strided_view(args, kwargs, 2)),
+    index, written = located(
+        storage_positions(x, out.shape, out.stride(), int(out.storage_offset())),
+        storage_positions(x, *_strided_view(args, kwargs, 2)),
     )
     n = y.ndim
 
