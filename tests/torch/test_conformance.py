@@ -213,6 +213,7 @@ KNOWN_DEFECTS: dict[str, str] = {}
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # one test of 540 ops: about 7 minutes of one core, more when loaded
 def test_opinfo_sweep(op_db):
     """Every differentiable float64 op: no wrong value, no missed nonzero, no crash (an error
     escaping divjac that is not a divjac error) beyond :data:`KNOWN_DEFECTS`; ill-posed samples
