@@ -320,6 +320,25 @@ def test_scatter_reduce_prod_without_forward_derivative_is_pulled_or_refused():
     _check(f, x, modes=("auto",))
 
 
+def test_forward_derivative_probe_is_per_reduction():
+    """The probe of scatter_reduce's forward derivative was cached by the operation alone: after
+    reduce="prod" (no tangent), laplacian refused amin and amax, which have one."""
+    from divjac.torch import laplacian
+
+    index = torch.tensor([[0, 1], [0, 1]])
+    src = torch.randn(2, 2, dtype=D, generator=_gen(1))
+
+    def u(reduce):
+        return lambda x: x.sin().scatter_reduce(0, index, src, reduce).square().sum()
+
+    x = torch.randn(4, 2, dtype=D, generator=_gen())
+    with pytest.raises(OptionError, match=r"aten\.scatter_reduce"):
+        laplacian(u("prod"), batch_axis=None)(x)
+    for reduce in ("amin", "amax"):
+        want = torch.func.hessian(u(reduce))(x).reshape(8, 8).trace()
+        torch.testing.assert_close(laplacian(u(reduce), batch_axis=None)(x), want)
+
+
 def test_native_dropout_backward_without_forward_derivative_is_pulled_or_refused():
     """hessian_diagonal let torch's NotImplementedError (no forward AD for
     native_dropout_backward) escape from its forward-over-reverse rows."""

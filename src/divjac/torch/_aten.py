@@ -171,7 +171,11 @@ def lacks_forward_derivative(node: Any, live: set[Any]) -> bool:
         or not any(inexact(v) for v in outputs(node))
     ):
         return False
-    key = (target, tuple(a in live for a in node.all_input_nodes))
+    # The options too: scatter_reduce's tangent is dropped for reduce="prod" only.
+    options = tuple(
+        a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, (str, bool))
+    )
+    key = (target, tuple(a in live for a in node.all_input_nodes), options)
     found = _FORWARD.get(key)
     if found is not None:
         return not found
