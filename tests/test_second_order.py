@@ -368,7 +368,9 @@ def test_chunks_of_directions_and_jit(ops: Ops, directions: list[int]) -> None:
     u, x, dj = mlp(ops), _x(ops, (B, 5)), ops.dj
     H = ops.hessians(u, x, ())
     _close(ops, dj.laplacian(u, chunk_size=2)(x), np.trace(H, axis1=1, axis2=2))
-    assert directions == [2, 2, 1]
+    # JAX traces the sweep of a chunk once per shape (the chunks are rematerialized, and
+    # jax.checkpoint reuses its trace); torch runs every chunk.
+    assert directions == ([2, 1] if ops.name == "jax" else [2, 2, 1])
     # A is an argument of the (JAX: compiled, cached) call, never a constant of it.
     for seed in (12, 13):
         A = np.random.default_rng(seed).normal(size=(5, 5))

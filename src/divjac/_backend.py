@@ -216,6 +216,21 @@ class Backend(abc.ABC, Generic[TracedT]):
         some, only rows (VJPs) can be pushed. Asked only of programs about to push columns."""
         return frozenset()
 
+    def pass_elements(self, point: Point[TracedT]) -> int:
+        """Elements one pass holds at once at ``point`` (memory planning; an upper bound):
+        the traced program's estimate, unless a backend keeps more where a gradient will flow
+        through the passes."""
+        return point.traced.pass_elements
+
+    def checkpointed(
+        self, point: Point[TracedT], n_chunks: int
+    ) -> Callable[[Callable[..., R]], Callable[..., R]]:
+        """A wrapper of the work of one of ``n_chunks`` chunks of passes or directions (a
+        function of arrays) such that, differentiated, a chunk keeps its inputs rather than its
+        intermediates and the backward recomputes it: with gradients, memory then follows the
+        chunk size, at the cost of computing every chunk twice. The identity by default."""
+        return lambda run: run
+
     def pull_hessian_rows(self, point: Point[TracedT]) -> bool:
         """Whether the Hessian-vector products of the per-sample gradient at ``point`` are
         pulled (VJPs of the gradient, ``v^T H``: the same by symmetry) rather than pushed

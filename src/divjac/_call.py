@@ -173,7 +173,8 @@ class Call(Point[Traced]):
     def bytes_per_pass(self) -> int:
         """Bytes one pass holds on one device: its share of a batch split over devices."""
         xb, traced = self.xb, self.traced
-        elements = math.prod(xb.shape) + math.prod(traced.out_shape) + traced.pass_elements
+        passed = self.backend.pass_elements(self)
+        elements = math.prod(xb.shape) + math.prod(traced.out_shape) + passed
         return self.backend.itemsize(xb) * elements // self.backend.batch_shards(xb)
 
     def chunk(self, n_passes: int, chunk_size: int | None) -> int:

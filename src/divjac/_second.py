@@ -245,13 +245,15 @@ def _sweep(
         zeros = np.zeros((*passes, call.batch_size, *call.out_sample))
         return backend.asarray(zeros, like=call.xb)
     f = _values(call)
+
+    def run(xb: Array, v: Array, w: Array | None) -> Array:
+        return backend.second_order_sweep(f, xb, v, weights=w, collapse=collapse)[2]
+
+    swept = backend.checkpointed(call, -(-K // chunk))(run)
     parts = []
     for start in range(0, K, chunk):
         w = None if weights is None else weights[start : start + chunk]
-        _, _, second = backend.second_order_sweep(
-            f, call.xb, directions[start : start + chunk], weights=w, collapse=collapse
-        )
-        parts.append(second)
+        parts.append(swept(call.xb, directions[start : start + chunk], w))
     if collapse:
         return sum(parts[1:], parts[0])
     return parts[0] if len(parts) == 1 else backend.concatenate(parts)

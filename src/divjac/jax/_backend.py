@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,8 @@ __all__ = ["BACKEND", "SEED_MATRIX_ELEMENTS", "JaxBackend"]
 
 #: Largest seed matrix (passes x elements) built as a constant (see ``JaxBackend.indicators``).
 SEED_MATRIX_ELEMENTS = 1 << 20
+
+R = TypeVar("R")
 
 
 class _Linearized(Linear):
@@ -71,6 +73,10 @@ class _Linearized(Linear):
         k = int(inputs.shape[0])
         if chunk >= k:
             return run(inputs)
+        # Differentiated (training through the passes), a chunk keeps its input, not its
+        # intermediates: the backward recomputes it, so memory follows the chunk size (CSE
+        # cannot merge a recomputation of lax.map's body with its first run).
+        run = jax.checkpoint(run, prevent_cse=False)
         full = k - k % chunk
         head = lax.map(run, inputs[:full].reshape(full // chunk, chunk, *inputs.shape[1:]))
         head = head.reshape(full, *head.shape[2:])
@@ -179,6 +185,14 @@ class JaxBackend(Backend[Traced]):
 
     def linearize(self, point: Point[Traced], reverse: bool) -> Linear:
         return _Linearized(point, reverse)
+
+    def checkpointed(
+        self, point: Point[Traced], n_chunks: int
+    ) -> Callable[[Callable[..., R]], Callable[..., R]]:
+        """``jax.checkpoint`` for more than one chunk (a no-op where nothing is differentiated)."""
+        if n_chunks < 2:
+            return lambda run: run
+        return lambda run: cast(Callable[..., R], jax.checkpoint(run))
 
     def second_order_sweep(
         self,

@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
 
 from .._backend import Backend, Finish, Linear, Point, Seed
 from .._core.detection import LRU
@@ -97,6 +98,10 @@ class _Passes(Linear):
         attention, fused, rnn, norms, layouts, scatters = _differentiable_kernels(
             traced, forward=not self._reverse
         )
+        n_chunks = -(-n_passes // chunk)
+        checkpointed = _checkpointed(
+            point, n_chunks, _pass_contexts(traced, forward=not self._reverse)
+        )
         with quiet, attention, fused, rnn, norms, layouts, scatters:
             if self._reverse:
                 if self._vjp is None:
@@ -114,8 +119,12 @@ class _Passes(Linear):
                     return _no_passes(pull, inputs)
                 if traced.forward_less:  # one by one, as _Tape says why
                     return torch.stack([pull(c) for c in inputs])
-                chunk_size = None if chunk >= n_passes else chunk
-                return torch.func.vmap(pull, chunk_size=chunk_size)(inputs)
+                if n_chunks == 1:
+                    return torch.func.vmap(pull)(inputs)
+                pulls = checkpointed(torch.func.vmap(pull))
+                return torch.cat(
+                    [pulls(inputs[lo : lo + chunk]) for lo in range(0, n_passes, chunk)]
+                )
             auxes: list[Any] = []
 
             def push(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,6 +139,7 @@ class _Passes(Linear):
             # draw once per chunk (shared by its passes), and every chunk the same numbers.
             out_dims: Any = (None, 0)  # torch's annotation says int | tuple[int, ...]
             pushes = torch.func.vmap(push, out_dims=out_dims, randomness="same")
+            pushes = checkpointed(pushes)
             parts = []
             for lo in range(0, max(n_passes, 1), chunk):  # no pass: one empty chunk (the value)
                 if self._rng is not None:
@@ -246,6 +256,14 @@ class _Tape(Linear):
             t = seed(c)
             return finish(c, t, self._pull(tape, t.expand(B, *t.shape) if shared else t))
 
+        def pulled(cs: torch.Tensor) -> torch.Tensor:
+            count = int(cs.shape[0])
+            if count <= _ONE_BY_ONE or traced.forward_less:
+                return torch.stack([one(cs[i]) for i in range(count)])
+            # batched backward passes: torch.func's vmap over autograd (is_grads_batched's own
+            # vmap lacks batching rules for some backward kernels, GroupNorm's among them)
+            return torch.func.vmap(one)(cs)
+
         traced = self._traced
         parts: list[torch.Tensor] = []
         attention, fused, rnn, norms, layouts, scatters = _differentiable_kernels(traced)
@@ -254,17 +272,12 @@ class _Tape(Linear):
                 self._tape = self._record()
             tape = self._tape
             n_passes = int(inputs.shape[0])
-            for lo in range(0, max(n_passes, 1), chunk):  # no pass: one empty chunk
-                cs = inputs if chunk >= n_passes else inputs[lo : lo + chunk]
-                count = int(cs.shape[0])
-                if not count:
-                    parts.append(_no_passes(one, cs))
-                elif count <= _ONE_BY_ONE or traced.forward_less:
-                    parts.extend(one(cs[i])[None] for i in range(count))
-                else:  # batched backward passes: torch.func's vmap over autograd
-                    # (is_grads_batched's own vmap lacks batching rules for some backward
-                    # kernels, GroupNorm's among them)
-                    parts.append(torch.func.vmap(one)(cs))
+            if not n_passes:
+                return _no_passes(one, inputs)
+            n_chunks = -(-n_passes // chunk)
+            run = _checkpointed(self._point, n_chunks, _pass_contexts(traced))(pulled)
+            for lo in range(0, n_passes, chunk):
+                parts.append(run(inputs if chunk >= n_passes else inputs[lo : lo + chunk]))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
@@ -287,6 +300,50 @@ def _on_graph(point: Point[Traced]) -> bool:
             for a in pytree.tree_leaves((point.args, point.kwargs))
         )
     )
+
+
+def _checkpointed(
+    point: Point[Traced],
+    n_chunks: int,
+    contexts: Callable[[], Sequence[contextlib.AbstractContextManager[Any]]] | None = None,
+) -> Callable[[Callable[..., R]], Callable[..., R]]:
+    """A wrapper of the work of one chunk (a function of its tensors) for results that go on
+    the autograd graph in more than one chunk (the identity where they do not, and under
+    ``torch.compile``, whose partitioner chooses what to recompute): ``torch.utils.checkpoint``
+    keeps a chunk's result and its inputs, not its graph, and the backward recomputes the
+    chunk with the random numbers it drew, within ``contexts()`` (the kernels and frozen
+    running statistics that the chunk ran within). Peak memory then follows the chunk size
+    (one chunk's graph at a time, and the function's own, which a tape keeps), at the cost of
+    computing every chunk twice when a gradient is taken."""
+    if n_chunks < 2 or _compiling() or not _on_graph(point):
+        return lambda run: run
+
+    @contextlib.contextmanager
+    def recomputing() -> Any:
+        with contextlib.ExitStack() as stack:
+            for context in contexts() if contexts is not None else ():
+                stack.enter_context(context)
+            yield
+
+    def context_fn() -> tuple[
+        contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]
+    ]:
+        return contextlib.nullcontext(), recomputing()
+
+    def wrap(run: Callable[..., R]) -> Callable[..., R]:
+        def checkpointed(*tensors: Any) -> R:
+            return cast(R, checkpoint(run, *tensors, use_reentrant=False, context_fn=context_fn))
+
+        return checkpointed
+
+    return wrap
+
+
+def _pass_contexts(
+    traced: Traced, *, forward: bool = False
+) -> Callable[[], tuple[contextlib.AbstractContextManager[Any], ...]]:
+    """The contexts the passes run within (for their recomputation), made anew per call."""
+    return lambda: (traced.running_stats(), *_differentiable_kernels(traced, forward=forward))
 
 
 # Chunks of up to this many passes pull their cotangents one by one (no vmap to set up).
@@ -831,6 +888,20 @@ class TorchBackend(Backend[Traced]):
         if _on_graph(point):
             return traced.forward_less | traced.forward_twice_wrong
         return traced.forward_less
+
+    def pass_elements(self, point: Point[Traced]) -> int:
+        """Where the passes go on the autograd graph (:func:`_on_graph`), what a pass keeps
+        for the backward, which recomputes it chunk by chunk (:func:`_checkpointed`):
+        :attr:`~divjac.torch._detect.Traced.graph_elements` (under ``torch.compile``, whose
+        partitioner decides, the program's own estimate)."""
+        if not _compiling() and _on_graph(point):
+            return point.traced.graph_elements
+        return point.traced.pass_elements
+
+    def checkpointed(
+        self, point: Point[Traced], n_chunks: int
+    ) -> Callable[[Callable[..., R]], Callable[..., R]]:
+        return _checkpointed(point, n_chunks)
 
     def pull_hessian_rows(self, point: Point[Traced]) -> bool:
         """Also where the gradient runs an operation whose forward derivative PyTorch computes

@@ -175,6 +175,13 @@ class Traced(detection.Traced):
         )
 
     @functools.cached_property
+    def graph_elements(self) -> int:
+        """Elements one pass keeps when a gradient will flow through it (memory planning): its
+        intermediates, saved for the backward, and their gradients, twice the sum of all of
+        them (1.1-1.5x the peak measured on CNNs, chunked and checkpointed)."""
+        return 2 * sum(map(_elements, self.gm.graph.nodes))
+
+    @functools.cached_property
     def draws_random(self) -> bool:
         """Whether the function draws random numbers (dropout in training mode, ``randn``)."""
         return any(
@@ -326,6 +333,15 @@ class Traced(detection.Traced):
         return Propagated(out, frozenset(interp.fallbacks))
 
 
+def _elements(node: torch.fx.Node) -> int:
+    """The elements of the tensors an operation of the graph makes (none for other nodes)."""
+    if node.op != "call_function":
+        return 0
+    return sum(
+        v.numel() for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)
+    )
+
+
 def _live_peak(gm: torch.fx.GraphModule) -> int:
     """The most elements the intermediates of ``gm`` hold at once, run in order: what one pass
     holds of tangents (the skip connections of a U-Net stay alive across it), where the
@@ -337,11 +353,7 @@ def _live_peak(gm: torch.fx.GraphModule) -> int:
     change = [0] * (len(nodes) + 1)
     for i, node in enumerate(nodes):
         if node.op == "call_function":
-            size = sum(
-                v.numel()
-                for v in pytree.tree_leaves(node.meta.get("val"))
-                if isinstance(v, torch.Tensor)
-            )
+            size = _elements(node)
             change[i] += size
             change[max(last.get(node, i), i) + 1] -= size
     peak = alive = 0
