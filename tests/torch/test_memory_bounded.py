@@ -2,8 +2,8 @@
 of passes (exact and sparse divergences, Jacobians, the second-order sweeps) is checkpointed, so
 its graph is dropped once its result is computed and the backward recomputes it. The gradients
 are those of the unchunked call, to 1e-12 in float64; nothing is checkpointed where no gradient
-can flow or where one chunk holds every pass. Peak memory is measured in
-``benchmarks/bench_memory.py``."""
+can flow or where one chunk holds every pass. Memory is measured by ``divjac bench``
+(``bench_memory``)."""
 
 from __future__ import annotations
 

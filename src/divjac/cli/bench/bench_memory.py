@@ -50,4 +50,38 @@ def run(quick: bool) -> list[Result]:
                 },
             )
         )  # fmt: skip
+    results.append(_training(quick))
     return results
+
+
+def _training(quick: bool) -> Result:
+    """Issue 23 (4): the gradient of a loss on the sparse divergence of a CNN, whose chunks are
+    rematerialized: XLA's temporaries at chunk 4 against chunk 16 (and unchunked)."""
+    size, channels = (16, 16) if quick else (32, 32)
+    keys = jax.random.split(jax.random.key(0), 4)
+    shapes = [(3, channels), (channels, channels), (channels, channels), (channels, 3)]
+    params = [
+        0.1 * jax.random.normal(k, (3, 3, a, b)) for k, (a, b) in zip(keys, shapes, strict=True)
+    ]
+    x = jax.random.normal(jax.random.key(1), (8, size, size, 3))
+
+    def cnn(params, x):
+        for i, w in enumerate(params):
+            x = jax.lax.conv_general_dilated(
+                x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+            )
+            x = jnp.tanh(x) if i < len(params) - 1 else x
+        return x
+
+    def grad_at(chunk):
+        def loss(params):
+            return divergence(lambda x: cnn(params, x), method="sparse", chunk_size=chunk)(x).sum()
+
+        return _temp_bytes(jax.grad(loss), params)
+
+    small, large, whole = grad_at(4), grad_at(16), grad_at(10**6)
+    return Result(
+        "-", f"CNN 4x{channels}ch on [8, {size}, {size}, 3], sparse divergence + grad",
+        "chunk_size=4", "chunk_size=16", small, large, unit="bytes", kind="gain", target=None,
+        extra={"unchunked_bytes": whole},
+    )  # fmt: skip
