@@ -13,17 +13,22 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-@pytest.fixture
-def traces_made(monkeypatch):
-    """The number of times a graph is traced (each miss of the cache traces once)."""
-    from divjac.torch import _detect
-
+def count_calls(monkeypatch, owner, name: str) -> list[int]:
+    """``[n]``: the number of calls of ``owner.name`` from now on (patched for the test)."""
     count = [0]
-    original = _detect._trace_graph
+    original = getattr(owner, name)
 
     def counting(*args, **kwargs):
         count[0] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(_detect, "_trace_graph", counting)
+    monkeypatch.setattr(owner, name, counting)
     return count
+
+
+@pytest.fixture
+def traces_made(monkeypatch):
+    """The number of times a graph is traced (each miss of the cache traces once)."""
+    from divjac.torch import _detect
+
+    return count_calls(monkeypatch, _detect, "_trace_graph")

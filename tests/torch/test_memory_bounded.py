@@ -13,6 +13,7 @@ from torch import nn
 
 import divjac.torch as dj
 from divjac.torch import _backend
+from tests.torch.conftest import count_calls
 
 D = torch.float64
 
@@ -31,15 +32,7 @@ def _cnn(dropout: float = 0.0) -> nn.Module:
 @pytest.fixture
 def checkpoints(monkeypatch):
     """The number of chunks run under ``torch.utils.checkpoint``."""
-    count = [0]
-    original = _backend.checkpoint
-
-    def counting(*args, **kwargs):
-        count[0] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(_backend, "checkpoint", counting)
-    return count
+    return count_calls(monkeypatch, _backend, "checkpoint")
 
 
 def _grads(net: nn.Module, x: torch.Tensor, transform, *, input_grad: bool = True) -> list:
