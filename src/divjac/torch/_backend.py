@@ -44,8 +44,9 @@ from .._core.detection import LRU
 from .._errors import CompileError, OptionError
 from . import _ddp
 from ._aten import located, packet, storage_positions
-from ._detect import LAYOUTS, TensorSpec, Traced, plain_kernels, trace
+from ._detect import plain_kernels, trace
 from ._running import NoFastPaths
+from ._traced import LAYOUTS, TensorSpec, Traced
 
 __all__ = ["BACKEND", "TorchBackend"]
 
@@ -892,7 +893,7 @@ class TorchBackend(Backend[Traced]):
     def pass_elements(self, point: Point[Traced]) -> int:
         """Where the passes go on the autograd graph (:func:`_on_graph`), what a pass keeps
         for the backward, which recomputes it chunk by chunk (:func:`_checkpointed`):
-        :attr:`~divjac.torch._detect.Traced.graph_elements` (under ``torch.compile``, whose
+        :attr:`~divjac.torch._traced.Traced.graph_elements` (under ``torch.compile``, whose
         partitioner decides, the program's own estimate)."""
         if not _compiling() and _on_graph(point):
             return point.traced.graph_elements

@@ -67,7 +67,8 @@ from ._backend import (
     _without_overlap,
     composed_norm,
 )
-from ._detect import Traced, reach, trace
+from ._detect import reach, trace
+from ._traced import Traced
 
 __all__ = ["second_order_sweep"]
 
