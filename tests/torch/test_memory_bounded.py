@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import divjac.torch as dj
-from divjac.torch import _backend
+from divjac.torch import _passes
 from tests.torch.conftest import count_calls
 
 D = torch.float64
@@ -32,7 +32,7 @@ def _cnn(dropout: float = 0.0) -> nn.Module:
 @pytest.fixture
 def checkpoints(monkeypatch):
     """The number of chunks run under ``torch.utils.checkpoint``."""
-    return count_calls(monkeypatch, _backend, "checkpoint")
+    return count_calls(monkeypatch, _passes, "checkpoint")
 
 
 def _grads(net: nn.Module, x: torch.Tensor, transform, *, input_grad: bool = True) -> list:

@@ -19,7 +19,7 @@ trace) is run once, and every value that depends on the input carries, beside it
 - any other operation is pushed by ``torch.func`` (``jvp`` of ``jvp``, batched over ``k`` with
   ``vmap``) on its own, normalizations in their composed forms (the forward derivatives of
   torch's kernels are wrong or fail under transforms, torch 2.13; as
-  :class:`divjac.torch._backend._ComposedNorms` does for whole functions).
+  :class:`divjac.torch._kernels._ComposedNorms` does for whole functions).
 
 Directions shared by the samples (``[K, 1, *in]``) stay unbroadcast until an operation mixes
 them with per-sample values (the first layer computes ``W v_k`` once, not ``B`` times).
@@ -60,14 +60,9 @@ from ._aten import (
     packet,
     storage_positions,
 )
-from ._backend import (
-    PlainLayouts,
-    _ComposedNorms,
-    _Generators,
-    _without_overlap,
-    composed_norm,
-)
 from ._detect import reach, trace
+from ._kernels import PlainLayouts, _ComposedNorms, _without_overlap, composed_norm
+from ._passes import _Generators
 from ._traced import Traced
 
 __all__ = ["second_order_sweep"]
@@ -137,9 +132,9 @@ def reference_sweep(
     where ``vmap`` cannot batch them.
 
     Attention runs in its math form and layer and instance normalizations composed
-    (:class:`~divjac.torch._backend._ComposedNorms`): the second forward derivatives of their
+    (:class:`~divjac.torch._kernels._ComposedNorms`): the second forward derivatives of their
     kernels are wrong or missing (torch 2.13); memory formats as in
-    :class:`~divjac.torch._backend.PlainLayouts`.
+    :class:`~divjac.torch._kernels.PlainLayouts`.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
