@@ -1,0 +1,107 @@
+"""The jets of the second-order sweep of :mod:`divjac.torch._taylor`: the Taylor terms one
+value carries (:class:`_Jet`), the state of one run (:class:`_Sweep`), and the algebra of terms
+the rules share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, overload
+
+import torch
+import torch.fx
+
+from .._errors import InternalError
+
+__all__: list[str] = []
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class _Jet:
+    """The Taylor terms of one value of shape ``s``: ``first`` ``[K, *s]`` and ``second``
+    ``[M, *s]`` (``M = 1``: the weighted sum; ``M = K``: per direction; ``None``: zero), each
+    possibly of size one on axes it is constant along (broadcastable to its full shape)."""
+
+    first: Tensor
+    second: Tensor | None
+
+
+Rule = Callable[["_Sweep", torch.fx.Node, Sequence[Any], dict[str, Any]], tuple[Any, Any]]
+
+
+class _Sweep:
+    """The jets of one run, and the weighted sums over the directions."""
+
+    def __init__(self, k: int, w: Tensor | None, per_direction: bool) -> None:
+        self.k = k
+        self.m = k if per_direction else 1
+        self.w = w
+        self.per_direction = per_direction
+        self.jets: dict[torch.fx.Node, Any] = {}
+
+    def jet(self, arg: Any) -> _Jet | None:
+        found = self.jets.get(arg) if isinstance(arg, torch.fx.Node) else None
+        return found if isinstance(found, _Jet) else None
+
+    def needed(self, arg: Any) -> _Jet:
+        """The jet of an argument a rule was given as dependent."""
+        found = self.jet(arg)
+        if found is None:
+            raise InternalError(f"second_order_sweep: no jet for the argument {arg}")
+        return found
+
+    def weighted(self, terms: Tensor) -> Tensor:
+        """``sum_k w_k terms[k]`` (kept as an axis of one), or the terms per direction."""
+        if self.per_direction:
+            return terms
+        if self.w is not None:
+            terms = terms * self.w.reshape(self.k, *([1] * (terms.ndim - 1)))
+        return terms.sum(0, keepdim=True)
+
+    def quad(self, a: Tensor, b: Tensor) -> Tensor:
+        """``sum_k w_k a_k b_k`` (element-wise)."""
+        return self.weighted(a * b)
+
+
+def _add(*terms: Tensor | None) -> Tensor | None:
+    found = [t for t in terms if t is not None]
+    if not found:
+        return None
+    total = found[0]
+    for t in found[1:]:
+        total = total + t
+    return total
+
+
+def _scale(t: Tensor | None, c: Any) -> Tensor | None:
+    return None if t is None else t * c
+
+
+@overload
+def _lift(t: Tensor, ndim: int) -> Tensor: ...
+@overload
+def _lift(t: None, ndim: int) -> None: ...
+@overload
+def _lift(t: Tensor | None, ndim: int) -> Tensor | None: ...
+
+
+def _lift(t: Tensor | None, ndim: int) -> Tensor | None:
+    """Terms ``[K, *s]`` with axes of one inserted after ``K`` up to ``ndim`` value axes (as
+    broadcasting aligns the value with a larger one)."""
+    if t is None or t.ndim - 1 >= ndim:
+        return t
+    return t.reshape(t.shape[0], *([1] * (ndim + 1 - t.ndim)), *t.shape[1:])
+
+
+def _full(t: Tensor, shape: Sequence[int]) -> Tensor:
+    """Terms broadcast to their full shape ``[*, *shape]`` (materialized)."""
+    target = (t.shape[0], *shape)
+    return t if tuple(t.shape) == target else _lift(t, len(shape)).expand(target).contiguous()
+
+
+def _map(jet: _Jet, fn: Callable[[Tensor], Tensor]) -> _Jet:
+    """The jet of a linear map of the value (``fn`` maps terms with the leading axis)."""
+    return _Jet(fn(jet.first), None if jet.second is None else fn(jet.second))
