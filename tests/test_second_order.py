@@ -358,10 +358,10 @@ def test_auto_takes_the_sparse_sweep(ops: Ops, directions: list[int], case: str,
 
 
 def _gradient_of(o: Ops, u: Callable[..., Any]) -> Callable[..., Any]:
-    from divjac import _second
+    from divjac import _directions
 
     backend = o.backend_cls()
-    return _second._gradient(backend, u, 0, False, "laplacian")
+    return _directions._gradient(backend, u, 0, False, "laplacian")
 
 
 def test_chunks_of_directions_and_jit(ops: Ops, directions: list[int]) -> None:

@@ -11,7 +11,9 @@ directions; with random probes each term is a Hutchinson sample, and with random
 an STDE one (Shi et al. 2024). The Hessian and its sparse or stochastic diagonal need
 Hessian-vector products: they are Jacobian passes of the per-sample gradient
 (forward-over-reverse). The Hessian pattern is that of the per-sample gradient's Jacobian,
-detected by the engine as for any function. Imports neither JAX nor PyTorch.
+detected by the engine as for any function. The Hessian and its diagonal are in
+:mod:`divjac._hessian`, what the operators share (options, plans, directions, the sweep in
+chunks) in :mod:`divjac._directions`. Imports neither JAX nor PyTorch.
 
 References:
     - Li, Zhang, Wang, Ren & Chen (2023), "A computational framework for neural network-based
@@ -28,29 +30,42 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
 
-from . import _transforms as T
 from ._backend import Array, Backend
 from ._call import (
     BiLaplacianMethod,
     Call,
     Coupling,
-    DiagonalMethod,
     Distribution,
     LaplacianMethod,
     Method,
-    Mode,
     Spec,
     WeightedMethod,
-    check_num_probes,
     check_option,
     prepare,
 )
-from ._core import checks, estimators as est, stochastic
+from ._core import checks, estimators as est
+from ._directions import (
+    _aux,
+    _basis,
+    _check_options,
+    _checked_stderr_budget,
+    _coordinates,
+    _grad_spec,
+    _gradient,
+    _mean_and_stderr,
+    _num_probes,
+    _one_sample_at_a_time,
+    _Options,
+    _plan,
+    _require_scalar,
+    _sweep,
+    _unbatch,
+    _values,
+)
 from ._divergence import (
     _divergence_transform,
     _DivSpec,
@@ -59,8 +74,9 @@ from ._divergence import (
     _itself,
     _split_randomness,
 )
-from ._errors import ArgnumsError, CoefficientError, NumProbesError, OptionError, OutputError
-from ._transforms import auto_detects, per_argnum, shaped, tuple_of
+from ._errors import ArgnumsError, CoefficientError, NumProbesError, OptionError
+from ._hessian import _own_products, hessian, hessian_diagonal
+from ._transforms import per_argnum, tuple_of
 
 __all__ = [
     "SWEEP_STOCHASTIC",
@@ -77,217 +93,6 @@ _HVP_METHODS = ("hutch++", "xtrace", "probing")
 
 SWEEP_STOCHASTIC = ("hutchinson", "stde")
 """The stochastic methods read from the Taylor sweep (their randomness comes first)."""
-
-
-@dataclass(frozen=True)
-class _Options:
-    """The options of a second-order transform."""
-
-    method: str
-    num_probes: int | None
-    distribution: Distribution
-    return_stderr: bool
-    chunk_size: int | None
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """How a call's directions are chosen, planned ahead of the sweep.
-
-    Attributes:
-        coupled: the function mixes samples (``coupling="exact"``): each direction is placed
-            in one sample at a time.
-        colors: the colors of the Hessian pattern whose indicators are the directions;
-            ``None``: dense (the unit basis).
-    """
-
-    coupled: bool
-    colors: np.ndarray | None
-
-
-# --- the functions and their calls --------------------------------------------------------------
-
-
-def _gradient(
-    backend: Backend[Any], u: Callable[..., Any], argnum: int, has_aux: bool, fname: str
-) -> Any:
-    """The per-sample gradient of ``u`` (of the sum of its output components) w.r.t. argument
-    ``argnum``: a batched function with ``u``'s signature (``(gradient, aux)`` with ``has_aux``)."""
-
-    def gradient(*args: Any, **kwargs: Any) -> Any:
-        at = checks.normalize_argnum(argnum, len(args), fname=fname)
-
-        def values(x: Array) -> Any:
-            return u(*args[:at], x, *args[at + 1 :], **kwargs)
-
-        return backend.grad_of_sum(values, args[at], has_aux=has_aux)
-
-    return gradient
-
-
-def _values(call: Call) -> Callable[[Array], Array]:
-    """The call's batch-first function without its aux."""
-    if call.has_aux:
-        return lambda xb: call.g(xb)[0]
-    return call.g
-
-
-def _aux(call: Call) -> Any:
-    """The call's aux (one more forward evaluation), ``None`` without ``has_aux``."""
-    return call.g(call.xb)[1] if call.has_aux else None
-
-
-def _require_scalar(call: Call) -> None:
-    if math.prod(call.out_sample) != 1:
-        raise OutputError(
-            f"{call.spec.fname}: u must return one scalar per sample (output shape (B,) or "
-            f"(B, 1)); its per-sample output has shape {call.out_sample}. Use laplacian or "
-            "weighted_laplacian (per output component), or jacobian, for vector outputs."
-        )
-
-
-def _unbatch(call: Call, result: Array, batch_axis: int | None) -> Array:
-    """A batch-first result with the layout of ``u``'s output."""
-    if batch_axis is None:
-        return result[0]
-    return call.backend.moveaxis(result, 0, batch_axis % result.ndim)
-
-
-def _plan(call: Call, method: str, stochastic_method: bool) -> _Plan:
-    """Check coupling (raising as ``coupling`` says) and choose the directions: the colors of
-    a diagonal coloring of the detected Hessian pattern (same-colored ``i != j`` have
-    ``H_ij = H_ji = 0``) for ``"sparse"``, and for ``"auto"`` when they are at most half the
-    unit basis."""
-    found = call.detect(per_sample=False)
-    if found.coupling is not None:
-        if stochastic_method:
-            raise checks.coupling_error(found.coupling, fname=call.spec.fname, method=method)
-        return _Plan(True, None)
-    if method not in ("sparse", "auto"):
-        return _Plan(False, None)
-    # The gradient's spec made here: under torch.compile this runs ahead of dynamo's trace,
-    # which cannot take the gradient's closure as an argument.
-    grad_call = prepare(_grad_spec(call.spec), call.args, call.kwargs)
-    if method == "auto" and not auto_detects(grad_call, call.n_in):
-        return _Plan(False, None)  # the colours could not pay for the detection
-    hess = grad_call.detect(per_sample=True, auto=method == "auto")
-    if hess.coupling is not None or hess.pattern is None:  # too dense to finish (auto)
-        return _Plan(False, None)
-    pattern = hess.pattern
-    if method == "auto" and 2 * pattern.n_diagonal_colors > call.n_in:
-        return _Plan(False, None)
-    return _Plan(False, np.asarray(pattern.diagonal_colors, np.int64))
-
-
-def _grad_spec(spec: Spec) -> Spec:
-    """The spec of the per-sample gradient of ``spec``'s function (its Hessian's pattern)."""
-    backend = spec.backend
-    return Spec(
-        backend,
-        _gradient(backend, spec.fun, spec.argnums, spec.has_aux, spec.fname),
-        spec.argnums,
-        spec.batch_axis,
-        spec.has_aux,
-        "exact",  # u's coupling is checked on u itself
-        spec.fname,
-    )
-
-
-# --- directions ---------------------------------------------------------------------------------
-
-
-def _basis(call: Call, colors: np.ndarray | None) -> Array:
-    """Shared directions ``[K, 1, *in]``: the unit basis, or the indicators of ``colors``."""
-    n = call.n_in
-    if colors is None:
-        matrix = np.eye(n)
-    else:
-        n_colors = int(colors.max()) + 1 if colors.size else 0
-        matrix = (colors[None, :] == np.arange(n_colors)[:, None]).astype(float)
-    return call.backend.asarray(matrix.reshape(len(matrix), 1, *call.in_sample), like=call.xb)
-
-
-def _one_sample_at_a_time(
-    call: Call, directions: Array, weights: Array | None
-) -> tuple[Array, Array]:
-    """Directions ``[B*K, B, *in]`` placing each of ``[K, B or 1, *in]`` in one sample only, and
-    the weights ``[B*K, B]`` that keep, in each sample, its own directions' terms (times their
-    ``weights`` ``[K]``): the exact per-sample sums of a function that mixes samples."""
-    backend, B = call.backend, call.batch_size
-    K, n = int(directions.shape[0]), call.n_in
-    flat = directions.reshape(K, -1, n)
-    eye = backend.asarray(np.eye(B), like=call.xb)
-    spread = (eye[:, None, :, None] * flat[None]).reshape(B * K, B, *call.in_sample)
-    w = backend.asarray(np.ones(K), like=call.xb) if weights is None else weights
-    return spread, (eye[:, None, :] * w[None, :, None]).reshape(B * K, B)
-
-
-def _own_terms(call: Call, terms: Array) -> Array:
-    """``[K, B, *out]`` from the per-direction terms ``[B*K, B, *out]`` of
-    :func:`_one_sample_at_a_time`: each sample's terms of its own directions."""
-    B = call.batch_size
-    m = math.prod(call.out_sample)
-    eye = call.backend.asarray(np.eye(B), like=call.xb)
-    own = (terms.reshape(B, -1, B, m) * eye[:, None, :, None]).sum(2)  # (B, K, m)
-    return call.backend.moveaxis(own, 0, 1).reshape(-1, B, *call.out_sample)
-
-
-def _sweep(
-    call: Call, directions: Array, weights: Array | None, collapse: bool, chunk_size: int | None
-) -> Array:
-    """The second-order terms of the sweep of ``directions`` (summed with ``weights`` when
-    ``collapse``), ``chunk_size`` directions at a time."""
-    backend = call.backend
-    K = int(directions.shape[0])
-    chunk = backend.ahead(Call.chunk, call, K, chunk_size)
-    if K == 0:  # an empty sample: no direction, every second-order term is zero
-        passes = () if collapse else (0,)
-        zeros = np.zeros((*passes, call.batch_size, *call.out_sample))
-        return backend.asarray(zeros, like=call.xb)
-    f = _values(call)
-
-    def run(xb: Array, v: Array, w: Array | None) -> Array:
-        return backend.second_order_sweep(f, xb, v, weights=w, collapse=collapse)[2]
-
-    swept = backend.checkpointed(call, -(-K // chunk))(run)
-    parts = []
-    for start in range(0, K, chunk):
-        w = None if weights is None else weights[start : start + chunk]
-        parts.append(swept(call.xb, directions[start : start + chunk], w))
-    if collapse:
-        return sum(parts[1:], parts[0])
-    return parts[0] if len(parts) == 1 else backend.concatenate(parts)
-
-
-def _mean_and_stderr(call: Call, terms: Array, stderr: bool) -> tuple[Array, Array | None]:
-    """Mean over ``k`` of independent terms ``[k, B, *shape]`` and its standard error."""
-    k = int(terms.shape[0])
-    if stderr and k < 2:
-        raise NumProbesError(
-            f"{call.spec.fname}: return_stderr=True needs at least 2 probes (the spread of "
-            "their terms is the error bar); pass num_probes=2 or more."
-        )
-    shape = tuple(terms.shape[1:])
-    mean, err = est.hutchinson_from_terms(terms.reshape(k, -1), stderr=stderr)
-    return mean.reshape(shape), None if err is None else err.reshape(shape)
-
-
-def _num_probes(opts: _Options, n: int) -> int:
-    return opts.num_probes or stochastic.default_num_probes("hutchinson", n)
-
-
-def _coordinates(call: Call, randomness: Any, k: int) -> Array:
-    """``k`` distinct random unit directions per sample, ``[k, B, *in]`` (STDE's jets)."""
-    backend, B, n = call.backend, call.batch_size, call.n_in
-    if _is_probes(backend, randomness):
-        raise NumProbesError(
-            f"{call.spec.fname}: method='stde' samples coordinates itself; pass a source of "
-            f"randomness ({backend.randomness_example}) rather than probes."
-        )
-    order = backend.draw(randomness, (B, n), "gaussian", like=call.xb).argsort(-1)[:, :k]
-    chosen = order[..., None] == backend.arange(n, call.xb)  # (B, k, n)
-    unit = backend.asarray(chosen, like=call.xb)
-    return backend.moveaxis(unit, 1, 0).reshape(k, B, *call.in_sample)
 
 
 # --- the Laplacian ------------------------------------------------------------------------------
@@ -360,14 +165,6 @@ def _calibrated_trace(call: Call, probes: Array, images: Array) -> tuple[Array, 
     return mean.reshape(shape), err.reshape(shape)
 
 
-def _checked_stderr_budget(call: Call, k: int, least: int = 2) -> None:
-    if k < least:
-        raise NumProbesError(
-            f"{call.spec.fname}: return_stderr=True needs at least {least} probes below n "
-            f"(the error bar is estimated from them); pass num_probes={least} or more."
-        )
-
-
 def _second_order_transform(
     backend: Backend[Any],
     u: Callable[..., Any],
@@ -393,13 +190,6 @@ def _second_order_transform(
         return (out, _aux(call)) if has_aux else out
 
     return transformed
-
-
-def _check_options(opts: _Options, coupling: Coupling, methods: Any, fname: str) -> None:
-    check_option("method", opts.method, methods, fname=fname)
-    check_option("distribution", opts.distribution, Distribution, fname=fname)
-    check_option("coupling", coupling, Coupling, fname=fname)
-    check_num_probes(opts.num_probes, fname=fname)
 
 
 def laplacian(
@@ -698,170 +488,6 @@ def bilaplacian(
         )
 
     return per_argnum(argnums, one, tuple_of(has_aux), fname=fname)
-
-
-# --- the Hessian and its diagonal ---------------------------------------------------------------
-
-
-def hessian(
-    backend: Backend[Any],
-    u: Callable[..., Any],
-    argnums: int | Sequence[int],
-    *,
-    batch_axis: int | None,
-    mode: Mode,
-    chunk_size: int | None,
-    has_aux: bool,
-) -> Callable[..., Any]:
-    """Per-sample Hessians of a scalar-per-sample function (see ``divjac.jax.hessian``): the
-    per-sample Jacobian of its per-sample gradient (forward-over-reverse; ``"sparse"``: one
-    pass per color of the detected Hessian pattern)."""
-    fname = "hessian"
-    check_option("mode", mode, Mode, fname=fname)
-
-    def one(argnum: int) -> Callable[..., Any]:
-        spec = Spec(backend, u, argnum, batch_axis, has_aux, "raise", fname)
-        gradient = _gradient(backend, u, argnum, has_aux, fname)
-        jac = T.jacobian(
-            backend,
-            gradient,
-            argnum,
-            batch_axis=batch_axis,
-            mode=mode,
-            chunk_size=chunk_size,
-            has_aux=has_aux,
-            coupling="exact",  # u's coupling is checked on u itself
-            fname=fname,
-        )
-
-        def hess_fn(*args: Any, **kwargs: Any) -> Any:
-            backend.ahead(_checked_scalar, prepare(spec, args, kwargs))
-            return jac(*args, **kwargs)
-
-        return hess_fn
-
-    return per_argnum(argnums, one, tuple_of(has_aux), fname=fname)
-
-
-def _checked_scalar(call: Call) -> None:
-    """Refuse a function that mixes samples (the per-sample gradient would not see it: a sum
-    over samples of terms each in one sample is per-sample again) or has vector outputs."""
-    call.detect(per_sample=False)
-    _require_scalar(call)
-
-
-def hessian_diagonal(
-    backend: Backend[Any],
-    u: Callable[..., Any],
-    argnums: int | Sequence[int],
-    *,
-    batch_axis: int | None,
-    method: DiagonalMethod,
-    num_probes: int | None,
-    distribution: Distribution,
-    return_stderr: bool,
-    chunk_size: int | None,
-    has_aux: bool,
-    coupling: Coupling,
-) -> Callable[..., Any]:
-    """The diagonal of the per-sample Hessians of a scalar-per-sample function, shaped as the
-    input (see ``divjac.jax.hessian_diagonal``)."""
-    fname = "hessian_diagonal"
-    opts = _Options(method, num_probes, distribution, return_stderr, chunk_size)
-    _check_options(opts, coupling, DiagonalMethod, fname)
-
-    def one(argnum: int) -> Callable[..., Any]:
-        spec = Spec(backend, u, argnum, batch_axis, has_aux, coupling, fname)
-        grad_spec = _grad_spec(spec)
-        hutchinson = method == "hutchinson"
-
-        def diag_fn(*args: Any, **kwargs: Any) -> Any:
-            randomness, args = _split_randomness(backend, hutchinson, args, fname)
-            call = prepare(spec, args, kwargs)
-            diag, err = _diagonal_values(
-                call, opts, randomness[0] if randomness else None, grad_spec
-            )
-            diag = call.unbatch(diag)
-            out = (diag, call.unbatch(err)) if return_stderr else diag
-            return (out, _aux(call)) if has_aux else out
-
-        return diag_fn
-
-    return per_argnum(argnums, one, tuple_of(has_aux), fname=fname)
-
-
-def _diagonal_values(
-    call: Call, opts: _Options, randomness: Any, grad_spec: Spec
-) -> tuple[Array, Array | None]:
-    """``(diagonal, stderr or None)``, batch first ``(B, *in)``."""
-    backend, B, n = call.backend, call.batch_size, call.n_in
-    hutchinson = opts.method == "hutchinson"
-    planned = backend.ahead(_plan, call, opts.method, hutchinson)
-    backend.ahead(_require_scalar, call)
-    # Bekas, Kokiopoulou & Saad: E[v * H v] = diag(H) when E[v v^T] = I; a budget of n
-    # probes or more pays for the exact diagonal (n directions, no error).
-    if hutchinson and _num_probes(opts, n) < n:
-        k = _num_probes(opts, n)
-        probes = _draw(call, randomness, k, opts.distribution)
-        images = _own_products(call, grad_spec, probes, _itself, k, opts.chunk_size, False, False)
-        v = probes.reshape(k, B, n)
-        if not opts.return_stderr:
-            return (v * images).mean(0).reshape(B, *call.in_sample), None
-        # Two probes leave the bound itself too noisy (coverage 0.93, docs/calibration.md).
-        _checked_stderr_budget(call, k, least=3)
-        v, hv = (backend.moveaxis(a, 0, -1) for a in (v, images))
-        mean, err = est.diagonal_mean_and_stderr(v, hv, est.namespace(v))
-        return mean.reshape(B, *call.in_sample), _shaped(call, err)
-    colors = planned.colors
-    # The sweep pushes forward derivatives: where an operation lacks them, Hessian rows.
-    sweep = colors is None and not planned.coupled
-    if sweep and n and not backend.ahead(Call.columns_possible, call, "auto"):
-        colors = np.arange(n)
-    if colors is not None:
-        n_colors = int(colors.max()) + 1
-        inputs, indicator = backend.indicators(colors, n, n_colors, call.xb)
-        seed = shaped(indicator, call.in_sample)
-        # Diagonal colors: H_ij = 0 for i != j of one color, so (H v_c)_i = H_ii for i in c.
-        passes = _own_products(call, grad_spec, inputs, seed, n_colors, opts.chunk_size, True)
-        diag = passes.sum(0).reshape(B, *call.in_sample)
-        return diag, (backend.zeros_like(diag) if opts.return_stderr else None)
-    directions = _basis(call, None)
-    if planned.coupled:
-        spread, _ = _one_sample_at_a_time(call, directions, None)
-        terms = _own_terms(call, _sweep(call, spread, None, False, opts.chunk_size))
-    else:
-        terms = _sweep(call, directions, None, False, opts.chunk_size)  # (n, B, *out)
-    diag = backend.moveaxis(terms.reshape(n, B), 0, 1).reshape(B, *call.in_sample)
-    return diag, (backend.zeros_like(diag) if opts.return_stderr else None)
-
-
-def _own_products(
-    call: Call,
-    grad_spec: Spec,
-    inputs: Array,
-    seed: Callable[[Array], Array],
-    n_passes: int,
-    chunk_size: int | None,
-    shared: bool,
-    times_tangent: bool = True,
-) -> Array:
-    """``v * H v`` ``(k, B, n)`` for the tangents ``v`` of the passes (``H v`` without
-    ``times_tangent``): Hessian-vector products, JVPs of the per-sample gradient
-    (forward-over-reverse), or its VJPs (``v^T H``, the same by symmetry) where the backend
-    says so (:meth:`~divjac._backend.Backend.pull_hessian_rows`)."""
-    backend, B, n = call.backend, call.batch_size, call.n_in
-    grad_call = prepare(grad_spec, call.args, call.kwargs)
-    linear = backend.linearize(grad_call, backend.pull_hessian_rows(grad_call))
-
-    def own(c: Array, t: Array, pushed: Array) -> Array:
-        return (pushed * t if times_tangent else pushed).reshape(B, n)
-
-    chunk = backend.ahead(Call.chunk, grad_call, n_passes, chunk_size)
-    return linear.passes(inputs, seed, own, chunk, shared=shared)
-
-
-def _shaped(call: Call, err: Array | None) -> Array | None:
-    return None if err is None else err.reshape(call.batch_size, *call.in_sample)
 
 
 def coefficient_of(A: Any, factor: Any) -> tuple[Any, bool]:

@@ -1,0 +1,250 @@
+"""What the second-order operators (:mod:`divjac._second`, :mod:`divjac._hessian`) share:
+their options, the per-sample gradient, the plan of a call's directions (coupling checked, the
+colors of a diagonal coloring of the Hessian pattern), and the directions themselves (the unit
+basis, color indicators, random coordinates), pushed through the backend's second-order Taylor
+sweep in chunks. Imports neither JAX nor PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._backend import Array, Backend
+from ._call import Call, Coupling, Distribution, Spec, check_num_probes, check_option, prepare
+from ._core import checks, estimators as est, stochastic
+from ._divergence import _is_probes
+from ._errors import NumProbesError, OutputError
+from ._transforms import auto_detects
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True)
+class _Options:
+    """The options of a second-order transform."""
+
+    method: str
+    num_probes: int | None
+    distribution: Distribution
+    return_stderr: bool
+    chunk_size: int | None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How a call's directions are chosen, planned ahead of the sweep.
+
+    Attributes:
+        coupled: the function mixes samples (``coupling="exact"``): each direction is placed
+            in one sample at a time.
+        colors: the colors of the Hessian pattern whose indicators are the directions;
+            ``None``: dense (the unit basis).
+    """
+
+    coupled: bool
+    colors: np.ndarray | None
+
+
+# --- the functions and their calls --------------------------------------------------------------
+
+
+def _gradient(
+    backend: Backend[Any], u: Callable[..., Any], argnum: int, has_aux: bool, fname: str
+) -> Any:
+    """The per-sample gradient of ``u`` (of the sum of its output components) w.r.t. argument
+    ``argnum``: a batched function with ``u``'s signature (``(gradient, aux)`` with ``has_aux``)."""
+
+    def gradient(*args: Any, **kwargs: Any) -> Any:
+        at = checks.normalize_argnum(argnum, len(args), fname=fname)
+
+        def values(x: Array) -> Any:
+            return u(*args[:at], x, *args[at + 1 :], **kwargs)
+
+        return backend.grad_of_sum(values, args[at], has_aux=has_aux)
+
+    return gradient
+
+
+def _values(call: Call) -> Callable[[Array], Array]:
+    """The call's batch-first function without its aux."""
+    if call.has_aux:
+        return lambda xb: call.g(xb)[0]
+    return call.g
+
+
+def _aux(call: Call) -> Any:
+    """The call's aux (one more forward evaluation), ``None`` without ``has_aux``."""
+    return call.g(call.xb)[1] if call.has_aux else None
+
+
+def _require_scalar(call: Call) -> None:
+    if math.prod(call.out_sample) != 1:
+        raise OutputError(
+            f"{call.spec.fname}: u must return one scalar per sample (output shape (B,) or "
+            f"(B, 1)); its per-sample output has shape {call.out_sample}. Use laplacian or "
+            "weighted_laplacian (per output component), or jacobian, for vector outputs."
+        )
+
+
+def _unbatch(call: Call, result: Array, batch_axis: int | None) -> Array:
+    """A batch-first result with the layout of ``u``'s output."""
+    if batch_axis is None:
+        return result[0]
+    return call.backend.moveaxis(result, 0, batch_axis % result.ndim)
+
+
+def _plan(call: Call, method: str, stochastic_method: bool) -> _Plan:
+    """Check coupling (raising as ``coupling`` says) and choose the directions: the colors of
+    a diagonal coloring of the detected Hessian pattern (same-colored ``i != j`` have
+    ``H_ij = H_ji = 0``) for ``"sparse"``, and for ``"auto"`` when they are at most half the
+    unit basis."""
+    found = call.detect(per_sample=False)
+    if found.coupling is not None:
+        if stochastic_method:
+            raise checks.coupling_error(found.coupling, fname=call.spec.fname, method=method)
+        return _Plan(True, None)
+    if method not in ("sparse", "auto"):
+        return _Plan(False, None)
+    # The gradient's spec made here: under torch.compile this runs ahead of dynamo's trace,
+    # which cannot take the gradient's closure as an argument.
+    grad_call = prepare(_grad_spec(call.spec), call.args, call.kwargs)
+    if method == "auto" and not auto_detects(grad_call, call.n_in):
+        return _Plan(False, None)  # the colours could not pay for the detection
+    hess = grad_call.detect(per_sample=True, auto=method == "auto")
+    if hess.coupling is not None or hess.pattern is None:  # too dense to finish (auto)
+        return _Plan(False, None)
+    pattern = hess.pattern
+    if method == "auto" and 2 * pattern.n_diagonal_colors > call.n_in:
+        return _Plan(False, None)
+    return _Plan(False, np.asarray(pattern.diagonal_colors, np.int64))
+
+
+def _grad_spec(spec: Spec) -> Spec:
+    """The spec of the per-sample gradient of ``spec``'s function (its Hessian's pattern)."""
+    backend = spec.backend
+    return Spec(
+        backend,
+        _gradient(backend, spec.fun, spec.argnums, spec.has_aux, spec.fname),
+        spec.argnums,
+        spec.batch_axis,
+        spec.has_aux,
+        "exact",  # u's coupling is checked on u itself
+        spec.fname,
+    )
+
+
+# --- directions ---------------------------------------------------------------------------------
+
+
+def _basis(call: Call, colors: np.ndarray | None) -> Array:
+    """Shared directions ``[K, 1, *in]``: the unit basis, or the indicators of ``colors``."""
+    n = call.n_in
+    if colors is None:
+        matrix = np.eye(n)
+    else:
+        n_colors = int(colors.max()) + 1 if colors.size else 0
+        matrix = (colors[None, :] == np.arange(n_colors)[:, None]).astype(float)
+    return call.backend.asarray(matrix.reshape(len(matrix), 1, *call.in_sample), like=call.xb)
+
+
+def _one_sample_at_a_time(
+    call: Call, directions: Array, weights: Array | None
+) -> tuple[Array, Array]:
+    """Directions ``[B*K, B, *in]`` placing each of ``[K, B or 1, *in]`` in one sample only, and
+    the weights ``[B*K, B]`` that keep, in each sample, its own directions' terms (times their
+    ``weights`` ``[K]``): the exact per-sample sums of a function that mixes samples."""
+    backend, B = call.backend, call.batch_size
+    K, n = int(directions.shape[0]), call.n_in
+    flat = directions.reshape(K, -1, n)
+    eye = backend.asarray(np.eye(B), like=call.xb)
+    spread = (eye[:, None, :, None] * flat[None]).reshape(B * K, B, *call.in_sample)
+    w = backend.asarray(np.ones(K), like=call.xb) if weights is None else weights
+    return spread, (eye[:, None, :] * w[None, :, None]).reshape(B * K, B)
+
+
+def _own_terms(call: Call, terms: Array) -> Array:
+    """``[K, B, *out]`` from the per-direction terms ``[B*K, B, *out]`` of
+    :func:`_one_sample_at_a_time`: each sample's terms of its own directions."""
+    B = call.batch_size
+    m = math.prod(call.out_sample)
+    eye = call.backend.asarray(np.eye(B), like=call.xb)
+    own = (terms.reshape(B, -1, B, m) * eye[:, None, :, None]).sum(2)  # (B, K, m)
+    return call.backend.moveaxis(own, 0, 1).reshape(-1, B, *call.out_sample)
+
+
+def _sweep(
+    call: Call, directions: Array, weights: Array | None, collapse: bool, chunk_size: int | None
+) -> Array:
+    """The second-order terms of the sweep of ``directions`` (summed with ``weights`` when
+    ``collapse``), ``chunk_size`` directions at a time."""
+    backend = call.backend
+    K = int(directions.shape[0])
+    chunk = backend.ahead(Call.chunk, call, K, chunk_size)
+    if K == 0:  # an empty sample: no direction, every second-order term is zero
+        passes = () if collapse else (0,)
+        zeros = np.zeros((*passes, call.batch_size, *call.out_sample))
+        return backend.asarray(zeros, like=call.xb)
+    f = _values(call)
+
+    def run(xb: Array, v: Array, w: Array | None) -> Array:
+        return backend.second_order_sweep(f, xb, v, weights=w, collapse=collapse)[2]
+
+    swept = backend.checkpointed(call, -(-K // chunk))(run)
+    parts = []
+    for start in range(0, K, chunk):
+        w = None if weights is None else weights[start : start + chunk]
+        parts.append(swept(call.xb, directions[start : start + chunk], w))
+    if collapse:
+        return sum(parts[1:], parts[0])
+    return parts[0] if len(parts) == 1 else backend.concatenate(parts)
+
+
+def _mean_and_stderr(call: Call, terms: Array, stderr: bool) -> tuple[Array, Array | None]:
+    """Mean over ``k`` of independent terms ``[k, B, *shape]`` and its standard error."""
+    k = int(terms.shape[0])
+    if stderr and k < 2:
+        raise NumProbesError(
+            f"{call.spec.fname}: return_stderr=True needs at least 2 probes (the spread of "
+            "their terms is the error bar); pass num_probes=2 or more."
+        )
+    shape = tuple(terms.shape[1:])
+    mean, err = est.hutchinson_from_terms(terms.reshape(k, -1), stderr=stderr)
+    return mean.reshape(shape), None if err is None else err.reshape(shape)
+
+
+def _num_probes(opts: _Options, n: int) -> int:
+    return opts.num_probes or stochastic.default_num_probes("hutchinson", n)
+
+
+def _coordinates(call: Call, randomness: Any, k: int) -> Array:
+    """``k`` distinct random unit directions per sample, ``[k, B, *in]`` (STDE's jets)."""
+    backend, B, n = call.backend, call.batch_size, call.n_in
+    if _is_probes(backend, randomness):
+        raise NumProbesError(
+            f"{call.spec.fname}: method='stde' samples coordinates itself; pass a source of "
+            f"randomness ({backend.randomness_example}) rather than probes."
+        )
+    order = backend.draw(randomness, (B, n), "gaussian", like=call.xb).argsort(-1)[:, :k]
+    chosen = order[..., None] == backend.arange(n, call.xb)  # (B, k, n)
+    unit = backend.asarray(chosen, like=call.xb)
+    return backend.moveaxis(unit, 1, 0).reshape(k, B, *call.in_sample)
+
+
+def _checked_stderr_budget(call: Call, k: int, least: int = 2) -> None:
+    if k < least:
+        raise NumProbesError(
+            f"{call.spec.fname}: return_stderr=True needs at least {least} probes below n "
+            f"(the error bar is estimated from them); pass num_probes={least} or more."
+        )
+
+
+def _check_options(opts: _Options, coupling: Coupling, methods: Any, fname: str) -> None:
+    check_option("method", opts.method, methods, fname=fname)
+    check_option("distribution", opts.distribution, Distribution, fname=fname)
+    check_option("coupling", coupling, Coupling, fname=fname)
+    check_num_probes(opts.num_probes, fname=fname)

@@ -1,0 +1,198 @@
+"""The per-sample Hessian and its diagonal of a scalar-per-sample function, written once over a
+backend: Jacobian passes of the per-sample gradient (forward-over-reverse), one per color of
+the detected Hessian pattern for ``"sparse"``; the diagonal from Hessian-vector products
+(Hutchinson's estimator, Bekas et al. 2007, or the indicators of a diagonal coloring) or from
+the second-order sweep of the unit basis. Imports neither JAX nor PyTorch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _transforms as T
+from ._backend import Array, Backend
+from ._call import Call, Coupling, DiagonalMethod, Distribution, Mode, Spec, check_option, prepare
+from ._core import estimators as est
+from ._directions import (
+    _aux,
+    _basis,
+    _check_options,
+    _checked_stderr_budget,
+    _grad_spec,
+    _gradient,
+    _num_probes,
+    _one_sample_at_a_time,
+    _Options,
+    _own_terms,
+    _plan,
+    _require_scalar,
+    _sweep,
+)
+from ._divergence import _draw, _itself, _split_randomness
+from ._transforms import per_argnum, shaped, tuple_of
+
+__all__ = ["hessian", "hessian_diagonal"]
+
+
+def hessian(
+    backend: Backend[Any],
+    u: Callable[..., Any],
+    argnums: int | Sequence[int],
+    *,
+    batch_axis: int | None,
+    mode: Mode,
+    chunk_size: int | None,
+    has_aux: bool,
+) -> Callable[..., Any]:
+    """Per-sample Hessians of a scalar-per-sample function (see ``divjac.jax.hessian``): the
+    per-sample Jacobian of its per-sample gradient (forward-over-reverse; ``"sparse"``: one
+    pass per color of the detected Hessian pattern)."""
+    fname = "hessian"
+    check_option("mode", mode, Mode, fname=fname)
+
+    def one(argnum: int) -> Callable[..., Any]:
+        spec = Spec(backend, u, argnum, batch_axis, has_aux, "raise", fname)
+        gradient = _gradient(backend, u, argnum, has_aux, fname)
+        jac = T.jacobian(
+            backend,
+            gradient,
+            argnum,
+            batch_axis=batch_axis,
+            mode=mode,
+            chunk_size=chunk_size,
+            has_aux=has_aux,
+            coupling="exact",  # u's coupling is checked on u itself
+            fname=fname,
+        )
+
+        def hess_fn(*args: Any, **kwargs: Any) -> Any:
+            backend.ahead(_checked_scalar, prepare(spec, args, kwargs))
+            return jac(*args, **kwargs)
+
+        return hess_fn
+
+    return per_argnum(argnums, one, tuple_of(has_aux), fname=fname)
+
+
+def _checked_scalar(call: Call) -> None:
+    """Refuse a function that mixes samples (the per-sample gradient would not see it: a sum
+    over samples of terms each in one sample is per-sample again) or has vector outputs."""
+    call.detect(per_sample=False)
+    _require_scalar(call)
+
+
+def hessian_diagonal(
+    backend: Backend[Any],
+    u: Callable[..., Any],
+    argnums: int | Sequence[int],
+    *,
+    batch_axis: int | None,
+    method: DiagonalMethod,
+    num_probes: int | None,
+    distribution: Distribution,
+    return_stderr: bool,
+    chunk_size: int | None,
+    has_aux: bool,
+    coupling: Coupling,
+) -> Callable[..., Any]:
+    """The diagonal of the per-sample Hessians of a scalar-per-sample function, shaped as the
+    input (see ``divjac.jax.hessian_diagonal``)."""
+    fname = "hessian_diagonal"
+    opts = _Options(method, num_probes, distribution, return_stderr, chunk_size)
+    _check_options(opts, coupling, DiagonalMethod, fname)
+
+    def one(argnum: int) -> Callable[..., Any]:
+        spec = Spec(backend, u, argnum, batch_axis, has_aux, coupling, fname)
+        grad_spec = _grad_spec(spec)
+        hutchinson = method == "hutchinson"
+
+        def diag_fn(*args: Any, **kwargs: Any) -> Any:
+            randomness, args = _split_randomness(backend, hutchinson, args, fname)
+            call = prepare(spec, args, kwargs)
+            diag, err = _diagonal_values(
+                call, opts, randomness[0] if randomness else None, grad_spec
+            )
+            diag = call.unbatch(diag)
+            out = (diag, call.unbatch(err)) if return_stderr else diag
+            return (out, _aux(call)) if has_aux else out
+
+        return diag_fn
+
+    return per_argnum(argnums, one, tuple_of(has_aux), fname=fname)
+
+
+def _diagonal_values(
+    call: Call, opts: _Options, randomness: Any, grad_spec: Spec
+) -> tuple[Array, Array | None]:
+    """``(diagonal, stderr or None)``, batch first ``(B, *in)``."""
+    backend, B, n = call.backend, call.batch_size, call.n_in
+    hutchinson = opts.method == "hutchinson"
+    planned = backend.ahead(_plan, call, opts.method, hutchinson)
+    backend.ahead(_require_scalar, call)
+    # Bekas, Kokiopoulou & Saad: E[v * H v] = diag(H) when E[v v^T] = I; a budget of n
+    # probes or more pays for the exact diagonal (n directions, no error).
+    if hutchinson and _num_probes(opts, n) < n:
+        k = _num_probes(opts, n)
+        probes = _draw(call, randomness, k, opts.distribution)
+        images = _own_products(call, grad_spec, probes, _itself, k, opts.chunk_size, False, False)
+        v = probes.reshape(k, B, n)
+        if not opts.return_stderr:
+            return (v * images).mean(0).reshape(B, *call.in_sample), None
+        # Two probes leave the bound itself too noisy (coverage 0.93, docs/calibration.md).
+        _checked_stderr_budget(call, k, least=3)
+        v, hv = (backend.moveaxis(a, 0, -1) for a in (v, images))
+        mean, err = est.diagonal_mean_and_stderr(v, hv, est.namespace(v))
+        return mean.reshape(B, *call.in_sample), _shaped(call, err)
+    colors = planned.colors
+    # The sweep pushes forward derivatives: where an operation lacks them, Hessian rows.
+    sweep = colors is None and not planned.coupled
+    if sweep and n and not backend.ahead(Call.columns_possible, call, "auto"):
+        colors = np.arange(n)
+    if colors is not None:
+        n_colors = int(colors.max()) + 1
+        inputs, indicator = backend.indicators(colors, n, n_colors, call.xb)
+        seed = shaped(indicator, call.in_sample)
+        # Diagonal colors: H_ij = 0 for i != j of one color, so (H v_c)_i = H_ii for i in c.
+        passes = _own_products(call, grad_spec, inputs, seed, n_colors, opts.chunk_size, True)
+        diag = passes.sum(0).reshape(B, *call.in_sample)
+        return diag, (backend.zeros_like(diag) if opts.return_stderr else None)
+    directions = _basis(call, None)
+    if planned.coupled:
+        spread, _ = _one_sample_at_a_time(call, directions, None)
+        terms = _own_terms(call, _sweep(call, spread, None, False, opts.chunk_size))
+    else:
+        terms = _sweep(call, directions, None, False, opts.chunk_size)  # (n, B, *out)
+    diag = backend.moveaxis(terms.reshape(n, B), 0, 1).reshape(B, *call.in_sample)
+    return diag, (backend.zeros_like(diag) if opts.return_stderr else None)
+
+
+def _own_products(
+    call: Call,
+    grad_spec: Spec,
+    inputs: Array,
+    seed: Callable[[Array], Array],
+    n_passes: int,
+    chunk_size: int | None,
+    shared: bool,
+    times_tangent: bool = True,
+) -> Array:
+    """``v * H v`` ``(k, B, n)`` for the tangents ``v`` of the passes (``H v`` without
+    ``times_tangent``): Hessian-vector products, JVPs of the per-sample gradient
+    (forward-over-reverse), or its VJPs (``v^T H``, the same by symmetry) where the backend
+    says so (:meth:`~divjac._backend.Backend.pull_hessian_rows`)."""
+    backend, B, n = call.backend, call.batch_size, call.n_in
+    grad_call = prepare(grad_spec, call.args, call.kwargs)
+    linear = backend.linearize(grad_call, backend.pull_hessian_rows(grad_call))
+
+    def own(c: Array, t: Array, pushed: Array) -> Array:
+        return (pushed * t if times_tangent else pushed).reshape(B, n)
+
+    chunk = backend.ahead(Call.chunk, grad_call, n_passes, chunk_size)
+    return linear.passes(inputs, seed, own, chunk, shared=shared)
+
+
+def _shaped(call: Call, err: Array | None) -> Array | None:
+    return None if err is None else err.reshape(call.batch_size, *call.in_sample)
