@@ -12,8 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from divjac import DenseFallbackWarning, OptionError, StateUpdateError
-from divjac.torch import divergence, jacobian, sparsity
+from divjac import (
+    DenseFallbackWarning,
+    OptionError,
+    StateUpdateError,
+    UnsupportedOperationError,
+)
+from divjac.torch import divergence, hessian, jacobian, laplacian, sparsity
 
 D = torch.float64
 
@@ -614,6 +619,63 @@ def test_a_custom_op_without_forward_derivative_pulls_rows_one_by_one():
     _check(f, x)
     with pytest.raises(OptionError, match=r"_linear_cross_entropy_batch_chunked_no_reduction"):
         jacobian(f, batch_axis=None, mode="fwd")(x)
+
+
+@pytest.mark.filterwarnings("ignore::divjac.DenseFallbackWarning")
+def test_chunked_linear_cross_entropy_under_inference_mode_is_refused_naming_it():
+    """Under ``torch.inference_mode`` divjac differentiates with ``torch.func``, which cannot
+    run the chunked ``linear_cross_entropy``'s generated ``autograd.Function`` (raw torch
+    ``RuntimeError`` before): a divjac error names the custom operation, first and second
+    order, eagerly or not; under ``torch.no_grad`` the same calls are exact."""
+    f = _chunked_cross_entropy("none")
+    x = torch.randn(8, 3, dtype=D, generator=_gen())
+    square = lambda x: x * f(x)[:, None]  # noqa: E731
+    name = r"_linear_cross_entropy_batch_chunked_no_reduction"
+    calls = {
+        "jacobian": (jacobian(f, batch_axis=None), torch.autograd.functional.jacobian(f, x)),
+        "divergence": (
+            divergence(square, batch_axis=None),
+            torch.autograd.functional.jacobian(square, x).reshape(24, 24).trace(),
+        ),
+    }
+    for transform, want in calls.values():
+        with torch.inference_mode(), pytest.raises(UnsupportedOperationError, match=name):
+            transform(x)
+        with torch.no_grad():
+            torch.testing.assert_close(transform(x), want)
+    # second order: torch's own double backward of it is zero, divjac refuses (any mode)
+    u = lambda x: f(x).sum()  # noqa: E731
+    for transform in (laplacian(u, batch_axis=None), hessian(u, batch_axis=None)):
+        with pytest.raises(UnsupportedOperationError, match=name):
+            transform(x)
+
+
+class _CubeWithoutSetupContext(torch.autograd.Function):
+    """An ``autograd.Function`` in the old style (``forward(ctx, x)``): no ``setup_context``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * g
+
+
+def test_autograd_function_without_setup_context_under_inference_mode_is_refused_naming_it():
+    """The same for a hand-written ``autograd.Function`` without ``setup_context``: named by
+    its class under ``inference_mode``; exact (``3 x^2`` on the diagonal) under ``no_grad``."""
+    x = torch.randn(4, 3, dtype=D, generator=_gen())
+    f = _CubeWithoutSetupContext.apply
+    with (
+        torch.inference_mode(),
+        pytest.raises(UnsupportedOperationError, match="_CubeWithoutSetupContext"),
+    ):
+        jacobian(f)(x)
+    with torch.no_grad():
+        torch.testing.assert_close(jacobian(f)(x), torch.diag_embed(3 * x**2))
 
 
 def test_cdist_rows_under_inference_mode():
