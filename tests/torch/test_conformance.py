@@ -800,6 +800,79 @@ def test_a_custom_op_that_drops_the_gradient_under_vmap_is_refused():
     _check(f, x)
 
 
+# --- per-sample kernels under vmap: no false coupling -------------------------------------------
+
+
+def _per_sample_kernels():
+    g = _gen(3)
+    points = torch.randn(6, 2, dtype=D, generator=g)
+    grid2 = torch.rand(1, 3, 4, 2, dtype=D, generator=g) * 2 - 1
+    grid3 = torch.rand(1, 2, 2, 3, 3, dtype=D, generator=g) * 2 - 1
+    rhs = torch.randn(4, 2, dtype=D, generator=g)
+    pivots = torch.tensor([2, 3, 3], dtype=torch.int32)
+    mask = torch.rand(3, 4, generator=g) > 0.5
+    return {
+        # the fill value 10 read as position 10 (of another sample) by the index maps
+        "masked_fill": (lambda x: x.masked_fill(mask, 10), (3, 4)),
+        "where": (lambda x: torch.where(mask, x, torch.tensor(7)), (3, 4)),
+        # leading axes broadcast: a vmapped x1 against a shared x2
+        "cdist": (lambda x: torch.cdist(x, points), (5, 2)),
+        # vmap folds the samples into the channels (a shared grid): per-channel, not dense
+        "grid_sample": (
+            lambda x: torch.nn.functional.grid_sample(x, grid2, align_corners=False),
+            (1, 2, 4, 5),
+        ),
+        "grid_sampler_3d": (
+            lambda x: torch.nn.functional.grid_sample(x, grid3, align_corners=False),
+            (1, 2, 3, 3, 4),
+        ),
+        "linalg.lstsq": (lambda a: torch.linalg.lstsq(a, rhs).solution, (4, 3)),
+        "lu_unpack": (
+            lambda lu: torch.cat([t.flatten() for t in torch.lu_unpack(lu, pivots)[1:]]),
+            (3, 3),
+        ),
+        "_upsample_bilinear2d_aa": (
+            lambda x: torch.ops.aten._upsample_bilinear2d_aa(x, [3, 4], False),
+            (1, 2, 7, 9),
+        ),
+    }
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # vmap's batching-rule fallback notice
+@pytest.mark.parametrize("name", sorted(_per_sample_kernels()))
+def test_vmapped_per_sample_kernel_is_not_a_false_batch_coupling(name):
+    """``jacobian`` of ``vmap(f)`` for a per-sample ``f`` of one of these kernels raised a false
+    ``BatchCouplingError`` (the OpInfo sweep's batched column): it equals every sample's own
+    Jacobian, and the batched pattern holds every nonzero of the dense batched Jacobian."""
+    f, shape = _per_sample_kernels()[name]
+    g = _gen(4)
+    xb = torch.randn(2, *shape, dtype=D, generator=g)
+    if name == "lu_unpack":
+        xb = xb + 3 * torch.eye(3, dtype=D)
+    fb = torch.func.vmap(f)
+    # plain backward passes (torch 2.13's vmapped backward of cdist is wrong: no jacrev)
+    want = torch.stack([torch.autograd.functional.jacobian(f, s) for s in xb])
+    torch.testing.assert_close(jacobian(fb)(xb), want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(jacobian(fb, mode="sparse")(xb), want, rtol=1e-10, atol=1e-12)
+    dense = torch.autograd.functional.jacobian(fb, xb)  # (2, *out, 2, *in): zero across samples
+    n_out, n_in = want[0].numel() // xb[0].numel(), xb[0].numel()
+    blocks = dense.reshape(2, n_out, 2, n_in)
+    assert not blocks[0, :, 1].any() and not blocks[1, :, 0].any()
+    pattern = sparsity(fb)(xb).csr.toarray().astype(bool)  # per sample (n_out, n_in)
+    nonzero = (want.reshape(2, n_out, n_in) != 0).any(0).numpy()
+    assert not (nonzero & ~pattern).any()
+
+
+def test_masked_fill_pattern_has_no_false_dependence_on_the_fill_value():
+    """``masked_fill(x, mask, 10)``: the filled elements depend on nothing (they read as
+    position 10 before), the others on themselves: the pattern is exactly the Jacobian's."""
+    f, shape = _per_sample_kernels()["masked_fill"]
+    x = torch.randn(*shape, dtype=D, generator=_gen(5))
+    want = torch.autograd.functional.jacobian(f, x).reshape(x.numel(), x.numel()) != 0
+    pattern = sparsity(f, batch_axis=None)(x).csr.toarray().astype(bool)
+    assert (pattern == want.numpy()).all()
+
+
 # --- regressions found by the full sweep of 2026-12-02 ---------------------------------------------
 
 
