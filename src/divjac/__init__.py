@@ -29,6 +29,7 @@ from ._errors import (
     RuleError as RuleError,
     StateUpdateError as StateUpdateError,
     UnexpectedRandomnessError as UnexpectedRandomnessError,
+    UnsupportedOperationError as UnsupportedOperationError,
 )
 
 __version__ = "0.1.0"
@@ -72,6 +73,7 @@ __all__ = [
     "RuleError",
     "StateUpdateError",
     "UnexpectedRandomnessError",
+    "UnsupportedOperationError",
     "__version__",
     "clear_caches",
 ]

@@ -111,6 +111,12 @@ class StateUpdateError(DivjacError, RuntimeError):
     which evaluates it more than once, would apply the update several times."""
 
 
+class UnsupportedOperationError(DivjacError, RuntimeError):
+    """The function runs an operation that the framework itself cannot differentiate the way the
+    transform needs (a ``torch.library`` custom operation under ``torch.func`` transforms, a JAX
+    ``custom_jvp`` rule that cannot be differentiated again); the message names it."""
+
+
 class CompileError(DivjacError, RuntimeError):
     """A transform was called under a framework's compiler (``torch.compile``) on a function
     its compiled passes do not support."""

@@ -21,6 +21,7 @@ import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -272,10 +273,11 @@ CASES: list[Case] = [
             ("softmax", "real"),
             ("sinc", "real"),
             ("expi", "pos"),
-            ("exp1", "pos"),
         ]
         if hasattr(jss, n)
     ),
+    # JAX cannot differentiate exp1 twice (jax.hessian fails): see test_exp1_second_order_...
+    Case("jss.exp1", jss.exp1, domain="pos", second=False),
     Case("jss.xlogy", lambda x: jss.xlogy(x, x + 1), domain="pos"),
     Case("jss.xlog1py", lambda x: jss.xlog1py(x, x), domain="pos"),
     Case("jss.polygamma", lambda x: jss.polygamma(1, x), domain="pos"),
@@ -461,9 +463,6 @@ def check_case(case: Case) -> None:
 FAST = ["jnp.complex_abs", "scatter.add", "jnp.linalg.solve"]
 # Known defects (xfail, strict: they fail the sweep once fixed, to be moved back).
 KNOWN = {
-    # custom_jvp rules that close over tracers of f's trace: the second-order sweep rebinds
-    # the traced equation after that trace is over (a raw "No constant handler" TypeError).
-    "jss.exp1": "second-order sweep through a custom_jvp closing over f's tracers",
     # not divjac's: JAX's jacrev cannot differentiate its while_loop (the reference fails)
     "jsp.linalg.eigh_tridiagonal": "jax.jacrev cannot differentiate it",
 }
@@ -567,3 +566,72 @@ def test_sparse_jacobian_of_a_piecewise_constant_function_is_zero():
     for fn in (jnp.sign, jnp.floor):
         got = jacobian(fn, mode="sparse")(x)
         np.testing.assert_array_equal(got, np.zeros((2, 4, 4)))
+
+
+# --- custom_jvp rules JAX cannot differentiate again ---------------------------------------------
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _power(k, x):
+    return x**k
+
+
+@_power.defjvp
+@jax.jit  # the rule's k is traced, and passed on to _power: expn's shape
+def _power_jitted_rule(k, primals, tangents):
+    ((x,), (t,)) = primals, tangents
+    return _power(k, x), k * _power(k - 1, x) * t
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _power_plain(k, x):
+    return x**k
+
+
+@_power_plain.defjvp
+def _power_plain_rule(k, primals, tangents):
+    ((x,), (t,)) = primals, tangents
+    return _power_plain(k, x), k * _power_plain(k - 1, x) * t
+
+
+def _second_order_refused(u, x, name):
+    """JAX's own Hessian of ``u`` fails (a tracer of the rule's ended trace), and divjac's
+    second-order transforms raise :class:`UnsupportedOperationError` naming ``name``, eagerly
+    and under the caller's ``jax.jit`` (whose compiler, not divjac, would have failed)."""
+    with pytest.raises((TypeError, jax.errors.UnexpectedTracerError)):
+        jax.vmap(jax.hessian(u))(x)
+    ub = jax.vmap(u)
+    for transform in (
+        laplacian(ub),
+        laplacian(ub, method="exact"),
+        laplacian(ub, method="sparse"),
+        hessian_diagonal(ub),
+        jax.jit(laplacian(ub)),
+    ):
+        with pytest.raises(divjac.UnsupportedOperationError, match=name):
+            transform(x)
+    with pytest.raises(divjac.UnsupportedOperationError, match="custom_jvp"):
+        divergence(jax.vmap(jax.grad(u)))(x)
+
+
+def test_exp1_second_order_is_refused_naming_expn():
+    """``jax.scipy.special.exp1`` is ``expn(1, x)``, whose jitted JVP rule calls ``expn`` with
+    the order as a traced value: JAX's ``jax.hessian`` of it fails, so no second-order result
+    exists; divjac names ``expn`` (no raw JAX TypeError). First order stays exact against
+    ``exp1' = -exp(-x)/x``."""
+    x = jnp.abs(jax.random.normal(jax.random.key(0), (2, 3))) + 0.2
+    _second_order_refused(lambda s: jnp.sum(jss.exp1(s)), x, "expn")
+    want = jax.vmap(jnp.diag)(-jnp.exp(-x) / x)
+    np.testing.assert_allclose(jacobian(jss.exp1)(x), want, rtol=1e-12)
+
+
+def test_user_custom_jvp_with_a_jitted_rule_passing_a_traced_argument_is_refused():
+    """A user's ``custom_jvp`` of exp1's shape (a jitted rule passing its traced
+    non-differentiable argument to a ``custom_jvp`` function) is refused naming it; the same
+    function with a plain rule gets the Laplacian of ``jax.hessian`` (float64)."""
+    x = jax.random.normal(jax.random.key(1), (2, 3))
+    _second_order_refused(lambda s: jnp.sum(jnp.sin(_power(3, s))), x, "_power")
+    u = lambda s: jnp.sum(jnp.sin(_power_plain(3, s)))  # noqa: E731
+    want = jax.vmap(lambda s: jnp.trace(jax.hessian(u)(s)))(x)
+    np.testing.assert_allclose(laplacian(jax.vmap(u))(x), want, rtol=1e-12)
+    np.testing.assert_allclose(hessian_diagonal(jax.vmap(u))(x).sum(1), want, rtol=1e-12)

@@ -12,8 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from divjac import DenseFallbackWarning, OptionError, StateUpdateError
-from divjac.torch import divergence, jacobian, sparsity
+from divjac import (
+    DenseFallbackWarning,
+    OptionError,
+    StateUpdateError,
+    UnsupportedOperationError,
+)
+from divjac.torch import divergence, hessian, jacobian, laplacian, sparsity
 
 D = torch.float64
 
@@ -616,6 +621,63 @@ def test_a_custom_op_without_forward_derivative_pulls_rows_one_by_one():
         jacobian(f, batch_axis=None, mode="fwd")(x)
 
 
+@pytest.mark.filterwarnings("ignore::divjac.DenseFallbackWarning")
+def test_chunked_linear_cross_entropy_under_inference_mode_is_refused_naming_it():
+    """Under ``torch.inference_mode`` divjac differentiates with ``torch.func``, which cannot
+    run the chunked ``linear_cross_entropy``'s generated ``autograd.Function`` (raw torch
+    ``RuntimeError`` before): a divjac error names the custom operation, first and second
+    order, eagerly or not; under ``torch.no_grad`` the same calls are exact."""
+    f = _chunked_cross_entropy("none")
+    x = torch.randn(8, 3, dtype=D, generator=_gen())
+    square = lambda x: x * f(x)[:, None]  # noqa: E731
+    name = r"_linear_cross_entropy_batch_chunked_no_reduction"
+    calls = {
+        "jacobian": (jacobian(f, batch_axis=None), torch.autograd.functional.jacobian(f, x)),
+        "divergence": (
+            divergence(square, batch_axis=None),
+            torch.autograd.functional.jacobian(square, x).reshape(24, 24).trace(),
+        ),
+    }
+    for transform, want in calls.values():
+        with torch.inference_mode(), pytest.raises(UnsupportedOperationError, match=name):
+            transform(x)
+        with torch.no_grad():
+            torch.testing.assert_close(transform(x), want)
+    # second order: torch's own double backward of it is zero, divjac refuses (any mode)
+    u = lambda x: f(x).sum()  # noqa: E731
+    for transform in (laplacian(u, batch_axis=None), hessian(u, batch_axis=None)):
+        with pytest.raises(UnsupportedOperationError, match=name):
+            transform(x)
+
+
+class _CubeWithoutSetupContext(torch.autograd.Function):
+    """An ``autograd.Function`` in the old style (``forward(ctx, x)``): no ``setup_context``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * g
+
+
+def test_autograd_function_without_setup_context_under_inference_mode_is_refused_naming_it():
+    """The same for a hand-written ``autograd.Function`` without ``setup_context``: named by
+    its class under ``inference_mode``; exact (``3 x^2`` on the diagonal) under ``no_grad``."""
+    x = torch.randn(4, 3, dtype=D, generator=_gen())
+    f = _CubeWithoutSetupContext.apply
+    with (
+        torch.inference_mode(),
+        pytest.raises(UnsupportedOperationError, match="_CubeWithoutSetupContext"),
+    ):
+        jacobian(f)(x)
+    with torch.no_grad():
+        torch.testing.assert_close(jacobian(f)(x), torch.diag_embed(3 * x**2))
+
+
 def test_cdist_rows_under_inference_mode():
     """The torch.func passes (inference mode) pull cdist's rows one by one too."""
     other = torch.randn(9, 2, dtype=D, generator=_gen(1))
@@ -736,6 +798,79 @@ def test_a_custom_op_that_drops_the_gradient_under_vmap_is_refused():
     with pytest.raises(OptionError, match=r"_linear_cross_entropy_batch_chunked"):
         jacobian(torch.func.vmap(f))(xb)
     _check(f, x)
+
+
+# --- per-sample kernels under vmap: no false coupling -------------------------------------------
+
+
+def _per_sample_kernels():
+    g = _gen(3)
+    points = torch.randn(6, 2, dtype=D, generator=g)
+    grid2 = torch.rand(1, 3, 4, 2, dtype=D, generator=g) * 2 - 1
+    grid3 = torch.rand(1, 2, 2, 3, 3, dtype=D, generator=g) * 2 - 1
+    rhs = torch.randn(4, 2, dtype=D, generator=g)
+    pivots = torch.tensor([2, 3, 3], dtype=torch.int32)
+    mask = torch.rand(3, 4, generator=g) > 0.5
+    return {
+        # the fill value 10 read as position 10 (of another sample) by the index maps
+        "masked_fill": (lambda x: x.masked_fill(mask, 10), (3, 4)),
+        "where": (lambda x: torch.where(mask, x, torch.tensor(7)), (3, 4)),
+        # leading axes broadcast: a vmapped x1 against a shared x2
+        "cdist": (lambda x: torch.cdist(x, points), (5, 2)),
+        # vmap folds the samples into the channels (a shared grid): per-channel, not dense
+        "grid_sample": (
+            lambda x: torch.nn.functional.grid_sample(x, grid2, align_corners=False),
+            (1, 2, 4, 5),
+        ),
+        "grid_sampler_3d": (
+            lambda x: torch.nn.functional.grid_sample(x, grid3, align_corners=False),
+            (1, 2, 3, 3, 4),
+        ),
+        "linalg.lstsq": (lambda a: torch.linalg.lstsq(a, rhs).solution, (4, 3)),
+        "lu_unpack": (
+            lambda lu: torch.cat([t.flatten() for t in torch.lu_unpack(lu, pivots)[1:]]),
+            (3, 3),
+        ),
+        "_upsample_bilinear2d_aa": (
+            lambda x: torch.ops.aten._upsample_bilinear2d_aa(x, [3, 4], False),
+            (1, 2, 7, 9),
+        ),
+    }
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # vmap's batching-rule fallback notice
+@pytest.mark.parametrize("name", sorted(_per_sample_kernels()))
+def test_vmapped_per_sample_kernel_is_not_a_false_batch_coupling(name):
+    """``jacobian`` of ``vmap(f)`` for a per-sample ``f`` of one of these kernels raised a false
+    ``BatchCouplingError`` (the OpInfo sweep's batched column): it equals every sample's own
+    Jacobian, and the batched pattern holds every nonzero of the dense batched Jacobian."""
+    f, shape = _per_sample_kernels()[name]
+    g = _gen(4)
+    xb = torch.randn(2, *shape, dtype=D, generator=g)
+    if name == "lu_unpack":
+        xb = xb + 3 * torch.eye(3, dtype=D)
+    fb = torch.func.vmap(f)
+    # plain backward passes (torch 2.13's vmapped backward of cdist is wrong: no jacrev)
+    want = torch.stack([torch.autograd.functional.jacobian(f, s) for s in xb])
+    torch.testing.assert_close(jacobian(fb)(xb), want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(jacobian(fb, mode="sparse")(xb), want, rtol=1e-10, atol=1e-12)
+    dense = torch.autograd.functional.jacobian(fb, xb)  # (2, *out, 2, *in): zero across samples
+    n_out, n_in = want[0].numel() // xb[0].numel(), xb[0].numel()
+    blocks = dense.reshape(2, n_out, 2, n_in)
+    assert not blocks[0, :, 1].any() and not blocks[1, :, 0].any()
+    pattern = sparsity(fb)(xb).csr.toarray().astype(bool)  # per sample (n_out, n_in)
+    nonzero = (want.reshape(2, n_out, n_in) != 0).any(0).numpy()
+    assert not (nonzero & ~pattern).any()
+
+
+def test_masked_fill_pattern_has_no_false_dependence_on_the_fill_value():
+    """``masked_fill(x, mask, 10)``: the filled elements depend on nothing (they read as
+    position 10 before), the others on themselves: the pattern is exactly the Jacobian's."""
+    f, shape = _per_sample_kernels()["masked_fill"]
+    x = torch.randn(*shape, dtype=D, generator=_gen(5))
+    want = torch.autograd.functional.jacobian(f, x).reshape(x.numel(), x.numel()) != 0
+    pattern = sparsity(f, batch_axis=None)(x).csr.toarray().astype(bool)
+    assert (pattern == want.numpy()).all()
 
 
 # --- regressions found by the full sweep of 2026-12-02 ---------------------------------------------

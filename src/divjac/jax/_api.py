@@ -8,6 +8,7 @@ has the same functions with the same signatures. The shared docstring text comes
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
@@ -33,6 +34,7 @@ from .._core.plan import STOCHASTIC_METHODS
 from .._docs import documented
 from . import _detect, _eager
 from ._backend import BACKEND
+from ._refusals import leaked_tracers_refused
 
 __all__ = [
     "bilaplacian",
@@ -64,8 +66,9 @@ def _compiled_when_eager(
     **options: Any,
 ) -> Callable[..., Any]:
     """``transform(BACKEND, f, argnums, **options)``, run as one cached compiled program when
-    called outside ``jax.jit`` (:mod:`divjac.jax._eager`)."""
-    return _eager.compiled_when_eager(
+    called outside ``jax.jit`` (:mod:`divjac.jax._eager`); JAX's failures to differentiate a
+    ``custom_jvp`` rule are named (:mod:`divjac.jax._refusals`)."""
+    call = _eager.compiled_when_eager(
         lambda g: transform(BACKEND, g, argnums, **options),
         f,
         (transform.__name__, argnums, tuple(sorted(options.items()))),
@@ -73,6 +76,13 @@ def _compiled_when_eager(
         functional=BACKEND.functional,
         randomness=lambda r: BACKEND.is_randomness(r) or D._is_probes(BACKEND, r),
     )
+
+    @functools.wraps(call)
+    def refusing(*args: Any, **kwargs: Any) -> Any:
+        with leaked_tracers_refused(transform.__name__):
+            return call(*args, **kwargs)
+
+    return refusing
 
 
 def _randomness(method: str) -> int:

@@ -42,6 +42,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from . import _sharding
+from ._refusals import check_differentiable_twice
 from ._sink import _Bcast, _bind, _eval, _lift, _Passes, _real, varying_like
 
 __all__ = ["second_order_sweep"]
@@ -201,6 +202,8 @@ class _Sweep:
         if name == "dot_general":
             ((y, t, s),) = self.linear(eqn, ins, dep)
             return [(y, t, self.add(s, self.dot_curvature(eqn, ins[0][1], ins[1][1])))]
+        if name == "custom_jvp_call":
+            check_differentiable_twice(eqn)
         return self.fallback(eqn, ins, dep)
 
     def linear(self, eqn: Any, ins: list[_Value], dep: list[int]) -> list[_Value]:

@@ -23,6 +23,7 @@ synchronized (grad mode off, ``no_sync()``, one process).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import sys
 import weakref
@@ -35,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils import _pytree as pytree
 
 from .._errors import DDPError
+from ._refusals import functorch_refusals
 
 __all__ = ["check_synchronized", "transform", "unwrapped"]
 
@@ -61,10 +63,19 @@ def transform(
 ) -> Transform:
     """``make(backend, f, *args, **kwargs)`` (a transform of :mod:`divjac._transforms` or
     :mod:`divjac._divergence`); for a DDP wrapper, that of ``f.module``, each call run inside
-    the wrapper's forward machinery."""
+    the wrapper's forward machinery. ``torch.func``'s refusals of an ``autograd.Function`` are
+    named (:mod:`divjac.torch._refusals`)."""
     if isinstance(f, DDP):
-        return _synchronized(f, make(backend, f.module, *args, **kwargs), make.__name__)
-    return make(backend, f, *args, **kwargs)
+        call = _synchronized(f, make(backend, f.module, *args, **kwargs), make.__name__)
+    else:
+        call = make(backend, f, *args, **kwargs)
+
+    @functools.wraps(call)
+    def refusing(*args: Any, **kwargs: Any) -> Any:
+        with functorch_refusals(make.__name__):
+            return call(*args, **kwargs)
+
+    return refusing
 
 
 def _synchronized(ddp: DDP, inner: Transform, fname: str) -> Transform:

@@ -165,11 +165,15 @@ class Graph:
         arguments do not overlap), as float64 (exact below 2**53); float scalars (fill values)
         become 0; integer and boolean arguments (indices, masks) keep their constant values.
         Running the operation then gives, for every output element, the position it copies
-        (0: a constant). ``zero_unknown`` replaces unknown indices by zeros (a mask by ones):
+        (0: a constant). An integer fill value (``masked_fill(x, mask, 10)``, a ``where`` with
+        an integer tensor) would read as a position: the operation runs a second time with every
+        position shifted by their count, and the elements that did not move are constants
+        (they copied no argument). ``zero_unknown`` replaces unknown indices by zeros (a mask by ones):
         with the data smeared along the axes they index (the unknown-index smear of
         :func:`divjac._core.rules.gather_rule`), that bounds every possible index.
         """
         sources: list[Any] = []
+        encoded: list[torch.Tensor] = []
         offset = 0
 
         def encode(a: Any) -> Any:
@@ -183,7 +187,9 @@ class Graph:
                     ids = torch.arange(offset + 1, offset + n + 1, dtype=torch.float64)
                     sources.append(a)
                     offset += n
-                    return ids.reshape(shape(val))
+                    ids = ids.reshape(shape(val))
+                    encoded.append(ids)
+                    return ids
                 value = self.value(a)
                 if value is None:
                     if not zero_unknown:
@@ -208,20 +214,32 @@ class Graph:
         strided = packet(target) in ("as_strided", "as_strided_copy", "as_strided_scatter")
         if strided and not _strides_are_safe(node):
             return None
+        shifted = {id(ids): ids + offset for ids in encoded}
+
+        def shift(a: Any) -> Any:
+            return shifted.get(id(a), a.clone()) if isinstance(a, torch.Tensor) else a
+
+        moved_args, moved_kwargs = pytree.tree_map(shift, (args, kwargs))
         try:
             with torch.no_grad():
                 out = target(*args, **kwargs)
+                moved_out = target(*moved_args, **moved_kwargs)
         except Exception:
             return None
         results = list(out) if isinstance(out, tuple | list) else [out]
+        moved = list(moved_out) if isinstance(moved_out, tuple | list) else [moved_out]
         vals = outputs(node)
         src: list[np.ndarray | None] = [None] * len(vals)
-        for k, (o, val) in enumerate(zip(results, vals, strict=False)):
+        for k, (o, o2, val) in enumerate(zip(results, moved, vals, strict=False)):
             if not inexact(o) or not inexact(val):
                 continue
             if tuple(o.shape) != shape(val):
                 return None  # a data-dependent shape: the replaced indices do not tell
             positions = o.detach().real.to(torch.float64).round().to(torch.int64)
+            step = o2.detach().real.to(torch.float64).round().to(torch.int64) - positions
+            if not bool(((step == 0) | (step == offset)).all()):
+                return None  # not a copy of one element (cannot be read as positions)
+            positions = torch.where(step == 0, 0, positions)  # constants copy no argument
             src[k] = positions.cpu().numpy() - 1
         return sources, src
 

@@ -145,8 +145,10 @@ add(
 )  # fmt: skip
 
 
-def _index_axes(node: torch.fx.Node) -> tuple[Any, list[int]]:
-    """The data argument of an indexing operation and the axes its indices point along."""
+def _index_axes(g: Graph, node: torch.fx.Node) -> tuple[Any, list[int]]:
+    """The data argument of an indexing operation and the axes its unknown indices point along
+    (those of ``index``'s known indices are read exactly: a grid sampler's unknown pixel
+    indices keep its batch and channel indices, which are ranges)."""
     name = packet(node.target)
     b = bind(node)
     data = b.get("self", b.get("weight"))
@@ -161,7 +163,7 @@ def _index_axes(node: torch.fx.Node) -> tuple[Any, list[int]]:
             span = 1
             if isinstance(ix, torch.fx.Node) and ix.meta["val"].dtype in (torch.bool, torch.uint8):
                 span = ix.meta["val"].ndim
-            if ix is not None:
+            if ix is not None and g.value(ix) is None:
                 axes += list(range(pos, pos + span))
             pos += span
         return data, axes
@@ -178,7 +180,7 @@ def _indexing(g: Graph, node: torch.fx.Node) -> Extracted | None:
     if found is None:
         return None
     sources, src = found
-    data, axes = _index_axes(node)
+    data, axes = _index_axes(g, node)
     return sources, {"src": src, "unknown": {i: axes for i, s in enumerate(sources) if s is data}}
 
 
@@ -312,17 +314,39 @@ add(["matmul"], D.dot_rule, _matmul)
 
 
 def _cdist(g: Graph, node: torch.fx.Node) -> Extracted | None:
-    """Pairwise distances: ``out[..., i, j]`` reads row ``i`` of ``x1`` and row ``j`` of ``x2``."""
+    """Pairwise distances: ``out[..., i, j]`` reads row ``i`` of ``x1`` and row ``j`` of ``x2``;
+    the leading (batch) axes broadcast (a vmapped ``x1`` against a shared ``x2``)."""
     x1, x2 = node.args[0], node.args[1]
     s1, s2 = g.deps(x1).shape, g.deps(x2).shape
-    if len(s1) != len(s2) or s1[:-2] != s2[:-2]:
+    try:
+        lead = tuple(np.broadcast_shapes(s1[:-2], s2[:-2]))
+    except ValueError:
         return None
-    lead = list(range(len(s1) - 2))
-    last = len(s1) - 1
-    return [x1, x2], {"contracting": ([last], [last]), "batch": (lead, lead)}
+    return [x1, x2], {"lead": lead}
 
 
-add(["_cdist_forward", "_euclidean_dist"], D.dot_rule, _cdist)
+def _cdist_rule(op: Op) -> list[Deps]:
+    """``dot_general`` of the operands broadcast to their common leading axes, contracting the
+    last (the coordinates) and batched over the leading ones."""
+    lead = op.params["lead"]
+    shapes = [(*lead, *d.shape[-2:]) for d in op.ins[:2]]
+    values = op.values
+
+    def broadcast(i: int) -> np.ndarray | None:
+        value = values(i)
+        return None if value is None else np.broadcast_to(value, shapes[i])
+
+    n = len(lead)
+    return D.dot_rule(
+        op.replace(
+            ins=[D.broadcast_to(d, s) for d, s in zip(op.ins[:2], shapes, strict=True)],
+            values=broadcast,
+            params={"contracting": ([n + 1], [n + 1]), "batch": ([*range(n)],) * 2},
+        )
+    )
+
+
+add(["_cdist_forward", "_euclidean_dist"], _cdist_rule, _cdist)
 
 
 def _trilinear(op: Op) -> list[Deps]:
@@ -362,7 +386,8 @@ add(
      "linalg_inv_ex", "linalg_inv", "_linalg_det", "linalg_det", "_linalg_slogdet",
      "linalg_cholesky_ex", "cholesky", "linalg_lu_factor_ex", "linalg_lu", "linalg_qr",
      "cholesky_inverse", "linalg_householder_product", "linalg_pinv", "linalg_matrix_exp",
-     "_linalg_check_errors", "linalg_ldl_factor_ex", "geqrf", "ormqr"],
+     "_linalg_check_errors", "linalg_ldl_factor_ex", "geqrf", "ormqr", "lu_unpack",
+     "linalg_lstsq"],
     D.batched_rule,
     _batched,
 )  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -316,39 +317,107 @@ add(
     _pool_backward,
 )  # fmt: skip
 
+# Elements of a forward resize's probe (the identity along one axis times the image) beyond
+# which the rule takes every plane as dense.
+_PROBE_ELEMENTS = 1 << 22
 _SCALES = {1: ("scales",), 2: ("scales_h", "scales_w"), 3: ("scales_d", "scales_h", "scales_w")}
 
 
 def _upsample_backward(g: Graph, node: torch.fx.Node) -> Extracted:
-    """Each input element collects the gradients of the outputs that read it. Resizes are
-    separable: the pairs of one axis are those of the same gradient along that axis alone (the
-    other axes of length one), applied to the identity; weights that are zero are true zeros
-    (they do not depend on the input)."""
+    """Each input element collects the gradients of the outputs that read it (the pairs of
+    :func:`_resize_maps`, from the gradient to the input)."""
+    grad = bind(node)["grad_output"]
+    return [grad], {"maps": _resize_maps(node, "grad_output", g.deps(grad).shape, backward=True)}
+
+
+def _upsample(g: Graph, node: torch.fx.Node) -> Extracted:
+    """The resizes without a decomposition (the anti-aliased ones): each output element reads
+    the input elements of its window, every (batch, channel) plane apart. The other axes of a
+    probe keep their sizes (these kernels treat an axis of length one apart); where that probe
+    would be large, every plane is taken as dense (``maps`` ``None``)."""
+    x = bind(node)["self"]
+    in_shape = g.deps(x).shape
+    probe = max(in_shape[2:], default=1) * math.prod(in_shape[2:])
+    if probe > _PROBE_ELEMENTS:
+        return [x], {"maps": None}
+    return [x], {"maps": _resize_maps(node, "self", in_shape, backward=False)}
+
+
+def _upsample_rule(op: Op) -> list[Deps]:
+    if op.params["maps"] is None:
+        return D.batched_rule(op.replace(params={"lead": 2}))
+    return D.axis_maps_rule(op)
+
+
+def _resize_maps(
+    node: torch.fx.Node, source: str, source_shape: Sequence[int], *, backward: bool
+) -> list[Any]:
+    """Which elements of the resize's output read which of its argument ``source``, per
+    spatial axis. Resizes are separable: the pairs of one axis are those of the same resize
+    applied to the identity along that axis (the other axes of length one for the backward
+    kernels, of their own sizes and constant for the forward ones); weights that are zero are
+    true zeros (they do not depend on the input)."""
     b = bind(node)
-    grad = b["grad_output"]
-    grad_shape = g.deps(grad).shape
-    in_shape = shape(node.meta["val"])
-    nd = len(in_shape) - 2
+    out_shape = shape(node.meta["val"])
+    nd = len(out_shape) - 2
     dtype = node.args[0].meta["val"].dtype  # type: ignore[union-attr]
     if dtype not in (torch.float32, torch.float64):
         dtype = torch.float64
     maps = []
     for j in range(nd):
         axis = 2 + j
-        n_out, n_in = grad_shape[axis], in_shape[axis]
-        out_size, in_size = [1] * nd, [1] * nd
-        out_size[j], in_size[j] = n_out, n_in
+        n_src, n_dst = source_shape[axis], out_shape[axis]
+        if backward:
+            src_size, dst_size = [1] * nd, [1] * nd
+        else:
+            src_size, dst_size = list(source_shape[2:]), list(out_shape[2:])
+        src_size[j], dst_size[j] = n_src, n_dst
+        eye = torch.eye(n_src, dtype=dtype).reshape(
+            n_src, 1, *[n_src if k == j else 1 for k in range(nd)]
+        )
         args = dict(b)
-        args["grad_output"] = torch.eye(n_out, dtype=dtype).reshape(n_out, 1, *out_size)
-        args["output_size"], args["input_size"] = out_size, [n_out, 1, *in_size]
+        args[source] = eye.expand(n_src, 1, *src_size).contiguous()
+        if backward:  # output_size: the forward's output (the gradient's), input_size: ours
+            args["output_size"], args["input_size"] = src_size, [n_src, 1, *dst_size]
+        else:
+            args["output_size"] = dst_size
         for k, name in enumerate(_SCALES[nd]):
             if k != j:
                 args[name] = None
         with torch.no_grad():
             pulled = node.target(**args)  # type: ignore[operator]
-        reads, inputs = np.nonzero(pulled.reshape(n_out, n_in).numpy())
-        maps.append((axis, n_in, inputs, reads))
-    return [grad], {"maps": maps}
+        read = (pulled != 0).movedim(axis, -1).flatten(1, -2).any(1)  # over the others
+        reads, writes = np.nonzero(read.reshape(n_src, n_dst).numpy())
+        maps.append((axis, n_dst, writes, reads))
+    return maps
+
+
+def _grid_sampler_rule(op: Op) -> list[Deps]:
+    """``grid_sampler_3d`` (no decomposition; the 2-d one has): an output plane ``(n, c)``
+    reads its input plane ``(n, c)`` and the grid of ``n``, at points the grid chooses (so
+    each plane is taken as dense)."""
+    (s,) = op.out_shapes
+    parts = [
+        D.batched_dense(d, len(d.shape) - lead, s, len(s) - lead)
+        for d, lead in zip(op.ins[:2], (2, 1), strict=True)
+        if not d.is_empty
+    ]
+    return [D.union(op.empty(0), *parts)]
+
+
+def _grid_sampler(g: Graph, node: torch.fx.Node) -> Extracted:
+    b = bind(node)
+    return [b["input"], b["grid"]], {}
+
+
+add(["grid_sampler_3d"], _grid_sampler_rule, _grid_sampler)
+
+
+add(
+    ["_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa", "_upsample_lanczos2d_aa"],
+    _upsample_rule,
+    _upsample,
+)
 
 
 add(

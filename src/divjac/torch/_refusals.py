@@ -1,0 +1,68 @@
+"""``torch.func``'s refusal of an ``autograd.Function`` it cannot transform, as a divjac error.
+
+``torch.func`` transforms run an ``autograd.Function`` only if it defines ``setup_context``;
+the ``Function`` that ``torch.library`` generates for a custom operation's registered autograd
+does not (torch 2.13: the chunked ``linear_cross_entropy``), nor do many written by hand. divjac
+differentiates with ``torch.func`` where torch's autograd tape cannot: under
+``torch.inference_mode`` (no tape records there), inside the caller's own ``torch.func``
+transforms, and for second-order results. There torch raises a ``RuntimeError`` that names no
+operation; :func:`functorch_refusals` raises :class:`~divjac.UnsupportedOperationError` naming
+the custom operation (or the ``Function``) from the frame that applied it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterator
+
+import torch
+
+from .._errors import UnsupportedOperationError
+
+__all__ = ["functorch_refusals"]
+
+_REFUSAL = "autograd.Function with functorch transforms"
+
+
+@contextlib.contextmanager
+def functorch_refusals(fname: str) -> Iterator[None]:
+    """Re-raise ``torch.func``'s refusal of an ``autograd.Function`` without ``setup_context``
+    as :class:`UnsupportedOperationError` naming it; any other error passes unchanged."""
+    try:
+        yield
+    except RuntimeError as err:
+        if _REFUSAL not in str(err):
+            raise
+        raise UnsupportedOperationError(
+            f"{fname}: the function runs {_applied(err)}, an autograd.Function that "
+            "torch.func transforms cannot run (it has no setup_context; torch.library "
+            "generates such a Function for a custom operation's autograd). divjac "
+            "differentiates with torch.func under torch.inference_mode, inside torch.func "
+            "transforms and for second-order results (laplacian, hessian and the like). For "
+            "first-order results, call it outside inference_mode (torch.no_grad() gives the "
+            "same results without a graph) and outside torch.func; or use a path of the "
+            "operation without the custom operation (linear_cross_entropy: options=None)."
+        ) from err
+
+
+def _applied(err: BaseException) -> str:
+    """The innermost custom operation (else ``autograd.Function``) applied where ``err`` was
+    raised."""
+    op = function = None
+    for frame, _ in traceback.walk_tb(err.__traceback__):
+        names = frame.f_locals
+        candidate = names.get("op")
+        if isinstance(candidate, torch._ops.OpOverload) and candidate.namespace not in (
+            "aten",
+            "prims",
+        ):
+            op = str(candidate)
+        cls = names.get("cls")
+        if (
+            frame.f_code.co_name == "apply"
+            and isinstance(cls, type)
+            and issubclass(cls, torch.autograd.Function)
+        ):
+            function = f"{cls.__module__}.{cls.__qualname__}"
+    return op or function or "an operation"
