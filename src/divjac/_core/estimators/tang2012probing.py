@@ -212,7 +212,7 @@ def _class_variances(signs: Array, images: Array, mask: Array, xp: Any) -> Array
       ||(J v_{a,C})_C||^2`` (unbiased for ``||A||_F^2``) that is off the diagonal (1, the
       single-term bound ``2 ||A||_F^2``, when no class of two or more elements shows spread).
     """
-    _, _, reps, num = images.shape
+    reps = images.shape[2]
     probes = signs[..., None] * mask[:, None, :]  # v_{a,C}, (B, n, r, c)
     own = xp.sum(images * mask[:, None, :], axis=-1)  # (J v_{a, color(i)})_i, (B, n, r)
     entries = signs * own
