@@ -372,8 +372,9 @@ FIXED = [
     "divergence hutchinson (gaussian)",
     "divergence hutch++",
     "divergence xtrace",
+    "divergence probing",
 ]
-"""The transforms whose standard errors rest on the variance formula (the matvec estimators)."""
+"""The transforms whose standard errors rest on the images (the matvec estimators, probing)."""
 
 
 @pytest.mark.slow
