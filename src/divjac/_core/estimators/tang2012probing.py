@@ -184,7 +184,8 @@ def _pooled_dof(variances: Array, reps: int, xp: Any) -> Array:
 def _class_variances(signs: Array, images: Array, mask: Array, xp: Any) -> Array:
     """``(B, c)`` estimates of ``r Var(mean_a t_C)`` for each color class ``C``, from the
     images ``images[b, :, a, C] = J_b v_{a,C}`` ``(B, n, r, c)`` of the probes of ``r >= 2``
-    repetitions (random signs ``(B, n, r)``, classes ``mask`` ``(n, c)``).
+    repetitions (random signs ``(B, n, r)``, classes ``mask`` ``(n, c)``). Every sum over a
+    class is a product with ``mask``.
 
     With ``A = J_CC`` and ``O`` its off-diagonal part, ``Var(t_C) = ||O||_F^2 + tr(O^2)``
     for Rademacher signs (the diagonal does not vary), ``= ||O||_F^2 (2 - q_C)`` with
@@ -212,8 +213,8 @@ def _class_variances(signs: Array, images: Array, mask: Array, xp: Any) -> Array
       ||(J v_{a,C})_C||^2`` (unbiased for ``||A||_F^2``) that is off the diagonal (1, the
       single-term bound ``2 ||A||_F^2``, when no class of two or more elements shows spread).
     """
-    reps = images.shape[2]
-    probes = signs[..., None] * mask[:, None, :]  # v_{a,C}, (B, n, r, c)
+    batch, n, reps, num = images.shape
+    classes = xp.matrix_transpose(mask)  # (c, n)
     own = xp.sum(images * mask[:, None, :], axis=-1)  # (J v_{a, color(i)})_i, (B, n, r)
     entries = signs * own
     centered = entries - xp.mean(entries, axis=-1)[..., None]
@@ -221,12 +222,14 @@ def _class_variances(signs: Array, images: Array, mask: Array, xp: Any) -> Array
     off = spread @ mask  # N_C, (B, c)
     norms = xp.sum(own * own, axis=-1) / reps  # (B, n)
     full = norms @ mask  # F_C, (B, c)
-    # Q: same repetition, two classes; two repetitions, one class.
-    by_rep = xp.permute_dims(probes, (0, 2, 3, 1)) @ xp.permute_dims(images, (0, 2, 1, 3))
-    skew = by_rep - xp.matrix_transpose(by_rep)  # (B, r, c, c), zero diagonal
+    # Q: v_{a,C}^T J v_{a,D} (one repetition, two classes), v_{a,C}^T J v_{e,C} (one class).
+    weighted = xp.reshape(signs[..., None] * images, (batch, n, reps * num))
+    by_rep = xp.reshape(classes @ weighted, (batch, num, reps, num))  # [b, C, a, D]
+    skew = by_rep - xp.permute_dims(by_rep, (0, 3, 2, 1))
     between = xp.sum(skew * skew, axis=(-3, -2, -1)) / (2 * reps)
-    by_class = xp.permute_dims(probes, (0, 3, 2, 1)) @ xp.permute_dims(images, (0, 3, 1, 2))
-    inner = by_class - xp.matrix_transpose(by_class)  # (B, c, r, r)
+    pairs = xp.reshape(signs[..., :, None] * own[..., None, :], (batch, n, reps * reps))
+    by_class = xp.reshape(classes @ pairs, (batch, num, reps, reps))  # [b, C, a, e]
+    inner = by_class - xp.matrix_transpose(by_class)
     within = xp.sum(inner * inner, axis=(-3, -2, -1)) / (2 * reps * (reps - 1))
     outside = xp.sum(images * images, axis=(-3, -2, -1)) / reps - xp.sum(norms, axis=-1)
     mass = xp.sum(off, axis=-1) + outside  # P
@@ -235,8 +238,8 @@ def _class_variances(signs: Array, images: Array, mask: Array, xp: Any) -> Array
     factor = 2 - xp.minimum(share, xp.ones_like(share))  # 2 - q, (B,)
     # Classes of two or more elements whose repetitions agree up to sign.
     size = xp.sum(mask, axis=0)
-    agree = xp.abs(xp.matrix_transpose(signs * signs[..., :1]) @ mask)  # (B, r, c)
-    alike = xp.all(agree >= size - 0.5, axis=-2) & (size > 1)  # (B, c)
+    agree = xp.abs(classes @ (signs * signs[..., :1]))  # (B, c, r)
+    alike = xp.all(agree >= size[:, None] - 0.5, axis=-1) & (size > 1)  # (B, c)
     seen = xp.where(alike | (size < 2), xp.zeros_like(off), xp.ones_like(off))
     seen_full = xp.sum(seen * full, axis=-1)
     known = seen_full > 0
