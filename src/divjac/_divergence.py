@@ -189,6 +189,17 @@ def _stochastic_plan(call: Call, ds: _DivSpec) -> tuple[bool, tuple[np.ndarray, 
         probing_distance=ds.probing_distance,
         need_stderr=ds.return_stderr,
     )
+    colors, exact, reps = probing
+    if ds.return_stderr and not exact and reps < 2:
+        # One repetition is one term per color: no error bar holds (check_stderr_budget).
+        num = int(colors.max()) + 1
+        raise NumProbesError(
+            f"{call.spec.fname}: return_stderr=True with method='probing' needs two repetitions "
+            f"of its {num} colors, num_probes >= {2 * num}; got num_probes="
+            f"{ds.num_probes or stochastic.DEFAULT_NUM_PROBES['probing']}, one repetition, too "
+            "few for a trustworthy error bar. Pass more probes, a smaller probing_distance, or "
+            "return_stderr=False."
+        )
     return reverse, probing
 
 

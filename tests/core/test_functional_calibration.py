@@ -56,8 +56,9 @@ def test_squared_frobenius_norm_and_divergence_cover(distribution, k):
 
 @pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
 def test_slq_covers(distribution):
-    """SLQ (exact quadrature: ``n`` steps) at 2, 4 and 8 probes: >= 0.9 (measured 0.917-1.000;
-    below 0.94 on rank one plus identity, where ``log(J^T J)`` is nearly rank one)."""
+    """SLQ (exact quadrature: ``n`` steps) at 2, 4 and 8 probes: >= 0.94 (measured 0.954-1.000;
+    the least on rank one plus identity, where ``log(J^T J)`` is rank one: the skew widening of
+    one-signed terms holds there; it covered 0.917-0.933 before)."""
     n = 8
     for i, (name, J) in enumerate(_jacobians(n).items()):
         A = J.T @ J
@@ -65,4 +66,4 @@ def test_slq_covers(distribution):
         for k in (2, 4, 8):
             V = _probes(distribution, n, k, seed=10 * k + i)
             estimate, stderr = est.slq_log_abs_det(lambda W, A=A: A @ W, V, n)
-            assert _coverage(estimate, stderr, exact) >= 0.9, (name, k)
+            assert _coverage(estimate, stderr, exact) >= 0.94, (name, k)

@@ -136,6 +136,21 @@ def test_probing_distance_option():
     np.testing.assert_array_equal(err, 0.0)  # recognized as a valid diagonal coloring
 
 
+def test_probing_refuses_an_error_bar_from_one_repetition():
+    """A budget that pays for one repetition of the colors gives one term per color: no error
+    bar (as Hutchinson at one probe); the error names the least budget that gives one."""
+    params = models.init_cnn(jax.random.key(14), channels=2, layers=2, dtype=jnp.float64)
+    x = jax.random.normal(jax.random.key(15), (2, 8, 8, 3))
+    options = dict(method="probing", num_probes=12, probing_distance=(1, 1, None))
+    with pytest.raises(divjac.NumProbesError, match="num_probes >= 24"):
+        divergence(models.cnn, 1, return_stderr=True, **options)(jax.random.key(16), params, x)
+    assert np.all(np.isfinite(divergence(models.cnn, 1, **options)(jax.random.key(16), params, x)))
+    div, err = divergence(models.cnn, 1, return_stderr=True, **{**options, "num_probes": 24})(
+        jax.random.key(16), params, x
+    )
+    assert np.all(np.isfinite(div)) and np.all(err > 0)
+
+
 def test_same_key_or_same_probes_give_the_same_estimate():
     params, x, _ = _mlp()
     div = divergence(models.mlp, 1, method="hutch++", num_probes=3)  # 3 < n=6: an estimate

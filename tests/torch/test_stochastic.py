@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from divjac import NumProbesError
 from divjac.models import torch as models
 from divjac.torch import divergence, sparsity
 from tests.reference import torch_diagonal_blocks, traces
@@ -118,6 +119,24 @@ def test_probing_with_a_valid_diagonal_coloring_is_exact():
         torch.Generator().manual_seed(0), params, x
     )
     assert torch.all(torch.isfinite(rough)) and torch.all(err >= 0)
+
+
+def test_probing_refuses_an_error_bar_from_one_repetition():
+    """A budget that pays for one repetition of the colors gives one term per color: no error
+    bar (as Hutchinson at one probe); the error names the least budget that gives one."""
+    params = models.init_cnn(0, channels=3, layers=2, dtype=D)
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(2), dtype=D)
+    options = dict(method="probing", num_probes=12, probing_distance=(None, 1, 1))
+    with pytest.raises(NumProbesError, match="num_probes >= 24"):
+        divergence(models.cnn, 1, return_stderr=True, **options)(
+            torch.Generator().manual_seed(0), params, x
+        )
+    est = divergence(models.cnn, 1, **options)(torch.Generator().manual_seed(0), params, x)
+    assert torch.all(torch.isfinite(est))
+    est, err = divergence(models.cnn, 1, return_stderr=True, **{**options, "num_probes": 24})(
+        torch.Generator().manual_seed(0), params, x
+    )
+    assert torch.all(torch.isfinite(est)) and torch.all(err > 0)
 
 
 @pytest.mark.parametrize("method", ["hutchinson", "hutch++", "xtrace"])

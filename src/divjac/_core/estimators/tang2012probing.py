@@ -30,8 +30,10 @@ from ._common import (
     column_dots,
     device,
     is_int,
+    mean_and_stderr,
     namespace,
     single_term_stderr,
+    skew_widened,
     t_factor,
 )
 
@@ -92,18 +94,24 @@ def probing(
     Standard error. The signs are independent per element, and the color classes hold disjoint
     sets of elements, so the ``c`` terms ``t_C`` of a repetition are independent (though not
     identically distributed: each has its own mean): the variance of the mean over the ``r``
-    repetitions is ``sum_C Var(t_C) / r``, estimated without bias by ``sum_C s_C^2 / r`` with
-    ``s_C^2`` the sample variance of ``t_C`` over the repetitions. This pooled estimate has up to
-    ``c (r - 1)`` degrees of freedom instead of the ``r - 1`` of the sample variance of the
-    repetitions' totals (two repetitions, the usual plan, would give a single one):
-    Satterthwaite's (1946) ``nu = (r - 1) (sum_C Var(t_C))^2 / sum_C Var(t_C)^2``. Plugging in
-    ``s_C^2`` would bias it low (``E[s_C^4] = Var(t_C)^2 (r + 1) / (r - 1)`` for normal terms);
-    correcting both sums gives ``nu_hat = (r + 1) (sum_C s_C^2)^2 / sum_C s_C^4 - 2``, clipped
-    to ``[r - 1, c (r - 1)]`` (exactly ``r - 1`` when one class carries all the variance). The
-    standard error is ``kappa(nu_hat) sqrt(sum_C s_C^2 / r)`` (package docstring). With one
-    repetition it is the conservative single-term estimate ``sqrt(2 sum_C ||(J v_C)_C||^2)``
-    (``(x)_C``: the elements of ``x`` in ``C``; it includes the diagonal of ``J``, so it can be
-    far too large).
+    repetitions is ``sum_C Var(t_C) / r``. Two estimates of it are kept, the larger: the
+    classes' sample variances ``sum_C s_C^2 / r``, and ``sum_C U_C / r`` from the images
+    ``J v_C`` (:func:`_class_variances`: the spread of the entries ``v_i (J v_C)_i`` over the
+    repetitions, which is exactly 0 for a diagonal class block, times ``2 - q`` with ``q`` the
+    matrix's measured asymmetry, 0 for a Hessian; a class whose repetitions drew the same signs
+    up to sign counts as one term). With two repetitions, the usual plan, ``s_C^2`` alone takes
+    few values (0 half the time for a class of two elements) and fell short on small Hessians
+    (coverage 0.79, docs/calibration.md). The degrees of freedom are Satterthwaite's (1946)
+    ``nu = (r - 1) (sum_C V_C)^2 / sum_C V_C^2`` over the classes, from ``U_C`` corrected for
+    plugging in estimates, ``nu_hat = (r + 1) (sum_C U_C)^2 / sum_C U_C^2 - 2``, clipped to
+    ``[r - 1, c (r - 1)]``. The standard error ``s0 = kappa(nu_hat) sqrt(max(sum_C s_C^2,
+    sum_C U_C) / r)`` (package docstring) is widened where all ``r c`` terms ``t_C`` of a sample
+    have one sign (a definite ``J``: skewed terms), as Hutchinson's
+    (:func:`~divjac._core.estimators._common.skew_widened`). One color is Hutchinson with
+    Rademacher probes, and gets its standard error
+    (:func:`~divjac._core.estimators.mean_and_stderr`). With one repetition it is the
+    conservative single-term estimate ``sqrt(2 sum_C ||(J v_C)_C||^2)`` (``(x)_C``: the
+    elements of ``x`` in ``C``; it includes the diagonal of ``J``, so it can be far too large).
 
     Args:
         matvec: Batched matvec, ``(B, n, k) -> (B, n, k)``, ``W[b] = J_b @ V[b]``.
@@ -137,23 +145,111 @@ def probing(
     xp = namespace(signs)
     probes, mask = _probes_and_mask(colors, signs, num_colors)
     products = apply(matvec, probes)
-    batch, _, reps = signs.shape
-    per_color = xp.reshape(column_dots(probes, products), (batch, reps, mask.shape[-1]))
+    batch, n, reps = signs.shape
+    num = mask.shape[-1]
+    per_color = xp.reshape(column_dots(probes, products), (batch, reps, num))
     estimate = xp.mean(xp.sum(per_color, axis=-1), axis=-1)
     if exact:
         return estimate, xp.zeros_like(estimate)
     if reps == 1:
         return estimate, single_term_stderr(products * mask, xp)
+    if num == 1:  # one class: Hutchinson with Rademacher probes
+        return mean_and_stderr(per_color[..., 0], xp, products, probes)
+    images = xp.reshape(products, (batch, n, reps, num))
     deviations = per_color - xp.mean(per_color, axis=-2)[..., None, :]
     class_variance = xp.sum(deviations * deviations, axis=-2) / (reps - 1)  # s_C^2, (B, c)
-    total = xp.sum(class_variance, axis=-1)
-    squares = xp.sum(class_variance * class_variance, axis=-1)
-    spread = squares > 0  # else every s_C is 0, and so is the standard error
+    bound = _class_variances(signs, images, mask, xp)  # (B, c)
+    total = xp.maximum(xp.sum(class_variance, axis=-1), xp.sum(bound, axis=-1))
+    s0 = t_factor(_pooled_dof(bound, reps, xp)) * xp.sqrt(total / reps)
+    return estimate, skew_widened(
+        estimate, s0, xp, weight=0.25, terms=xp.reshape(per_color, (batch, reps * num))
+    )
+
+
+def _pooled_dof(variances: Array, reps: int, xp: Any) -> Array:
+    """Satterthwaite's (1946) degrees of freedom of a sum of ``c`` class variances ``V_C``,
+    each estimated from ``r`` repetitions: ``(r + 1) (sum_C V_C)^2 / sum_C V_C^2 - 2``
+    (corrected for plugging in estimates: ``E[s^4] = Var^2 (r + 1) / (r - 1)`` for normal
+    terms), clipped to ``[r - 1, c (r - 1)]`` (``r - 1`` when one class carries all the
+    variance, or none)."""
+    total = xp.sum(variances, axis=-1)
+    squares = xp.sum(variances * variances, axis=-1)
+    spread = squares > 0
     ratio = total * total / xp.where(spread, squares, xp.ones_like(squares))
     dof = xp.where(spread, (reps + 1) * ratio - 2, xp.zeros_like(ratio))
-    lowest, highest = reps - 1, (reps - 1) * mask.shape[-1]
-    dof = xp.minimum(xp.maximum(dof, xp.full_like(dof, lowest)), xp.full_like(dof, highest))
-    return estimate, t_factor(dof) * xp.sqrt(total / reps)
+    lowest, highest = reps - 1, (reps - 1) * variances.shape[-1]
+    return xp.minimum(xp.maximum(dof, xp.full_like(dof, lowest)), xp.full_like(dof, highest))
+
+
+def _class_variances(signs: Array, images: Array, mask: Array, xp: Any) -> Array:
+    """``(B, c)`` estimates of ``r Var(mean_a t_C)`` for each color class ``C``, from the
+    images ``images[b, :, a, C] = J_b v_{a,C}`` ``(B, n, r, c)`` of the probes of ``r >= 2``
+    repetitions (random signs ``(B, n, r)``, classes ``mask`` ``(n, c)``). Every sum over a
+    class is a product with ``mask``.
+
+    With ``A = J_CC`` and ``O`` its off-diagonal part, ``Var(t_C) = ||O||_F^2 + tr(O^2)``
+    for Rademacher signs (the diagonal does not vary), ``= ||O||_F^2 (2 - q_C)`` with
+    ``q_C = sum_{i<j} (A_ij - A_ji)^2 / sum_{i<j} (A_ij^2 + A_ji^2)`` in ``[0, 2]`` (0 for a
+    symmetric block, 1 for uncorrelated ``A_ij``, ``A_ji``).
+
+    - ``||O||_F^2`` is estimated without bias, and exactly 0 for a diagonal block, by the
+      entries' spread: ``e_ai = v_ai (J v_a)_i`` is ``A_ii`` plus ``sum_{j != i} A_ij v_ai
+      v_aj``, of variance ``sum_{j != i} A_ij^2``, so ``N_C = sum_{i in C} s_i^2`` (the sample
+      variance of ``e_ai`` over the repetitions).
+    - ``q`` is pooled over the whole matrix: ``v_{a,C}^T J v_{b,D} - v_{b,D}^T J v_{a,C}`` (the
+      same repetition ``a = b`` for two classes ``C != D``, whose signs are independent; two
+      repetitions for ``C = D``) has the mean square ``sum (J_ij - J_ji)^2`` over the pairs
+      ``i in C``, ``j in D`` (halved for ``C = D``), with no diagonal in it and exactly 0
+      for a symmetric ``J`` (a Hessian); ``||(J v_{a,D})_C||^2`` has the mean
+      ``sum (J_ij^2)`` over ``i in C``, ``j in D``. ``q = min(Q / P, 1)`` from their sums: a
+      ratio of many terms, where a class's own pairs give one term each. Capped at 1 (never
+      below ``N_C``), it is conservative where the classes' blocks are more antisymmetric
+      than ``J``, and the class variances ``s_C^2`` (unbiased) still bound the result from
+      below where they are more symmetric.
+    - A class whose repetitions carry the same signs up to a global sign (probability
+      ``2^((r - 1)(1 - |C|))``: small classes, Hessians at small ``n``) holds one term, not
+      ``r``, and shows no spread: its variance is ``Var(t_C)``, with ``||O||_F^2`` estimated
+      as the share ``rho = sum N / sum F`` of the other classes' images ``F_C = mean_a
+      ||(J v_{a,C})_C||^2`` (unbiased for ``||A||_F^2``) that is off the diagonal (1, the
+      single-term bound ``2 ||A||_F^2``, when no class of two or more elements shows spread).
+    """
+    batch, n, reps, num = images.shape
+    classes = xp.matrix_transpose(mask)  # (c, n)
+    own = xp.sum(images * mask[:, None, :], axis=-1)  # (J v_{a, color(i)})_i, (B, n, r)
+    entries = signs * own
+    centered = entries - xp.mean(entries, axis=-1)[..., None]
+    spread = xp.sum(centered * centered, axis=-1) / (reps - 1)  # s_i^2, (B, n)
+    off = spread @ mask  # N_C, (B, c)
+    norms = xp.sum(own * own, axis=-1) / reps  # (B, n)
+    full = norms @ mask  # F_C, (B, c)
+    # Q: v_{a,C}^T J v_{a,D} (one repetition, two classes), v_{a,C}^T J v_{e,C} (one class).
+    weighted = xp.reshape(signs[..., None] * images, (batch, n, reps * num))
+    by_rep = xp.reshape(classes @ weighted, (batch, num, reps, num))  # [b, C, a, D]
+    skew = by_rep - xp.permute_dims(by_rep, (0, 3, 2, 1))
+    between = xp.sum(skew * skew, axis=(-3, -2, -1)) / (2 * reps)
+    pairs = xp.reshape(signs[..., :, None] * own[..., None, :], (batch, n, reps * reps))
+    by_class = xp.reshape(classes @ pairs, (batch, num, reps, reps))  # [b, C, a, e]
+    inner = by_class - xp.matrix_transpose(by_class)
+    within = xp.sum(inner * inner, axis=(-3, -2, -1)) / (2 * reps * (reps - 1))
+    outside = xp.sum(images * images, axis=(-3, -2, -1)) / reps - xp.sum(norms, axis=-1)
+    mass = xp.sum(off, axis=-1) + outside  # P
+    some = mass > 0
+    share = (between + within) / xp.where(some, mass, xp.ones_like(mass))
+    factor = 2 - xp.minimum(share, xp.ones_like(share))  # 2 - q, (B,)
+    # Classes of two or more elements whose repetitions agree up to sign.
+    size = xp.sum(mask, axis=0)
+    agree = xp.abs(classes @ (signs * signs[..., :1]))  # (B, c, r)
+    alike = xp.all(agree >= size[:, None] - 0.5, axis=-1) & (size > 1)  # (B, c)
+    seen = xp.where(alike | (size < 2), xp.zeros_like(off), xp.ones_like(off))
+    seen_full = xp.sum(seen * full, axis=-1)
+    known = seen_full > 0
+    rho = xp.where(
+        known,
+        xp.sum(seen * off, axis=-1) / xp.where(known, seen_full, xp.ones_like(seen_full)),
+        xp.ones_like(seen_full),
+    )
+    alone = reps * rho[..., None] * full  # r Var(t_C) / (2 - q) of a class seen once
+    return factor[..., None] * xp.where(alike, alone, off)
 
 
 def _probes_and_mask(colors: Array, signs: Array, num_colors: int | None) -> tuple[Array, Array]:
