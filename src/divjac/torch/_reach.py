@@ -147,7 +147,8 @@ class Checks:
 
 
 def any_dead(refs: Sequence[weakref.ref[Any]]) -> bool:
-    """Whether one of the weak references ``refs`` is dead (in C-level iteration)."""
+    """Whether one of the weak references ``refs`` is dead (in C-level iteration; plain
+    ``weakref.ref`` objects: their own ``__call__`` is called, not a subclass's)."""
     return any(map(_is_none, map(_deref, refs)))
 
 
