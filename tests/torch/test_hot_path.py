@@ -59,6 +59,48 @@ def test_hutchinson_equals_ffjords_code_values_and_parameter_gradients(k):
         torch.testing.assert_close(got, ref)
 
 
+@pytest.mark.parametrize("method", ["hutchinson", "exact"])
+def test_a_reused_trace_sees_weights_updated_in_place_and_a_new_dtype(method, traces_made):
+    # The steady state of a training loop: the optimizer updates the weights in place, and the
+    # next call reuses the trace (values are not part of it) with the new weights; a dtype
+    # change through ``.data`` (the same Parameter objects) traces again.
+    f = models.ConcatSquashODE(3, hidden=(6,)).double()
+    t, x = torch.tensor(0.4, dtype=D), _randn(5, 3)
+    probes = _randn(1, 5, 3, seed=2)
+    vd = value_and_divergence(f, 1, method=method, num_probes=1 if method == "hutchinson" else None)
+    args = (probes, t, x) if method == "hutchinson" else (t, x)
+
+    def expected(*args):
+        if method == "hutchinson":
+            probes, t, x = args
+            return _ffjord(f, t, x, probes)
+        t, x = args
+        xg = x.detach().requires_grad_()
+        y = f(t, xg)
+        return y, sum(
+            torch.autograd.grad(y[:, i].sum(), xg, create_graph=True)[0][:, i] for i in range(3)
+        )
+
+    vd(*args)
+    made = traces_made[0]
+    with torch.no_grad():
+        for p in f.parameters():
+            p.mul_(1.5).add_(0.1)
+    y, div = vd(*args)
+    y_ref, div_ref = expected(*args)
+    assert traces_made[0] == made
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(div, div_ref)
+    for p in f.parameters():
+        p.data = p.data.float()
+    args32 = tuple(a.float() for a in args)
+    y, div = vd(*args32)
+    assert traces_made[0] == made + 1 and div.dtype == torch.float32
+    y_ref, div_ref = expected(*args32)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(div, div_ref)
+
+
 @pytest.mark.parametrize("d", [2, 5])
 def test_exact_divergence_equals_the_loop_of_gradients_with_parameter_gradients(d):
     f = models.ConcatSquashODE(d, hidden=(8,)).double()

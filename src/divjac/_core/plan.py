@@ -224,9 +224,11 @@ def choose_chunk_size(
                 "chunk_size=8 to compute 8 passes at once, or None to fit the memory budget."
             )
         chunk = min(chunk_size, max(n_passes, 1))
+    elif n_passes <= 1:  # one chunk whatever the budget
+        chunk = 1
     else:
         fit = memory_budget(available) // max(bytes_per_pass, 1)
-        chunk = int(min(max(fit, 1), max(n_passes, 1)))
+        chunk = int(min(max(fit, 1), n_passes))
     limit = memory_limit(available)
     if chunk * bytes_per_pass > limit:
         fits = limit // max(bytes_per_pass, 1)

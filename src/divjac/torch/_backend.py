@@ -101,7 +101,7 @@ def _check_compilable(traced: Traced) -> None:
     :class:`DDPError` for modules that would train unsynchronized). The facts the compiled
     passes read of the trace are computed here (dynamo reads them as constants, and calls no
     method of the trace)."""
-    _ddp.check_synchronized(traced.modules())
+    _ddp.check_synchronized(traced.modules)
     _differentiable_kernels(traced)
     _ = traced.forward_less  # (reverse passes read it: rows one by one)
     if traced.draws_random:
@@ -246,7 +246,7 @@ class TorchBackend(Backend[Traced]):
         function (:func:`_check_compilable`)."""
         if _compiling():
             return _Passes(point, reverse)
-        _ddp.check_synchronized(point.traced.modules())
+        _ddp.check_synchronized(point.traced.modules)
         if (
             reverse
             and torch._C._functorch.peek_interpreter_stack() is None

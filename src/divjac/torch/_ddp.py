@@ -153,13 +153,13 @@ _OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[DDP] | None] = weakref
 _SEARCHED = [-1]
 
 
-def check_synchronized(modules: Sequence[nn.Module]) -> None:
-    """Raise :class:`DDPError` if a pass of a function running ``modules`` would leave the
+def check_synchronized(modules: Callable[[], Sequence[nn.Module]]) -> None:
+    """Raise :class:`DDPError` if a pass of a function running ``modules()`` would leave the
     gradients of a live DDP wrapper that owns one of them unsynchronized: outside its forward,
-    while a backward would synchronize."""
+    while a backward would synchronize. (``modules`` is called only in a distributed run.)"""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    owner = _owner(modules)
+    owner = _owner(modules())
     if owner is None or not _syncs(owner) or DDP._active_ddp_module is owner:
         return
     name = type(owner.module).__name__

@@ -35,9 +35,12 @@ def _differentiable_kernels(
     scatters of :class:`_ComposedScatters`. Only where the
     graph has them (the contexts cost ~25 us). Separate contexts, entered in one ``with``
     statement (dynamo traces those, not an ``ExitStack``)."""
+    norms = traced.norms if forward else traced.norms & {"strided_group"}
+    special = traced.attends or traced.runs_rnn or norms or traced.lays_out
+    if not (special or traced.scatters_strided or _compiling()):
+        return _PLAIN  # (most graphs: no context to make per call)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    norms = traced.norms if forward else traced.norms & {"strided_group"}
     return (
         sdpa_kernel(SDPBackend.MATH) if traced.attends else contextlib.nullcontext(),
         # (dynamo refuses to trace the switch: under torch.compile the fast paths are as the
@@ -48,6 +51,11 @@ def _differentiable_kernels(
         PlainLayouts() if traced.lays_out else contextlib.nullcontext(),
         _ComposedScatters() if traced.scatters_strided else contextlib.nullcontext(),
     )
+
+
+# The kernels of a graph that needs none of them, outside ``torch.compile`` (a null context
+# can be entered again and again, by any number of calls at once).
+_PLAIN: tuple[contextlib.AbstractContextManager[Any], ...] = (contextlib.nullcontext(),) * 6
 
 
 class _ComposedScatters(TorchFunctionMode):

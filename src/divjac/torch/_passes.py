@@ -178,7 +178,7 @@ class _Tape(Linear):
         # On the graph only when something the caller has requires grad (the input, an
         # argument or a captured parameter); else the results carry no graph, as torch.func's.
         create = _on_graph(point)
-        with torch.enable_grad():
+        with contextlib.nullcontext() if torch.is_grad_enabled() else torch.enable_grad():
             x = xb if xb.requires_grad else xb.detach().requires_grad_()
             out = point.g(x)
         y, aux = out if point.has_aux else (out, None)
@@ -235,6 +235,8 @@ class _Tape(Linear):
 
         def pulled(cs: torch.Tensor) -> torch.Tensor:
             count = int(cs.shape[0])
+            if count == 1:  # (a view, not a copy: the single probe of Hutchinson's estimate)
+                return one(cs[0]).unsqueeze(0)
             if count <= _ONE_BY_ONE or traced.forward_less:
                 return torch.stack([one(cs[i]) for i in range(count)])
             # batched backward passes: torch.func's vmap over autograd (is_grads_batched's own

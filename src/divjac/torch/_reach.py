@@ -27,7 +27,15 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["Reached", "changed_lists", "library", "mark_logs", "module_signature", "reach"]
+__all__ = [
+    "Reached",
+    "any_dead",
+    "changed_lists",
+    "library",
+    "mark_logs",
+    "module_signature",
+    "reach",
+]
 
 # Containers longer than this are not walked (their contents are not guarded).
 _MAX_ITEMS = 64
@@ -122,12 +130,12 @@ class Checks:
     def hold(self) -> bool:
         # Tensors, then modules, each in a few passes of C-level iteration (map, ==).
         refs, metas = self._meta
-        tensors = [ref() for ref in refs]
-        if any(t is None for t in tensors) or list(map(_meta_of, tensors)) != metas:
+        tensors = list(map(_deref, refs))
+        if any(map(_is_none, tensors)) or list(map(_meta_of, tensors)) != metas:
             return False
         refs, classes, versions, inner = self._modules
-        modules = [ref() for ref in refs]
-        if None in modules or list(map(type, modules)) != classes:
+        modules = list(map(_deref, refs))
+        if any(map(_is_none, modules)) or list(map(type, modules)) != classes:
             return False
         dicts = list(map(_dict_of, modules))
         if list(map(_dict_version, dicts)) != versions:
@@ -138,6 +146,14 @@ class Checks:
         return all(map(_object_holds, self._others))
 
 
+def any_dead(refs: Sequence[weakref.ref[Any]]) -> bool:
+    """Whether one of the weak references ``refs`` is dead (in C-level iteration; plain
+    ``weakref.ref`` objects: their own ``__call__`` is called, not a subclass's)."""
+    return any(map(_is_none, map(_deref, refs)))
+
+
+_deref = weakref.ref.__call__
+_is_none = functools.partial(operator.is_, None)
 _dict_of = operator.attrgetter("__dict__")
 _module_dicts = operator.itemgetter(*_MODULE_DICTS)
 _meta_of = operator.attrgetter("shape", "dtype", "device")

@@ -26,10 +26,15 @@ from ._aten import (
     lacks_forward_derivative,
 )
 from ._interpret import Interpreter, is_convolution
-from ._reach import module_signature
+from ._reach import any_dead, module_signature
 from ._running import outside_transforms, quiet_batch_norm
 
 __all__ = ["DECOMPOSED", "LAYOUTS", "TensorSpec", "Traced"]
+
+
+# The context of a function without batch normalization (a null context can be entered again
+# and again, by any number of calls at once).
+_STILL = contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -90,14 +95,14 @@ class Traced(detection.Traced):
         """The batch normalization modules of the function kept from updating their running
         statistics (a context)."""
         if not self.batch_norms:
-            return contextlib.nullcontext()
+            return _STILL
         return quiet_batch_norm([m for m in (r() for r in self.batch_norms) if m is not None])
 
     def current(self) -> bool:
         """Whether the trace still holds for a call whose cache key is its own: the objects the
         key identifies are alive (their ``id`` is theirs), the constants detection read were
         not modified in place, and the modules that only the trace found are as they were."""
-        if any(ref() is None for ref in self.identified):
+        if any_dead(self.identified):
             return False
         if any(self.readable[name]._version != v for name, v in self.reads.items()):
             return False
