@@ -87,6 +87,7 @@ class _Centered(nnx.Module):
         return self.last(jnp.tanh(h))
 
 
+@pytest.mark.slow
 def test_nnx_in_place_update_and_flag_flip():
     model = _Centered(nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(2), (3, 4))
@@ -105,6 +106,7 @@ def test_nnx_in_place_update_and_flag_flip():
     _check_all(model, x, 4)
 
 
+@pytest.mark.slow
 def test_optax_training_loop_detects_once(detections):
     """Steps of an optimizer change the weights, never the program: one detection in all."""
     params = models.init_mlp(jax.random.key(4), (3, 16, 3))
