@@ -48,6 +48,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_stochastic_divergence_runs_without_array_api_compat() -> None:
     result = subprocess.run(
         [sys.executable, "-c", SCRIPT],
