@@ -739,6 +739,7 @@ def _fourth(o: Ops, u: Callable[..., Any], x: Any, v: np.ndarray | None) -> np.n
     return np.array(rows) if v is None else np.array(rows).T
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["mlp", pytest.param("elementary", marks=pytest.mark.slow)])
 def test_bilaplacian_matches_nested_hessians(ops: Ops, case: str) -> None:
     u = {"mlp": mlp, "elementary": elementary}[case](ops)

@@ -310,6 +310,7 @@ class _TrainMode(nnx.Module):
         return jnp.tanh(self.drop(self.norm(self.linear(x))))
 
 
+@pytest.mark.slow
 def test_nnx_training_mode_batch_norm_and_dropout():
     """BatchNorm in training mode is refused as coupled (not an nnx trace error); Dropout gives
     the Jacobian of one forward draw whatever the chunking; the caller's module is unchanged."""
@@ -384,6 +385,7 @@ def _layer(name):
     return cases[name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _LAYERS)
 def test_real_layers_are_per_sample_without_fallbacks(name):
     f, x = _layer(name)
@@ -398,6 +400,7 @@ def test_real_layers_are_per_sample_without_fallbacks(name):
         np.testing.assert_allclose(divergence(f)(x), traces(blocks, x.shape[1:]), rtol=1e-8)
 
 
+@pytest.mark.slow
 def test_laplacian_through_upsampling_and_attention():
     """The Laplacian's second-order program (transposed resizes, attention) stays per sample."""
     import flax.linen as nn
