@@ -46,14 +46,14 @@ pytest: install
 
 test: lint typecheck pytest
 
-# The op sweeps of the conformance matrix (every differentiable float64 OpInfo op of PyTorch,
-# every JAX primitive case), with their coverage tables in docs/ (about 5 minutes on 2 cores).
-# .ci/run runs it after make test.
+# The op sweeps of the conformance matrix alone (every differentiable float64 OpInfo op of
+# PyTorch, every JAX primitive case), with their coverage tables in docs/ (part of test-slow).
 test-conformance: install
 	$(BIN)/python -m pytest -n 2 -m slow tests/torch/test_conformance.py tests/jax/test_conformance.py
 
-# The long part of the conformance matrix (the op sweeps, every context, the end-to-end
-# calibration) and the other cases marked slow. CI runs only its op sweeps (make test-conformance).
+# The long part of the suite: the conformance matrix's op sweeps and every context, the
+# end-to-end calibration, the examples and the other cases marked slow. .ci/run runs it after
+# make test.
 test-slow: install
 	$(BIN)/python -m pytest -n 2 -m slow
 

@@ -315,6 +315,7 @@ def test_batch_norm_in_training_mode_still_raises() -> None:
         fw.api.divergence(square.double().train())(x)  # dense on the probes: the check alone
 
 
+@pytest.mark.slow
 def test_other_auto_transforms_equal_brute_force(fw: Framework) -> None:
     f, shape = fw.models["mlp"]
     x = _input(fw, shape)

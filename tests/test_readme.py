@@ -10,6 +10,7 @@ import pytest
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+@pytest.mark.slow
 def test_readme_examples_run():
     pytest.importorskip("flax")
     pytest.importorskip("torch")

@@ -513,6 +513,7 @@ def _check_unbiased_and_calibrated(
     assert np.mean(np.abs(z) < 0.5) < 0.6  # and the bar is not uselessly wide
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "what",
     [
@@ -565,6 +566,7 @@ def test_stde_is_unbiased_and_refuses_an_error_bar_below_n(ops: Ops) -> None:
         dj.laplacian(u, method="stde", num_probes=8, return_stderr=True)(ops.randomness(0), x)
 
 
+@pytest.mark.slow
 def test_stochastic_methods_on_the_callers_probes(ops: Ops) -> None:
     """Given probes ``v``, Hutchinson's terms are ``v^T H v`` and BKS's ``v * H v``."""
     u, x, dj = elementary(ops), _x(ops, (B, 4)), ops.dj
@@ -737,6 +739,7 @@ def _fourth(o: Ops, u: Callable[..., Any], x: Any, v: np.ndarray | None) -> np.n
     return np.array(rows) if v is None else np.array(rows).T
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["mlp", pytest.param("elementary", marks=pytest.mark.slow)])
 def test_bilaplacian_matches_nested_hessians(ops: Ops, case: str) -> None:
     u = {"mlp": mlp, "elementary": elementary}[case](ops)

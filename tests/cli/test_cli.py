@@ -52,6 +52,7 @@ def assert_usage_error(result, *fragments: str) -> None:
 # --- demo -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_demo_quick_prints_every_method_and_writes_the_plots(tmp_path):
     out = tmp_path / "demo"
     result = invoke("demo", "--quick", "--out", str(out))

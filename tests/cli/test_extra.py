@@ -68,6 +68,7 @@ def test_the_cli_imports_only_its_extra():
         assert command in result.stdout
 
 
+@pytest.mark.slow
 def test_bench_without_any_framework_skips_every_module(tmp_path):
     code = """
     from divjac.cli._bench import BUILTIN, Suite

@@ -800,6 +800,7 @@ def _numpy_reference(
     ) / (2 * h)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BACKEND_CASES)
 def test_jax_backend(name: str) -> None:
     jax = pytest.importorskip("jax")

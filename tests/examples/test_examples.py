@@ -58,6 +58,7 @@ def test_every_example_has_a_test():
         assert "def main(small: bool = False)" in source and '__name__ == "__main__"' in source
 
 
+@pytest.mark.slow
 def test_conv_jacobian_pixel_gradient_is_the_flipped_kernel():
     out = load("conv_jacobian").main(small=True)
     kernel = np.asarray(out["kernel"])
@@ -72,6 +73,7 @@ def test_conv_jacobian_pixel_gradient_is_the_flipped_kernel():
     np.testing.assert_allclose(np.asarray(out["row"]), gradient, rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.slow
 def test_cnf_diffrax_exact_matches_a_dense_trace_and_hutchinson_is_reproducible():
     import diffrax
     import jax
@@ -150,6 +152,7 @@ def test_cnf_torchdiffeq_exact_matches_a_dense_trace_and_hutchinson_is_reproduci
     assert max(float(g.abs().max()) for g in grads if g is not None) > 0
 
 
+@pytest.mark.slow
 def test_pinn_derivatives_match_jacfwd_and_training_lowers_the_loss():
     import jax
     import jax.numpy as jnp
@@ -171,6 +174,7 @@ def test_pinn_derivatives_match_jacfwd_and_training_lowers_the_loss():
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_sliced_score_matching_loss_and_gradient():
     import jax
     import jax.numpy as jnp
@@ -199,6 +203,7 @@ def test_sliced_score_matching_loss_and_gradient():
     assert all(math.isfinite(v) for v in out["losses"])
 
 
+@pytest.mark.slow
 def test_ddp_divergence_two_gloo_processes_train_as_one_process(torch_float64):
     out = load("ddp_divergence").main(small=True)
     assert out["rank_gap"] == 0.0  # the ranks hold the same parameters
@@ -206,6 +211,7 @@ def test_ddp_divergence_two_gloo_processes_train_as_one_process(torch_float64):
     assert out["losses"][-1] < out["losses"][0]
 
 
+@pytest.mark.slow
 def test_jax_sharded_divergences_equal_one_device_without_collectives():
     jax = pytest.importorskip("jax")
     # With the devices of this process (tests/jax/test_sharding.py forces 8 host devices).
@@ -226,6 +232,7 @@ def test_jax_sharded_divergences_equal_one_device_without_collectives():
     np.testing.assert_allclose(out["divergence_one_device"], dense, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.slow
 def test_rnode_jax_penalties_are_the_brute_force_integrands():
     import jax
     import jax.numpy as jnp

@@ -87,6 +87,7 @@ def test_sparse_plan_takes_one_pass_per_color():
     assert plan.frobenius_plan("exact", "auto", 11, 4, pattern).n_passes == 4  # rows: fewer
 
 
+@pytest.mark.slow
 def test_gradients_to_inputs_and_params():
     f, params, x = _mlp_case()
     ref = _reference(f)
@@ -197,6 +198,7 @@ def _quadrature_reference(J, V):
     return jnp.einsum("kbi,bij,kbj->bk", V, logA, V) / 2
 
 
+@pytest.mark.slow
 def test_slq_with_n_steps_is_the_quadratic_form_and_its_gradient():
     """With ``lanczos_steps = n`` the quadrature is exact: the estimate and its gradient are
     those of ``mean_k v_k^T log(J^T J) v_k / 2`` for the given probes."""
@@ -215,6 +217,7 @@ def test_slq_with_n_steps_is_the_quadratic_form_and_its_gradient():
         np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-10)
 
 
+@pytest.mark.slow
 def test_slq_unbiased_and_calibrated():
     """2000 draws of 4 probes: unbiased (4 Lanczos steps are exact at n = 4); >= 90 % within 2
     stderr asserted >= 85 % (measured 91-94 %: the shared Student-t recipe on skewed terms)."""
@@ -228,6 +231,7 @@ def test_slq_unbiased_and_calibrated():
     assert np.all(np.mean(np.abs(est - exact) <= 2 * se, axis=0) >= 0.85)
 
 
+@pytest.mark.slow
 def test_slq_breakdown_is_exact():
     """``J = 2 I``: the Krylov space of every probe is one-dimensional (Lanczos breaks down at
     once); the estimate is exact and finite, as is its gradient. The terms agree, so the
@@ -266,6 +270,7 @@ def test_errors():
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps", [2, 4])
 def test_slq_matches_matfree_on_the_same_probes(steps):
     """Each probe's quadrature term is matfree's SLQ log-det integrand on ``J_b^T J_b`` (halved),

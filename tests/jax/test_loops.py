@@ -243,6 +243,7 @@ def test_scans_past_the_entry_budget_are_merged_soundly(monkeypatch):
     assert got.mean() < 1.0
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(
     st.integers(1, 20),

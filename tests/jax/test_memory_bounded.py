@@ -40,6 +40,7 @@ def _loss(transform):
     return loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["exact", "sparse"])
 @pytest.mark.parametrize("mode", ["fwd", "rev"])
 def test_chunked_training_gradients_equal_unchunked(method, mode):
@@ -55,6 +56,7 @@ def test_chunked_training_gradients_equal_unchunked(method, mode):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_second_order_sweep_chunked_training():
     w = jax.random.normal(jax.random.key(2), (6, 8), jnp.float64)
 
@@ -70,6 +72,7 @@ def test_second_order_sweep_chunked_training():
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_temporaries_follow_the_chunk_size():
     """XLA's temporaries of the differentiated sparse divergence of a CNN fall with the chunk
     (without rematerialization they stayed within 30 % of the unchunked program's)."""

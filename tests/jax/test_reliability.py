@@ -87,6 +87,7 @@ class _Centered(nnx.Module):
         return self.last(jnp.tanh(h))
 
 
+@pytest.mark.slow
 def test_nnx_in_place_update_and_flag_flip():
     model = _Centered(nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(2), (3, 4))
@@ -105,6 +106,7 @@ def test_nnx_in_place_update_and_flag_flip():
     _check_all(model, x, 4)
 
 
+@pytest.mark.slow
 def test_optax_training_loop_detects_once(detections):
     """Steps of an optimizer change the weights, never the program: one detection in all."""
     params = models.init_mlp(jax.random.key(4), (3, 16, 3))
@@ -308,6 +310,7 @@ class _TrainMode(nnx.Module):
         return jnp.tanh(self.drop(self.norm(self.linear(x))))
 
 
+@pytest.mark.slow
 def test_nnx_training_mode_batch_norm_and_dropout():
     """BatchNorm in training mode is refused as coupled (not an nnx trace error); Dropout gives
     the Jacobian of one forward draw whatever the chunking; the caller's module is unchanged."""
@@ -382,6 +385,7 @@ def _layer(name):
     return cases[name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _LAYERS)
 def test_real_layers_are_per_sample_without_fallbacks(name):
     f, x = _layer(name)
@@ -396,6 +400,7 @@ def test_real_layers_are_per_sample_without_fallbacks(name):
         np.testing.assert_allclose(divergence(f)(x), traces(blocks, x.shape[1:]), rtol=1e-8)
 
 
+@pytest.mark.slow
 def test_laplacian_through_upsampling_and_attention():
     """The Laplacian's second-order program (transposed resizes, attention) stays per sample."""
     import flax.linen as nn

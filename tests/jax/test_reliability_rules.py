@@ -211,6 +211,7 @@ def _picked_jvp(primals, tangents):
     return _picked(x, labels), tx[jnp.arange(x.shape[0]), labels][:, None]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "f", [lambda x: jnp.tanh(_permuted(x)), lambda x: jnp.sin(x) * _picked(x, LABELS)]
 )
@@ -242,6 +243,7 @@ def _flow(adjoint=None):
     return flow
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "vmapped",
     [True, pytest.param(False, marks=pytest.mark.slow)],
@@ -382,6 +384,7 @@ JIT_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(JIT_CASES))
 def test_first_call_under_jit(name):
     f = lambda x: JIT_CASES[name](x)  # noqa: E731 - never called before this test
@@ -515,6 +518,7 @@ LINALG_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LINALG_CASES))
 def test_batched_linear_algebra(name):
     f, exact = LINALG_CASES[name]

@@ -293,6 +293,7 @@ OPS = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(
     program=st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 1000)), min_size=1, max_size=5)
@@ -357,6 +358,7 @@ def test_color_counts_reach_the_optimum(channels):
         assert coloring.is_valid_row_coloring(p.csr, p.row_colors)
 
 
+@pytest.mark.slow
 def test_seed_cnn_needs_48_diagonal_and_147_column_colors():
     params = models.init_cnn(KEY, channels=16, layers=3, dtype=jnp.float64)
     pattern = sparsity(models.cnn, argnums=1)(params, jnp.zeros((2, 32, 32, 3)))
@@ -367,6 +369,7 @@ def test_seed_cnn_needs_48_diagonal_and_147_column_colors():
 # --- the convolution-Jacobian seed story ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_gaussian_blur_jacobian_has_121_colors_and_the_pixel_gradient_is_the_flipped_kernel():
     kernel = models.gaussian_kernel(11, 2.0, jnp.float64)
     images = _normal(13, (2, 64, 64))
@@ -477,6 +480,7 @@ def test_detection_runs_once_per_shape(monkeypatch):
     assert len(calls) == 2  # the jitted call reuses the cached detection
 
 
+@pytest.mark.slow
 def test_compiled_sparse_path_has_only_the_colored_passes():
     params = models.init_cnn(KEY, channels=4, layers=3, dtype=jnp.float64)
     x = jnp.zeros((2, 16, 16, 3))
@@ -487,6 +491,7 @@ def test_compiled_sparse_path_has_only_the_colored_passes():
     assert colors in leading and n not in leading
 
 
+@pytest.mark.slow
 def test_auto_detection_gives_up_on_density_not_on_batch_size(monkeypatch):
     """Past its floor of entries, "auto" abandons detection only for a dense pattern: the
     entries of a sparse one grow with the batch (every sample is seeded), its density does not.

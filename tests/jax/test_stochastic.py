@@ -51,6 +51,7 @@ def _estimates(method, distribution, num_probes, params, x, n_keys, seed=0):
     return out if with_stderr else (out, None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("method", "distribution", "num_probes"), METHODS)
 def test_estimators_are_unbiased(method, distribution, num_probes):
     params, x, exact = _mlp()
@@ -61,6 +62,7 @@ def test_estimators_are_unbiased(method, distribution, num_probes):
     np.testing.assert_array_less(np.abs(mean - exact), 4 * sem + 1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "num_probes", "terms"),
     [("hutchinson", 16, 16), ("hutch++", 24, 8), ("xtrace", 16, 8)],
@@ -80,6 +82,7 @@ def test_stderr_is_calibrated(method, num_probes, terms):
     assert 0.65 < ratio < 1.25
 
 
+@pytest.mark.slow
 def test_hutchpp_and_xtrace_are_exact_on_low_rank_jacobians():
     U = jax.random.normal(jax.random.key(4), (20, 3))
     V = jax.random.normal(jax.random.key(5), (20, 3))
@@ -107,6 +110,7 @@ def test_probing_with_a_valid_diagonal_coloring_is_exact():
     np.testing.assert_array_equal(err, 0.0)
 
 
+@pytest.mark.slow
 def test_probing_beats_hutchinson_when_the_jacobian_is_concentrated_near_the_diagonal():
     """A U-Net's Jacobian is structurally dense but numerically local: probing with far-apart
     colors (channels never split) has far lower variance than Hutchinson at equal passes."""
@@ -182,6 +186,7 @@ def test_value_and_divergence_with_every_method(method, num_probes):
     assert div.shape == err.shape == (3,)
 
 
+@pytest.mark.slow
 def test_gradients_wrt_params_match_brute_force_for_fixed_probes():
     params, x, _ = _mlp()
     probes = jax.random.rademacher(jax.random.key(17), (5, *x.shape), jnp.float64)
@@ -201,6 +206,7 @@ def test_gradients_wrt_params_match_brute_force_for_fixed_probes():
         np.testing.assert_allclose(g, e, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_gradients_are_unbiased_in_expectation():
     params, x, _ = _mlp()
 

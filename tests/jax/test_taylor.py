@@ -164,7 +164,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("shared", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_against_dense_hessian(case, shared, rng):
     """All ones, weights ``[K]`` and ``[K, B]`` (collapsed), and the terms kept apart."""
     make, shape = CASES[case]
@@ -194,6 +194,7 @@ def test_constant_and_linear_outputs(rng):
     _check(lambda z: jnp.sin(lax.stop_gradient(z[:, :2])) * z[:, 2:], x, v)
 
 
+@pytest.mark.slow
 def test_jit_and_grad_wrt_params(rng):
     d = 4
     params = (_arr(rng, d, 6), _arr(rng, 6), _arr(rng, 6, 1))
@@ -219,6 +220,7 @@ def test_jit_and_grad_wrt_params(rng):
         np.testing.assert_allclose(g, g_ref, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_float32(rng):
     W1, W2 = _arr(rng, 4, 7), _arr(rng, 7, 2)
     f64 = lambda z: jnp.tanh(z @ W1) ** 2 @ W2  # noqa: E731
@@ -232,6 +234,7 @@ def test_float32(rng):
     np.testing.assert_allclose(second, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @settings(max_examples=6)
 @given(
     batch=st.integers(1, 4),

@@ -81,7 +81,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("mode", ["auto", "fwd", "rev", "sparse"])
+@pytest.mark.parametrize(
+    "mode", [pytest.param("auto", marks=pytest.mark.slow), "fwd", "rev", "sparse"]
+)
 def test_jacobian_matches_loop_over_samples(case, mode):
     f, args, argnum = CASES[case]()
     expected = jax_diagonal_blocks(f, args, argnum)
@@ -177,6 +179,7 @@ def test_tuple_argnums_and_has_aux():
     np.testing.assert_allclose(div2, div)
 
 
+@pytest.mark.slow
 def test_composes_with_jit_and_grad_wrt_params():
     f, (params, x), _argnum = _mlp_case()
 
@@ -249,6 +252,7 @@ def test_sum_of_gradient_of_sum_is_not_the_divergence():
     )
 
 
+@pytest.mark.slow
 @given(
     batch=st.integers(1, 4),
     sample=st.lists(st.integers(1, 3), min_size=1, max_size=3),
@@ -292,6 +296,7 @@ def _one_sample_divergence(x, v, argnum):
     return jnp.trace(jax.jacfwd(lambda *a: _two_args(*a), argnums=argnum)(x, v))
 
 
+@pytest.mark.slow
 def test_every_transform_takes_tuple_argnums():
     x, v = (jnp.asarray(a) for a in _XV)
     blocks = [jax_diagonal_blocks(_two_args, (x, v), argnum=a) for a in (0, 1)]

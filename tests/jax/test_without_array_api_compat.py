@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import sys
@@ -48,6 +50,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_stochastic_divergence_runs_without_array_api_compat() -> None:
     result = subprocess.run(
         [sys.executable, "-c", SCRIPT],

@@ -272,6 +272,7 @@ def _unet(size: int = 8, channels: tuple[int, int] = (4, 8)):
     return unet, x
 
 
+@pytest.mark.slow
 def test_unet_score_network_divergence_equals_brute_force():
     unet, x = _unet()
 
