@@ -422,6 +422,22 @@ def test_inference_mode_divergence_of_an_mlp_is_not_zero() -> None:
     assert bool((t.div.abs() > 1e-3).all())  # the zeros would not pass
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_call_under_inference_mode_then_with_gradients(case: str) -> None:
+    """A CNF evaluated under ``inference_mode`` and then trained: what the first call cached
+    (seed matrices, traces, programs) is reused by the second, which records a graph. A
+    cached inference tensor made it fail ("Inference tensors cannot be saved for backward")."""
+    the_case = CASES[case]
+    f, x, probes = _model_and_input("mlp", CONTEXTS["grad"])
+    g = _u(f) if the_case.scalar else f
+    dj.clear_caches()
+    with torch.inference_mode():
+        _close(the_case.run(g, x, probes), the_case.expect(truth("mlp")), torch.float64)
+    result = the_case.run(g, x, probes)
+    _close(result, the_case.expect(truth("mlp")), torch.float64)
+    assert all(leaf.requires_grad for leaf in _leaves(result))  # and it carries the graph
+
+
 # --- defect 4: a forward that updates a buffer it reads -----------------------------------------
 
 

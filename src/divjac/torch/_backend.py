@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import warnings
@@ -69,6 +70,13 @@ class _DiagonalSums:
 
 # Argument types that are leaves of torch's pytrees (no flattening needed).
 _LEAVES = frozenset({torch.Tensor, nn.Parameter, int, float, bool, str, type(None)})
+
+
+def _normal_tensors() -> contextlib.AbstractContextManager[Any]:
+    """Leaves ``torch.inference_mode`` where it is on, for tensors that outlive the call."""
+    if torch.is_inference_mode_enabled():
+        return torch.inference_mode(False)
+    return contextlib.nullcontext()
 
 
 @functools.lru_cache(maxsize=16)
@@ -298,13 +306,16 @@ class TorchBackend(Backend[Traced]):
         if cached is not None and cached[0] is colors:
             return cached[1], cached[2]
         labels = np.arange(n) if colors is None else np.asarray(colors, np.int64)
-        labels_t = torch.as_tensor(labels, device=device)
-        passes = torch.arange(n_passes, device=device)
-        if n_passes * n <= _SEED_MATRIX_ELEMENTS:
-            inputs = (labels_t[None, :] == passes[:, None]).to(dtype)
-            indicator = _Indicator(None, dtype)
-        else:
-            inputs, indicator = passes, _Indicator(labels_t, dtype)
+        # Made as normal tensors even under inference_mode: a cached inference tensor would
+        # fail every later call that records a graph (torch refuses to save one for backward).
+        with _normal_tensors():
+            labels_t = torch.as_tensor(labels, device=device)
+            passes = torch.arange(n_passes, device=device)
+            if n_passes * n <= _SEED_MATRIX_ELEMENTS:
+                inputs = (labels_t[None, :] == passes[:, None]).to(dtype)
+                indicator = _Indicator(None, dtype)
+            else:
+                inputs, indicator = passes, _Indicator(labels_t, dtype)
         _SEEDS.put(key, (colors, inputs, indicator))
         return inputs, indicator
 
