@@ -263,6 +263,55 @@ def test_the_graph_runs_without_the_reference(monkeypatch):
     second_order_sweep(_module(Elementwise(3)), _randn(2, 3), torch.eye(3, dtype=D)[:, None])
 
 
+def test_a_closure_made_anew_runs_the_graph_on_its_new_tensors(monkeypatch):
+    """A closure made anew at each call over new tensors of the same shapes (as the exact
+    bi-Laplacian makes its inner directions) finds its trace and runs the graph on the new
+    tensors' values (the old ones alive or not)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reference ran")
+
+    monkeypatch.setattr(_taylor, "reference_sweep", refuse)
+    x, v = _randn(3, 4, seed=40), _randn(2, 1, 4, seed=41)
+
+    def make(A: torch.Tensor, c: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda x: torch.tanh(x @ A) * c
+
+    for seed in (42, 44, 46):
+        _check(make(_randn(4, 2, seed=seed), _randn(2, seed=seed + 1)), x, v)
+    kept = [(_randn(4, 2, seed=seed), _randn(2, seed=seed + 1)) for seed in (48, 50)]
+    for A, c in (*kept, kept[0]):
+        _check(make(A, c), x, v)
+
+
+def test_bilaplacian_runs_the_graph_at_every_call(monkeypatch):
+    """The exact bi-Laplacian's outer sweep runs the graph of the inner sweep at every call, not
+    only the first (its inner directions are new tensors each time); against nested Hessians."""
+    from torch.func import hessian
+
+    from divjac.torch import bilaplacian
+
+    W, b, w = _randn(4, 6, seed=50), _randn(6, seed=51), _randn(6, seed=52)
+
+    def u(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ W + b) @ w
+
+    def lap(z: torch.Tensor) -> torch.Tensor:
+        return torch.trace(hessian(lambda s: u(s[None])[0])(z))
+
+    x = _randn(3, 4, seed=53)
+    want = torch.stack([torch.trace(hessian(lap)(z)) for z in x])
+    fn = bilaplacian(u)
+    torch.testing.assert_close(fn(x), want, atol=1e-10, rtol=1e-9)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reference ran")
+
+    monkeypatch.setattr(_taylor, "reference_sweep", refuse)
+    for _ in range(2):
+        torch.testing.assert_close(fn(x), want, atol=1e-10, rtol=1e-9)
+
+
 def test_reference_sweep_with_layer_norm():
     """The reference composes layer normalization (torch's second forward derivative of its
     kernel is wrong, torch 2.13)."""

@@ -27,11 +27,12 @@ them with per-sample values (the first layer computes ``W v_k`` once, not ``B`` 
 Everything is computed by torch operations on the actual tensors (the parameters the graph
 captured are the module's own), so autograd differentiates the result w.r.t. them. The trace
 is divjac's cached one (its key identifies the parameters and buffers of the modules); other
-floating-point tensors it captured (weights in a closure) are checked, at every call, to be
-the very ones the function reaches now. The function is run as the generic reference (``jvp``
-of ``jvp`` of the whole function, batched over the directions with ``vmap``) where the graph
-cannot be run: under ``torch.compile``, when it draws random numbers, or when the tensors it
-captured are no longer those the function reaches.
+floating-point tensors it captured (weights in a closure) are, at every call, the ones the
+function reaches now at the place where the trace's call reached them (a closure made anew
+over new tensors of the same shapes runs on the new ones). The function is run as the
+generic reference (``jvp`` of ``jvp`` of the whole function, batched over the directions with
+``vmap``) where the graph cannot be run: under ``torch.compile``, when it draws random
+numbers, or when a tensor it captured is not found among those the function reaches.
 
 Weights per sample (``[K, B]``) keep the second-order terms per direction and weight them at
 the output (the batch axis of an intermediate is not known after views that merge it).
@@ -54,6 +55,7 @@ from .._errors import InternalError
 from ._detect import reach, trace
 from ._kernels import PlainLayouts, _ComposedNorms
 from ._passes import _Generators
+from ._reach import Reached
 from ._taylor_generic import _generic
 from ._taylor_jets import Rule, _Jet, _Sweep
 from ._taylor_rules import _RULES
@@ -291,16 +293,53 @@ def _program(f: Callable[[Tensor], Tensor], x: Tensor) -> _Program | None:
     plan = _PLANS.get(traced)
     if plan is None:
         plan = _PLANS[traced] = _plan(traced)
+    if plan.module_constants:
+        constants: dict[str, Tensor] = {}
+        for name, ref in traced.dropped.items():
+            t = ref()
+            if t is None:
+                return None
+            constants[name] = t
+        return _Program(traced, plan, constants)
+    found = _captured(traced, reach(f, []))
+    return None if found is None else _Program(traced, plan, found)
+
+
+# Where the trace's call found each tensor the graph captured, by the trace: the position
+# among the tensors it reached (``Reached.ids``), and the tensor's shape, dtype and device.
+_FOUND: weakref.WeakKeyDictionary[Traced, dict[str, tuple[int, Any]]] = weakref.WeakKeyDictionary()
+
+
+def _captured(traced: Traced, reached: Reached) -> dict[str, Tensor] | None:
+    """The tensors that the constants of ``traced`` stand for in this call, or ``None`` where
+    one is not among those the function reaches now.
+
+    The key of a trace identifies the parameters and buffers of its modules, not the other
+    floating-point tensors it captured: a closure made anew at each call over new tensors of
+    the same shapes (the inner directions of a nested sweep) finds the trace by the signature
+    of what it reaches, which equals the trace's call's. A captured tensor the function still
+    reaches is the one the graph runs on; one it no longer reaches is replaced by the tensor
+    found at its place in the walk, which must have its shape, dtype and device.
+    """
+    where = _FOUND.get(traced)
+    if where is None:
+        place = {i: k for k, i in enumerate(reached.ids)}
+        where = {}
+        for name, ref in traced.dropped.items():
+            t = ref()
+            if t is None or reached.tensors.get(id(t)) is not t:
+                return None  # not (or no longer) what f reaches
+            where[name] = (place[id(t)], (t.shape, t.dtype, t.device))
+        _FOUND[traced] = where
     constants: dict[str, Tensor] = {}
-    # The key of a trace identifies the parameters and buffers of its modules, not the other
-    # floating-point tensors it captured: those must be the ones f reaches now.
-    reached = None if plan.module_constants else reach(f, [])
-    for name, ref in traced.dropped.items():
-        t = ref()
-        if t is None or (reached is not None and reached.tensors.get(id(t)) is not t):
-            return None  # the graph's weights are not (or no longer) those f reaches
+    for name, (k, spec) in where.items():
+        t = traced.dropped[name]()
+        if t is None or reached.tensors.get(id(t)) is not t:
+            t = reached.tensors[reached.ids[k]] if k < len(reached.ids) else None
+        if t is None or (t.shape, t.dtype, t.device) != spec:
+            return None
         constants[name] = t
-    return _Program(traced, plan, constants)
+    return constants
 
 
 def _plan(traced: Traced) -> _Plan:

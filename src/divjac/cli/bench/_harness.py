@@ -6,6 +6,8 @@ Absolute times depend on the machine; the targets are on ratios.
 from __future__ import annotations
 
 import gc
+import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -157,3 +159,40 @@ def cost_rows(framework: str, times: dict[str, dict[str, float]]) -> list[Result
         for case, t in times.items()
         for method in ("hutch++", "xtrace")
     ]
+
+
+BILAPLACIAN_TARGET = 3.0
+
+
+def bilaplacian_row(
+    framework: str,
+    case: str,
+    ours: Callable[[], Any],
+    nested: Callable[[], Any],
+    *,
+    rel_err: float,
+    repeat: int,
+    min_time: float,
+) -> Result:
+    """The exact bi-Laplacian against nested Hessians, timed in alternation: the gain of the
+    best times, with the gain of the medians and the machine's load beside it (others may
+    load it)."""
+    times = interleaved_times({"ours": ours, "nested": nested}, repeat=repeat, min_time=min_time)
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    return Result(
+        "P9-bilap",
+        f"{case} ({framework})",
+        "bilaplacian (exact)",
+        "nested hessian (trace of the Hessian of the Hessian's trace)",
+        min(times["ours"]),
+        min(times["nested"]),
+        kind="gain",
+        target=BILAPLACIAN_TARGET,
+        extra={
+            "max_rel_err_vs_nested_hessian": rel_err,
+            "median_gain": median["nested"] / median["ours"],
+            "median_seconds": median,
+            "repeats": repeat,
+            "load_average_1min": os.getloadavg()[0],
+        },
+    )
