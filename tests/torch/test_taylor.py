@@ -284,6 +284,22 @@ def test_a_closure_made_anew_runs_the_graph_on_its_new_tensors(monkeypatch):
         _check(make(A, c), x, v)
 
 
+def test_a_captured_tensor_reached_at_another_place_is_not_reused_there():
+    """A history of weights shifted by one between calls (the old first weight is now the
+    second): each captured tensor stands for the one at its place in the walk, never for a
+    tensor of the trace's call that is still reached elsewhere (that gave an error of 2.4)."""
+    x, v = _randn(3, 4, seed=60), _randn(2, 1, 4, seed=61)
+
+    def make(ws: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        a, b = ws
+        return lambda x: torch.tanh(x @ a) + (x @ b) ** 3
+
+    history = [_randn(4, 4, seed=62), _randn(4, 4, seed=63)]
+    for seed in (64, 65, 66):
+        _check(make(history), x, v)
+        history = [_randn(4, 4, seed=seed), history[0]]
+
+
 def test_bilaplacian_runs_the_graph_at_every_call(monkeypatch):
     """The exact bi-Laplacian's outer sweep runs the graph of the inner sweep at every call, not
     only the first (its inner directions are new tensors each time); against nested Hessians."""

@@ -317,9 +317,10 @@ def _captured(traced: Traced, reached: Reached) -> dict[str, Tensor] | None:
     The key of a trace identifies the parameters and buffers of its modules, not the other
     floating-point tensors it captured: a closure made anew at each call over new tensors of
     the same shapes (the inner directions of a nested sweep) finds the trace by the signature
-    of what it reaches, which equals the trace's call's. A captured tensor the function still
-    reaches is the one the graph runs on; one it no longer reaches is replaced by the tensor
-    found at its place in the walk, which must have its shape, dtype and device.
+    of what it reaches, which equals the trace's call's. Each captured tensor stands for the
+    tensor found at its place in the walk now, which must have its shape, dtype and device
+    (by place, not by identity: a tensor of the trace's call may be reached now at another
+    place, for another use, as in a history of weights shifted by one).
     """
     where = _FOUND.get(traced)
     if where is None:
@@ -333,9 +334,7 @@ def _captured(traced: Traced, reached: Reached) -> dict[str, Tensor] | None:
         _FOUND[traced] = where
     constants: dict[str, Tensor] = {}
     for name, (k, spec) in where.items():
-        t = traced.dropped[name]()
-        if t is None or reached.tensors.get(id(t)) is not t:
-            t = reached.tensors[reached.ids[k]] if k < len(reached.ids) else None
+        t = reached.tensors[reached.ids[k]] if k < len(reached.ids) else None
         if t is None or (t.shape, t.dtype, t.device) != spec:
             return None
         constants[name] = t
