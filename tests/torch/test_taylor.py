@@ -286,8 +286,9 @@ def test_a_closure_made_anew_runs_the_graph_on_its_new_tensors(monkeypatch):
 
 def test_a_captured_tensor_reached_at_another_place_is_not_reused_there():
     """A history of weights shifted by one between calls (the old first weight is now the
-    second): each captured tensor stands for the one at its place in the walk, never for a
-    tensor of the trace's call that is still reached elsewhere (that gave an error of 2.4)."""
+    second), and two weights swapped: each captured tensor stands for the one at its place in
+    the walk, never for a tensor of the trace's call that is still reached elsewhere (errors
+    of 2.4 and 157 before)."""
     x, v = _randn(3, 4, seed=60), _randn(2, 1, 4, seed=61)
 
     def make(ws: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -298,6 +299,7 @@ def test_a_captured_tensor_reached_at_another_place_is_not_reused_there():
     for seed in (64, 65, 66):
         _check(make(history), x, v)
         history = [_randn(4, 4, seed=seed), history[0]]
+    _check(make(history[::-1]), x, v)  # the same tensors, roles swapped (an error of 157)
 
 
 def test_bilaplacian_runs_the_graph_at_every_call(monkeypatch):
