@@ -46,7 +46,8 @@ def _layer_norm(x: jax.Array) -> jax.Array:
 
 def _attention(x: jax.Array, p: Any, prefix: str) -> jax.Array:
     q, k, v = (x @ p[prefix + name] for name in "qkv")
-    weights = jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1]), axis=-1)
+    # a Python float (weakly typed): a NumPy float64 scale made float32 models float64
+    weights = jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2) * q.shape[-1] ** -0.5, axis=-1)
     return weights @ v
 
 

@@ -214,29 +214,37 @@ class Graph:
         strided = packet(target) in ("as_strided", "as_strided_copy", "as_strided_scatter")
         if strided and not _strides_are_safe(node):
             return None
-        shifted = {id(ids): ids + offset for ids in encoded}
-
-        def shift(a: Any) -> Any:
-            return shifted.get(id(a), a.clone()) if isinstance(a, torch.Tensor) else a
-
-        moved_args, moved_kwargs = pytree.tree_map(shift, (args, kwargs))
-        try:
-            with torch.no_grad():
-                out = target(*args, **kwargs)
-                moved_out = target(*moved_args, **moved_kwargs)
-        except Exception:
-            return None
-        results = list(out) if isinstance(out, tuple | list) else [out]
-        moved = list(moved_out) if isinstance(moved_out, tuple | list) else [moved_out]
         vals = outputs(node)
+
+        def run() -> list[Any] | None:
+            try:
+                with torch.no_grad():
+                    out = target(*args, **kwargs)
+            except Exception:
+                return None
+            results = list(out) if isinstance(out, tuple | list) else [out]
+            return [
+                o.detach().real.to(torch.float64).round().to(torch.int64)  # a copy
+                if inexact(o) and inexact(val)
+                else None
+                for o, val in zip(results, vals, strict=False)
+            ]
+
+        first = run()
+        if first is None:
+            return None
+        for ids in encoded:  # in place: the second run sees them through the same arguments
+            ids += offset
+        second = run()
+        if second is None:
+            return None
         src: list[np.ndarray | None] = [None] * len(vals)
-        for k, (o, o2, val) in enumerate(zip(results, moved, vals, strict=False)):
-            if not inexact(o) or not inexact(val):
+        for k, (positions, moved, val) in enumerate(zip(first, second, vals, strict=False)):
+            if positions is None or moved is None:
                 continue
-            if tuple(o.shape) != shape(val):
+            if tuple(positions.shape) != shape(val):
                 return None  # a data-dependent shape: the replaced indices do not tell
-            positions = o.detach().real.to(torch.float64).round().to(torch.int64)
-            step = o2.detach().real.to(torch.float64).round().to(torch.int64) - positions
+            step = moved - positions
             if not bool(((step == 0) | (step == offset)).all()):
                 return None  # not a copy of one element (cannot be read as positions)
             positions = torch.where(step == 0, 0, positions)  # constants copy no argument
