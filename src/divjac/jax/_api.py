@@ -8,7 +8,6 @@ has the same functions with the same signatures. The shared docstring text comes
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
@@ -76,13 +75,7 @@ def _compiled_when_eager(
         functional=BACKEND.functional,
         randomness=lambda r: BACKEND.is_randomness(r) or D._is_probes(BACKEND, r),
     )
-
-    @functools.wraps(call)
-    def refusing(*args: Any, **kwargs: Any) -> Any:
-        with leaked_tracers_refused(transform.__name__):
-            return call(*args, **kwargs)
-
-    return refusing
+    return leaked_tracers_refused(transform.__name__)(call)  # a context, used as a decorator
 
 
 def _randomness(method: str) -> int:
