@@ -34,6 +34,7 @@ def run_python(code: str, blocked: tuple[str, ...], *args: str) -> subprocess.Co
     )
 
 
+@pytest.mark.slow
 def test_the_library_never_imports_the_cli_extra():
     frameworks = [f for f in ("jax", "torch") if _installed(f)]
     code = f"""

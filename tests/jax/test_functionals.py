@@ -114,6 +114,7 @@ def test_gradients_to_inputs_and_params():
             np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "distribution", "num_probes"), [("fwd", "rademacher", 16), ("rev", "gaussian", 2)]
 )
@@ -160,6 +161,7 @@ def test_frobenius_hutchinson_matches_divergence_probes():
     np.testing.assert_allclose(div, alone, rtol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fwd", "rev", "auto"])
 def test_log_abs_det_exact(mode):
     d = 5

@@ -277,6 +277,7 @@ def test_messages_name_the_fix():
         divergence(jnp.sin, method="hutchinson")(0, x)
 
 
+@pytest.mark.slow
 def test_memory_guard_on_detection_and_passes(monkeypatch):
     """A clear error (or, in "auto", the dense fallback) before the machine runs out of memory."""
     params = models.init_cnn(jax.random.key(17), channels=4, layers=2, dtype=jnp.float64)

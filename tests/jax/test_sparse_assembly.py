@@ -105,6 +105,7 @@ def test_batched_and_vmapped_results_equal_a_loop_of_jacfwd(name, batch, rng):
     np.testing.assert_allclose(np.asarray(vmapped.todense()), expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_size", [1, 2])
 @pytest.mark.parametrize("seed_matrix_elements", [0, _backend.SEED_MATRIX_ELEMENTS])
 def test_chunked_passes_and_indexed_seeds_give_the_same_jacobian(
@@ -123,6 +124,7 @@ def test_chunked_passes_and_indexed_seeds_give_the_same_jacobian(
     np.testing.assert_allclose(np.asarray(got.todense()), expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_gradients_flow_through_the_gather_and_the_scatter(rng):
     # d/dp of sum(w * J) through the decompression gather (sparse) and the scatter (dense)
     params = _convnet_params(rng)

@@ -97,6 +97,7 @@ def test_hutchpp_and_xtrace_are_exact_on_low_rank_jacobians():
     assert np.max(np.abs(rough - exact)) > 1e-3
 
 
+@pytest.mark.slow
 def test_probing_with_a_valid_diagonal_coloring_is_exact():
     params = models.init_cnn(
         jax.random.key(8), channels=2, layers=1, in_channels=2, out_channels=2, dtype=jnp.float64
@@ -127,6 +128,7 @@ def test_probing_beats_hutchinson_when_the_jacobian_is_concentrated_near_the_dia
     assert mse("probing") < mse("hutchinson") / 5
 
 
+@pytest.mark.slow
 def test_probing_distance_option():
     params = models.init_cnn(jax.random.key(14), channels=2, layers=2, dtype=jnp.float64)
     x = jax.random.normal(jax.random.key(15), (2, 8, 8, 3))
@@ -155,6 +157,7 @@ def test_probing_refuses_an_error_bar_from_one_repetition():
     assert np.all(np.isfinite(div)) and np.all(err > 0)
 
 
+@pytest.mark.slow
 def test_same_key_or_same_probes_give_the_same_estimate():
     params, x, _ = _mlp()
     div = divergence(models.mlp, 1, method="hutch++", num_probes=3)  # 3 < n=6: an estimate
@@ -224,6 +227,7 @@ def test_gradients_are_unbiased_in_expectation():
         np.testing.assert_array_less(np.abs(mean - e), 5 * sem + 1e-9)
 
 
+@pytest.mark.slow
 def test_coupled_functions_with_stochastic_methods():
     x = jax.random.normal(jax.random.key(19), (4, 3))
     center = lambda x: jnp.tanh(x - x.mean(0))  # noqa: E731
@@ -251,6 +255,7 @@ def test_xtrace_with_a_budget_of_n_matvecs_is_exact():
         np.testing.assert_array_equal(err, 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "count", "budget"), [("hutchinson", 3, 3), ("hutch++", 4, 6), ("xtrace", 3, 6)]
 )

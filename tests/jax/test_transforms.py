@@ -80,10 +80,9 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize(
-    "mode", [pytest.param("auto", marks=pytest.mark.slow), "fwd", "rev", "sparse"]
-)
+@pytest.mark.parametrize("mode", ["auto", "fwd", "rev", "sparse"])
 def test_jacobian_matches_loop_over_samples(case, mode):
     f, args, argnum = CASES[case]()
     expected = jax_diagonal_blocks(f, args, argnum)

@@ -93,6 +93,7 @@ def _check_compiled(loss: Callable[[torch.Tensor], torch.Tensor], net: nn.Module
     torch.testing.assert_close(compiled(x), loss(x), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.slow
 def test_compiled_transforms_equal_eager() -> None:
     """Every target in one compiled function (one compilation: dynamo is slow)."""
     net = _mlp()
@@ -136,6 +137,7 @@ def test_compiled_module_is_unwrapped() -> None:
     torch.testing.assert_close(dj.jacobian(compiled)(x), dj.jacobian(net)(x))
 
 
+@pytest.mark.slow
 def test_attention_and_layer_norm_compile() -> None:
     """A transformer block: the math attention kernel and the composed layer norms of the
     passes are entered in a form dynamo traces (an ``ExitStack`` of them was not)."""

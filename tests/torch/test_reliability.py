@@ -403,6 +403,7 @@ def _f32_vs_f64(make, x64, transform, reference, rtol=2e-4):
     np.testing.assert_allclose(got.detach().double(), reference(m64, x64), rtol=rtol, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_recurrent_layers_are_per_sample(cls, dtype):
