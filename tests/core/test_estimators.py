@@ -445,6 +445,22 @@ def test_term_variance_is_unbiased_for_gaussian_probes() -> None:
     assert abs(estimates.mean() - expected) < 4 * sem
 
 
+def test_term_variance_is_unbiased_for_probes_on_the_sphere() -> None:
+    """For probes uniform on the sphere of radius sqrt(n) the estimate has mean the sphere's
+    variance of v^T A v (checked against the terms' own variance), below the Gaussian one."""
+    rng = np.random.default_rng(23)
+    a = rng.standard_normal((6, 6)) + 2 * np.eye(6)
+    raw = rng.standard_normal((40000, 6, 3))
+    probes = raw * np.sqrt(6) / np.linalg.norm(raw, axis=1, keepdims=True)
+    from divjac._core.estimators._common import namespace, term_variance
+
+    estimates = term_variance(probes, a @ probes, namespace(probes))
+    terms = np.einsum("bia,ij,bja->ba", probes, a, probes).ravel()
+    sem = estimates.std() / np.sqrt(len(estimates))
+    assert abs(estimates.mean() - terms.var()) < 4 * sem + 0.02 * terms.var()
+    assert terms.var() < 0.9 * (np.sum(a * a) + np.trace(a @ a))  # the Gaussian's is larger
+
+
 def test_degenerate_rademacher_case_is_covered() -> None:
     """The Hessian of u = x0^2 + x0 x1 at d = 2 (issue 22): Rademacher terms are 0 or 4
     (truth 2), so two probes agree half the time and their sample variance is 0. With 2 probes
