@@ -13,6 +13,7 @@ the CNN, and each context once; the whole product is ``@pytest.mark.slow`` and
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -96,6 +97,7 @@ TRANSFORMS: dict[
     ),
     "hessian": (lambda u: dj.hessian(u, 1), "hessian", True, False),
 }
+TRANSFORMS_TAKING_U = {kind: takes_u for _, kind, takes_u, _ in TRANSFORMS.values()}
 CORE = ("jacobian-auto", "divergence-auto", "divergence-hutchinson", "laplacian-auto", "hessian")
 CONTEXTS = (
     "eager-then-jit",
@@ -163,26 +165,46 @@ def _total(tree: Any) -> jax.Array:
     return sum(jnp.sum(leaf) for leaf in jax.tree_util.tree_leaves(tree))
 
 
+def _probes(x: jax.Array) -> jax.Array:
+    """The stochastic methods' fixed Rademacher probes for the batch ``x``."""
+    signs = np.random.default_rng(1).choice([-1.0, 1.0], size=(K, *x.shape))
+    return jnp.asarray(signs, x.dtype)
+
+
+@functools.cache
+def _reference(model_name: str, kind: str, dtype: Any, extra: tuple, form: str) -> Any:
+    """The brute force for a case, under ``jit`` (eager ``vmap(hessian)`` of the U-Net takes
+    seconds per call) and computed once per process for the transforms that share it: ``form``
+    is "value", "vmap" (over a stack of two batches) or "grad" (w.r.t. the parameters)."""
+    model = ZOO[model_name]
+    fun = _scalar(model) if TRANSFORMS_TAKING_U[kind] else model.f
+    params, x = model.init(dtype)
+    probes = _probes(x) if kind.startswith("hutchinson") else None
+    expected = jax.jit(lambda p, x: _brute_force(kind, fun, p, x, extra, probes))
+    if form == "vmap":
+        return jax.vmap(expected, (None, 0))(params, _stacked(x))
+    if form == "grad":
+        return jax.jit(jax.grad(lambda p: _total(expected(p, x))))(params)
+    return expected(params, x)
+
+
+def _stacked(x: jax.Array) -> jax.Array:
+    """Two batches for the outer ``vmap`` context."""
+    return jnp.stack([x, 0.5 * x + 0.1])
+
+
 def check(model_name: str, transform_name: str, context: str) -> None:
     model = ZOO[model_name]
     build, kind, takes_u, stochastic = TRANSFORMS[transform_name]
     dtype = jnp.float32 if context == "float32" else jnp.float64
     tol = {"rtol": 2e-4, "atol": 2e-5} if dtype == jnp.float32 else {"rtol": 1e-9, "atol": 1e-11}
     params, x = model.init(dtype)
-    fun = _scalar(model) if takes_u else model.f
-    transformed = build(fun)
+    transformed = build(_scalar(model) if takes_u else model.f)
     extra = (0.7,) if context == "python-float" else ()
-    probes = None
-    if stochastic:
-        signs = np.random.default_rng(1).choice([-1.0, 1.0], size=(K, *x.shape))
-        probes = jnp.asarray(signs, dtype)
-    lead = (probes,) if stochastic else ()
+    lead = (_probes(x),) if stochastic else ()
 
     def call(p: Any, x: jax.Array) -> Any:
         return transformed(*lead, p, x, *extra)
-
-    def expected(p: Any, x: jax.Array) -> Any:
-        return _brute_force(kind, fun, p, x, extra, probes)
 
     def same(got: Any, want: Any) -> None:
         assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
@@ -192,21 +214,22 @@ def check(model_name: str, transform_name: str, context: str) -> None:
             assert g.dtype == w.dtype, (g.dtype, w.dtype)
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), **tol)
 
-    want = expected(params, x)
     if context in ("eager-then-jit", "float32", "python-float"):
+        want = _reference(model_name, kind, dtype, extra, "value")
         same(call(params, x), want)
         same(jax.jit(call)(params, x), want)
     elif context == "jit-then-eager":
+        want = _reference(model_name, kind, dtype, extra, "value")
         same(jax.jit(call)(params, x), want)
         same(call(params, x), want)
     elif context == "vmap":
-        xs = jnp.stack([x, 0.5 * x + 0.1])
-        same(jax.vmap(call, (None, 0))(params, xs), jax.vmap(expected, (None, 0))(params, xs))
+        want = _reference(model_name, kind, dtype, extra, "vmap")
+        same(jax.vmap(call, (None, 0))(params, _stacked(x)), want)
     else:
         assert context in ("grad", "jit-grad")
         grad = jax.grad(lambda p: _total(call(p, x)))
         got = (jax.jit(grad) if context == "jit-grad" else grad)(params)
-        same(got, jax.grad(lambda p: _total(expected(p, x)))(params))
+        same(got, _reference(model_name, kind, dtype, extra, "grad"))
 
 
 DEFAULT = (

@@ -1,8 +1,9 @@
 """Eager calls of a transform, run as one compiled program that is reused while it is valid.
 
-Called outside ``jax.jit`` (no argument is a tracer), a transform would run its passes op by op:
-the linearization, every pass program and the colour and index arrays are built and moved to the
-device at every call. :func:`compiled_when_eager` runs the call as one ``jax.jit`` program
+Called outside ``jax.jit`` (no argument is a tracer, or only the tracers of an eager
+``jax.grad`` or ``jax.vmap`` around the call), a transform would run its passes op by op: the
+linearization, every pass program and the colour and index arrays are built and moved to the
+device at every call (seconds per call for a small LSTM's Hessian under an eager ``grad``). :func:`compiled_when_eager` runs the call as one ``jax.jit`` program
 instead, cached in :data:`CACHE` on everything the program depends on:
 
 - the transform and its options;
@@ -17,8 +18,8 @@ instead, cached in :data:`CACHE` on everything the program depends on:
   its leaves are arrays. Its other leaves (a Python ``int`` or ``float`` aux) are not part of
   the program: each call returns the values its own trace of the function produced.
 
-The floating-point constants the function captures (weights), its random keys and scalar
-constants (step counters) are arguments of the compiled program, not part of the key: updated
+The floating-point constants the function captures (weights), its random keys, scalar
+constants (step counters) and any value an outer ``grad`` or ``vmap`` traces are arguments of the compiled program, not part of the key: updated
 weights reuse it, and the cache keeps none of them alive. (Detection then sees such a scalar as
 unknown, which may only make a pattern denser, never wrong.)
 The program evaluates the traced function (its jaxpr) rather than calling the caller's function
@@ -74,7 +75,7 @@ def compiled_when_eager(
     def call(*args: Any, **kwargs: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten((args[skip:], kwargs))
         ours = jax.tree_util.tree_leaves(args[:skip])
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves + ours):
+        if any(_staged(leaf) for leaf in leaves + ours):
             return transformed(*args, **kwargs)  # already traced: the caller's jit compiles
         if len(args) < skip or not all(randomness(a) for a in args[:skip]):
             return transformed(*args, **kwargs)  # no key: the transform says what is missing
@@ -125,6 +126,18 @@ def compiled_when_eager(
         return result
 
     return call
+
+
+def _staged(leaf: Any) -> bool:
+    """Whether ``leaf`` is being staged out into a program (a ``jit`` or another staging trace
+    below it), rather than an eager ``grad``'s or ``vmap``'s tracer of a concrete value, under
+    which the transform would otherwise run op by op. Unknown tracers count as staged."""
+    while isinstance(leaf, jax.core.Tracer):
+        inner = getattr(leaf, "primal", getattr(leaf, "val", None))
+        if inner is None:
+            return True
+        leaf = inner
+    return False
 
 
 def _trace(
@@ -209,6 +222,8 @@ def _is_weight(c: Any) -> bool:
     """A constant passed as an argument of the compiled program: floating-point arrays
     (weights), random keys and scalars (counters such as an nnx ``Rngs`` count). The others,
     index arrays and masks that detection may read, are part of the key."""
+    if isinstance(c, jax.core.Tracer):  # an outer grad's or vmap's: never compiled in
+        return True
     dtype = getattr(c, "dtype", None)
     if dtype is None:
         return False
