@@ -12,7 +12,7 @@ LOWEST_CORE_PYTHON ?= $(PYTHON)
 LOWEST_JAX_TESTS := src/divjac/jax tests/jax/test_errors.py tests/jax/test_sparsity.py \
 	tests/jax/test_stochastic.py
 
-.PHONY: install demo test test-conformance test-slow test-exhaustive lint typecheck pytest test-lowest bench bench-quick clean
+.PHONY: install demo test test-conformance test-slow lint typecheck pytest test-lowest bench bench-quick clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -51,15 +51,11 @@ test: lint typecheck pytest
 test-conformance: install
 	$(BIN)/python -m pytest -n 2 -m slow tests/torch/test_conformance.py tests/jax/test_conformance.py
 
-# The long part of the suite: the conformance matrix's op sweeps and the torch context
-# product, the end-to-end calibration, the examples and the other cases marked slow. .ci/run
-# runs it after make test. The whole JAX context product (marked exhaustive: hours on 2 cores)
-# is make test-exhaustive.
+# The long part of the suite: the conformance matrix's op sweeps and the JAX and torch
+# context products, the end-to-end calibration, the examples and the other cases marked
+# slow. .ci/run runs it after make test.
 test-slow: install
-	$(BIN)/python -m pytest -n 2 -m "slow and not exhaustive"
-
-test-exhaustive: install
-	$(BIN)/python -m pytest -n 2 -m exhaustive
+	$(BIN)/python -m pytest -n 2 -m slow
 
 test-lowest: .venv-lowest-core/.divjac-installed .venv-lowest-jax/.divjac-installed
 	.venv-lowest-core/bin/python -m pytest -n 2 tests/core src/divjac/_core
