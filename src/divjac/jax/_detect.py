@@ -113,6 +113,8 @@ def fingerprint(closed: Any) -> Hashable:
     memo: dict[int, Hashable] = {}
 
     def aval(a: Any) -> Hashable:
+        if isinstance(a, int | float | complex):  # a literal lifted to a constant by the eager
+            return type(a)  # path (divjac.jax._eager), whose key holds its value if it must
         shape, dtype = getattr(a, "shape", None), getattr(a, "dtype", None)
         if shape is None or dtype is None:
             return str(a)
