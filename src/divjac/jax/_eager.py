@@ -132,11 +132,16 @@ def _staged(leaf: Any) -> bool:
     """Whether ``leaf`` is being staged out into a program (a ``jit`` or another staging trace
     below it), rather than an eager ``grad``'s or ``vmap``'s tracer of a concrete value, under
     which the transform would otherwise run op by op. Unknown tracers count as staged."""
+    if not isinstance(leaf, jax.core.Tracer):
+        return False
     while isinstance(leaf, jax.core.Tracer):
-        inner = getattr(leaf, "primal", getattr(leaf, "val", None))
-        if inner is None:
-            return True
-        leaf = inner
+        name = type(leaf).__name__
+        if name in ("JVPTracer", "LinearizeTracer"):
+            leaf = leaf.primal
+        elif name == "BatchTracer":
+            leaf = leaf.val
+        else:
+            return True  # jit's, shard_map's or another staging trace's
     return False
 
 
