@@ -114,7 +114,7 @@ def fingerprint(closed: Any) -> Hashable:
 
     def aval(a: Any) -> Hashable:
         if isinstance(a, int | float | complex):  # a literal lifted to a constant by the eager
-            return type(a)  # path (divjac.jax._eager), whose key holds its value if it must
+            return type(a).__name__  # path (divjac.jax._eager), whose key holds its value
         shape, dtype = getattr(a, "shape", None), getattr(a, "dtype", None)
         if shape is None or dtype is None:
             return str(a)
