@@ -168,6 +168,10 @@ class Backend(abc.ABC, Generic[TracedT]):
     def concatenate(self, arrays: Sequence[Array]) -> Array:
         """``arrays`` joined along their first axis."""
 
+    @abc.abstractmethod
+    def stack(self, arrays: Sequence[Array]) -> Array:
+        """``arrays`` (of one shape) stacked along a new first axis."""
+
     # --- devices ------------------------------------------------------------------------------
 
     def batch_shards(self, xb: Array) -> int:

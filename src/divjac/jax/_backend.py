@@ -128,6 +128,9 @@ class JaxBackend(Backend[Traced]):
     def concatenate(self, arrays: Sequence[Array]) -> jax.Array:
         return jnp.concatenate(arrays)
 
+    def stack(self, arrays: Sequence[Array]) -> jax.Array:
+        return jnp.stack(arrays)
+
     def batch_shards(self, xb: Array) -> int:
         """From the array's sharding (a concrete array, or a tracer of an explicitly sharded
         mesh axis); a tracer under ``jit`` of an ``Auto`` mesh carries none (1). Inside
