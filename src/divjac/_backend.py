@@ -114,6 +114,9 @@ class Backend(abc.ABC, Generic[TracedT]):
         input_cast_hint: how to cast an integer input to floats (in messages).
         output_cast_hint: how to cast an integer output to floats (in messages).
         randomness_example: a source of randomness of the framework (in messages).
+        host_budget: bytes of passes at once where the device reports no free memory (a
+            host CPU), when the framework runs them faster in smaller chunks than the
+            default budget allows; ``None``: that default (:func:`~divjac._core.plan.memory_budget`).
     """
 
     array_noun: str
@@ -121,6 +124,7 @@ class Backend(abc.ABC, Generic[TracedT]):
     input_cast_hint: str
     output_cast_hint: str
     randomness_example: str
+    host_budget: int | None = None
 
     # --- arrays and dtypes --------------------------------------------------------------------
 
@@ -163,6 +167,10 @@ class Backend(abc.ABC, Generic[TracedT]):
     @abc.abstractmethod
     def concatenate(self, arrays: Sequence[Array]) -> Array:
         """``arrays`` joined along their first axis."""
+
+    @abc.abstractmethod
+    def stack(self, arrays: Sequence[Array]) -> Array:
+        """``arrays`` (of one shape) stacked along a new first axis."""
 
     # --- devices ------------------------------------------------------------------------------
 

@@ -82,11 +82,11 @@ def _norm_finish(
 
     def finish(c: Array, t: Array, pushed: Array) -> Array:
         flat = pushed.reshape(batch_size, -1)
-        squares = (flat * flat).sum(-1)[None]
+        squares = (flat * flat).sum(-1)
         if not with_divergence:
-            return squares
+            return squares[None]
         diagonal = (flat * t.reshape(-1, flat.shape[-1])).sum(-1)  # t: (1, n) or (B, n)
-        return backend.concatenate([diagonal[None], squares])
+        return backend.stack([diagonal, squares])
 
     return finish
 
@@ -140,8 +140,9 @@ def _stochastic_norms(
     chunk = backend.ahead(Call.chunk, call, k, options.chunk_size)
     if not options.return_stderr:
         finish = _norm_finish(call.batch_size, options.with_divergence, backend)
-        terms = linear.passes(probes, _itself, finish, chunk, shared=False).mean(0)  # (r, B)
-        return linear.value, terms, None, linear.aux
+        terms = linear.passes(probes, _itself, finish, chunk, shared=False)  # (k, r, B)
+        estimates, _ = est.hutchinson_from_terms(terms, stderr=False)
+        return linear.value, estimates, None, linear.aux
     # The standard errors need the images of all probes (their cross products).
     B = call.batch_size
     pushed = linear.passes(probes, _itself, _pushed, chunk, shared=False)  # (k, B, *image)
@@ -152,8 +153,7 @@ def _stochastic_norms(
     V = backend.moveaxis(probes.reshape(k, B, -1), 0, -1)
     xp = namespace(images)
     div, div_se = est.mean_and_stderr(est.column_dots(V, images), xp, images, V)
-    estimates = backend.concatenate([div[None], norm[None]])
-    return linear.value, estimates, backend.concatenate([div_se[None], norm_se[None]]), linear.aux
+    return linear.value, backend.stack([div, norm]), backend.stack([div_se, norm_se]), linear.aux
 
 
 def _num_probes(call: Call, options: _Options, randomness: Any, sample: tuple[int, ...]) -> int:
@@ -195,15 +195,15 @@ def _norms_transform(
         else:
             y, values, aux = _exact_norms(call, options)
             stderrs = backend.zeros_like(values) if options.return_stderr else None
-        results = []
-        for r in range(int(values.shape[0])):
-            value = values[r, 0] if call.spec.batch_axis is None else values[r]
-            if stderrs is None:
-                results.append(value)
-            else:
-                se = stderrs[r, 0] if call.spec.batch_axis is None else stderrs[r]
-                results.append((value, se))
-        return call.unbatch(y), tuple(results), aux
+
+        def row(a: Array) -> Array:
+            return a[0] if call.spec.batch_axis is None else a
+
+        # Rows by iteration (in torch one unbind, not an indexing per row).
+        if stderrs is None:
+            return call.unbatch(y), tuple(row(v) for v in values), aux
+        pairs = zip(values, stderrs, strict=True)
+        return call.unbatch(y), tuple((row(v), row(s)) for v, s in pairs), aux
 
     return norms
 

@@ -161,6 +161,28 @@ def test_frobenius_hutchinson_matches_divergence_probes():
     np.testing.assert_allclose(div, alone, rtol=1e-12)
 
 
+def test_an_unbatched_sample_is_the_batched_call_of_one():
+    """``batch_axis=None``: scalars (and scalar error bars) equal to the batch of that sample."""
+    f, params, x = _mlp_case()
+    one = lambda p, xb: f(p, xb[None])[0]  # noqa: E731
+    y, div, sq = value_divergence_and_frobenius(one, 1, batch_axis=None)(params, x[0])
+    y_b, div_b, sq_b = value_divergence_and_frobenius(f, 1)(params, x[:1])
+    assert div.shape == sq.shape == ()
+    np.testing.assert_allclose(y, y_b[0], rtol=1e-14)
+    np.testing.assert_allclose([div, sq], [div_b[0], sq_b[0]], rtol=1e-12)
+    probes = jax.random.rademacher(jax.random.key(5), (3, *x[0].shape), jnp.float64)
+    unbatched = value_divergence_and_frobenius(
+        one, 1, batch_axis=None, method="hutchinson", return_stderr=True
+    )(probes, params, x[0])
+    batched = value_divergence_and_frobenius(f, 1, method="hutchinson", return_stderr=True)(
+        probes[:, None], params, x[:1]
+    )
+    for (value, se), (value_b, se_b) in zip(unbatched[1:], batched[1:], strict=True):
+        assert value.shape == se.shape == ()
+        np.testing.assert_allclose([value, se], [value_b[0], se_b[0]], rtol=1e-12)
+        assert se > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fwd", "rev", "auto"])
 def test_log_abs_det_exact(mode):

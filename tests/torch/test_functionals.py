@@ -50,6 +50,32 @@ def test_squared_frobenius_norm_exact(name, method, mode):
     np.testing.assert_allclose(got.detach().numpy(), expected, rtol=1e-12)
 
 
+def test_an_unbatched_sample_is_the_batched_call_of_one():
+    """``batch_axis=None``: scalars (and scalar error bars) equal to the batch of that sample."""
+    f, params, x = _case("mlp")
+
+    def one(p, xb):
+        return f(p, xb[None])[0]
+
+    y, div, sq = value_divergence_and_frobenius(one, 1, batch_axis=None)(params, x[0])
+    y_b, div_b, sq_b = value_divergence_and_frobenius(f, 1)(params, x[:1])
+    assert div.shape == sq.shape == ()
+    torch.testing.assert_close(y, y_b[0], rtol=1e-14, atol=0)
+    torch.testing.assert_close(torch.stack([div, sq]), torch.stack([div_b[0], sq_b[0]]))
+    gen = torch.Generator().manual_seed(5)
+    probes = torch.randint(0, 2, (3, *x[0].shape), generator=gen).to(D) * 2 - 1
+    unbatched = value_divergence_and_frobenius(
+        one, 1, batch_axis=None, method="hutchinson", return_stderr=True
+    )(probes, params, x[0])
+    batched = value_divergence_and_frobenius(f, 1, method="hutchinson", return_stderr=True)(
+        probes[:, None], params, x[:1]
+    )
+    for (value, se), (value_b, se_b) in zip(unbatched[1:], batched[1:], strict=True):
+        assert value.shape == se.shape == ()
+        torch.testing.assert_close(torch.stack([value, se]), torch.stack([value_b[0], se_b[0]]))
+        assert se > 0
+
+
 @pytest.mark.parametrize(("method", "mode"), EXACT)
 @pytest.mark.parametrize("name", ["mlp", "stencil"])
 def test_value_divergence_and_frobenius_exact(name, method, mode):

@@ -173,6 +173,9 @@ class TorchBackend(Backend[Traced]):
     def concatenate(self, arrays: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat(list(arrays))
 
+    def stack(self, arrays: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(list(arrays))
+
     def functional(self, fun: Callable[..., Any]) -> Callable[..., Any]:
         """A ``torch.compile``d module (an ``OptimizedModule``) is its original module."""
         eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # none before torch.compile

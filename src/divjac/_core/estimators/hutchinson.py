@@ -83,8 +83,8 @@ def hutchinson(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
 
 def hutchinson_from_terms(terms: Array, *, stderr: bool = True) -> tuple[Array, Array | None]:
     """Hutchinson's estimate from its terms ``v^T A v``, ``(k, B)`` (``k`` independent probes
-    per sample, probe-major as passes give them); the standard error with ``stderr``, else
-    ``None``.
+    per sample, probe-major as passes give them; any trailing shape without ``stderr``); the
+    standard error with ``stderr``, else ``None``.
 
     Without the images ``A v`` there is no variance bound: the standard error is the terms'
     own, ``kappa(k - 1) s / sqrt(k)`` (``s``: their sample standard deviation), which needs

@@ -10,7 +10,10 @@
 - R3 (JAX): exact ``log_abs_det`` of a residual MLP at ``d = 64``, ``B = 256`` against
   ``vmap(jacfwd)`` + ``slogdet``, ``<= 1.2x``.
 - R4 (JAX): SLQ's estimate of ``log|det J|`` of a residual CNN at ``d = 3072`` against the exact
-  value (by colouring + LU): the error in units of its stderr, ``<= 2``.
+  value (by colouring + LU), over several keys (one draw within ``2`` stderr is a random event):
+  the fraction of draws within ``2`` stderr, ``>=`` the fraction a calibrated estimator
+  (coverage ``0.94``) falls below with probability under 1 % (``0.75`` at 8 or 16 draws); the
+  mean and largest ``|z|`` reported beside it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._harness import Result, interleaved_best_times
+from .bench_calibration import TARGET
 
 B = 256
 
@@ -30,7 +34,7 @@ def run(quick: bool) -> list[Result]:
         results += _rnode(d, repeat)
     results.append(_sparse_frobenius(16 if quick else 32, 3 if quick else 5))
     results.append(_log_det(64, repeat))
-    results.append(_slq(16 if quick else 32))
+    results.append(_slq(16 if quick else 32, 4 if quick else 8))
     return results
 
 
@@ -178,9 +182,14 @@ def _log_det(d: int, repeat: int) -> Result:
     )
 
 
-def _slq(size: int) -> Result:
+def _slq(size: int, keys: int) -> Result:
+    """SLQ's calibration at ``d = 3 size^2``: ``keys`` independent draws on each of 2 samples,
+    the fraction of the ``2 keys`` draws whose ``estimate +- 2 stderr`` covers the exact value,
+    against the fraction a calibrated estimator (coverage :data:`TARGET`) falls below with
+    probability under 1 % (a single draw misses 6 % of the time)."""
     import jax
-    import jax.numpy as jnp
+    import numpy as np
+    from scipy.stats import binom
 
     from ...jax import log_abs_det
     from ...models import jax as models
@@ -191,19 +200,33 @@ def _slq(size: int) -> Result:
         return x + 0.2 * models.cnn(p, x)
 
     x = jax.random.normal(jax.random.key(1), (2, size, size, 3))
-    exact = jax.jit(log_abs_det(flow, 1))(params, x)
+    exact = np.asarray(jax.jit(log_abs_det(flow, 1))(params, x))
     slq = jax.jit(log_abs_det(flow, 1, method="slq", num_probes=16, return_stderr=True))
-    estimate, stderr = slq(jax.random.key(2), params, x)
-    errors = jnp.abs(estimate - exact) / stderr
-    worst = int(jnp.argmax(errors))
+    draws = [slq(key, params, x) for key in jax.random.split(jax.random.key(2), keys)]
+    estimates = np.stack([np.asarray(e) for e, _ in draws])  # (keys, 2)
+    stderrs = np.stack([np.asarray(s) for _, s in draws])
+    z = np.abs(estimates - exact) / stderrs
+    n = z.size
+    # A bias smaller than one draw's stderr shows in the mean over the keys: its error in
+    # units of its own stderr (reported, not a target: a finite number of Lanczos steps biases SLQ).
+    pooled = (estimates.mean(0) - exact) / (np.sqrt((stderrs**2).mean(0)) / np.sqrt(keys))
     return Result(
         "R4",
-        f"residual CNN d={size * size * 3}, B=2, SLQ (16 probes, 30 steps) vs exact (JAX)",
-        "|SLQ - exact|",
-        "its stderr",
-        float(jnp.abs(estimate - exact)[worst]),
-        float(stderr[worst]),
-        unit="log|det J|",
-        target=2.0,
-        extra={"exact": [float(v) for v in exact], "estimate": [float(v) for v in estimate]},
+        f"residual CNN d={size * size * 3}, B=2, SLQ (16 probes, 30 steps) vs exact, "
+        f"{keys} keys (JAX)",
+        "SLQ +- 2 stderr",
+        "truth within (fraction of draws)",
+        1.0,
+        float(np.mean(z <= 2)),
+        unit="coverage",
+        kind="gain",
+        target=float(binom.ppf(0.01, n, TARGET)) / n,
+        extra={
+            "draws": n,
+            "mean_abs_z": float(z.mean()),
+            "max_abs_z": float(z.max()),
+            "exact": [float(v) for v in exact],
+            "estimate_mean": [float(v) for v in estimates.mean(0)],
+            "z_of_the_mean": [float(v) for v in pooled],
+        },
     )
