@@ -291,8 +291,8 @@ Hutchinson on Hessian-vector products (the ``hutchinson`` rows, on the Hessians 
 ``return_stderr`` below ``n``); ``hessian_diagonal``: Bekas' estimate per
 coordinate, with the bound of :func:`~divjac._core.estimators.diagonal_mean_and_stderr`;
 ``squared_frobenius_norm`` and ``divergence, same passes``: the two estimates of
-``value_divergence_and_frobenius(method="hutchinson")`` from the images of the same probes, at
-every budget (they have no exact switch at ``k >= n``)."""
+``value_divergence_and_frobenius(method="hutchinson")`` from the images of the same probes
+(below ``n``: from ``n`` probes on, both are exact)."""
 
 
 def _from_terms(terms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -314,6 +314,8 @@ def _core_estimate(
     exact = np.broadcast_to(trace, (reps, batch)).reshape(-1)
     matvec = _tiled(j, reps)
     if estimator.startswith(("squared_frobenius_norm", "divergence, same passes")):
+        if budget >= n:  # the n coordinate directions: exact
+            return None
         distribution = "gaussian" if "gaussian" in estimator else "rademacher"
         probes = _draw(rng, distribution, (reps * batch, n, budget))
         images = matvec(probes)
