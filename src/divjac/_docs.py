@@ -153,7 +153,8 @@ _FROBENIUS_METHOD = (
         ``"sparse"`` (exact, one pass per color of a column or row coloring of the detected
         pattern: same-colored columns share no nonzero row, so the compressed columns' norms
         add up), ``"auto"`` (exact: sparse when it saves passes, never stochastic) or
-        ``"hutchinson"`` (``E ||J v||^2 = ||J||_F^2``, one pass per probe).""",
+        ``"hutchinson"`` (``E ||J v||^2 = ||J||_F^2``, one pass per probe; with ``num_probes``
+        at least the probes' size, the exact result from that many coordinate passes).""",
 )
 _FROBENIUS_MODE = (
     "mode",

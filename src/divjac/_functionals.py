@@ -37,7 +37,7 @@ from ._call import (
     prepare,
 )
 from ._core import checks, estimators as est, plan, stochastic, timing
-from ._core.estimators._common import namespace
+from ._core.estimators._common import device, namespace
 from ._divergence import _draw, _itself, _pushed, _split_randomness, caller_count
 from ._errors import ArgnumsError, NumProbesError
 
@@ -136,13 +136,19 @@ def _stochastic_norms(
             f">= 2; got {k} probe, and one term has no trustworthy error bar (a probe can miss "
             "the dominant direction of J). Pass more probes, or return_stderr=False."
         )
-    probes = _draw(call, randomness, k, options.distribution, sample)
+    n = math.prod(sample)
+    exact = k >= n  # the budget pays for the exact answer, as divergence's does
+    if exact:
+        k, probes = n, _coordinates(call, sample)
+    else:
+        probes = _draw(call, randomness, k, options.distribution, sample)
     chunk = backend.ahead(Call.chunk, call, k, options.chunk_size)
-    if not options.return_stderr:
+    if exact or not options.return_stderr:
         finish = _norm_finish(call.batch_size, options.with_divergence, backend)
         terms = linear.passes(probes, _itself, finish, chunk, shared=False)  # (k, r, B)
         estimates, _ = est.hutchinson_from_terms(terms, stderr=False)
-        return linear.value, estimates, None, linear.aux
+        stderrs = backend.zeros_like(estimates) if options.return_stderr else None
+        return linear.value, estimates, stderrs, linear.aux
     # The standard errors need the images of all probes (their cross products).
     B = call.batch_size
     pushed = linear.passes(probes, _itself, _pushed, chunk, shared=False)  # (k, B, *image)
@@ -154,6 +160,15 @@ def _stochastic_norms(
     xp = namespace(images)
     div, div_se = est.mean_and_stderr(est.column_dots(V, images), xp, images, V)
     return linear.value, backend.stack([div, norm]), backend.stack([div_se, norm_se]), linear.aux
+
+
+def _coordinates(call: Call, sample: tuple[int, ...]) -> Array:
+    """The ``n`` coordinate directions scaled to ``sqrt(n)`` (``E[v v^T] = I`` over them, so the
+    mean of their terms is the exact trace or squared norm), as probes ``(n, B, *sample)``."""
+    xp = namespace(call.xb)
+    n = math.prod(sample)
+    eye = xp.eye(n, dtype=call.xb.dtype, device=device(call.xb)) * math.sqrt(n)
+    return xp.broadcast_to(xp.reshape(eye, (n, 1, *sample)), (n, call.batch_size, *sample))
 
 
 def _num_probes(call: Call, options: _Options, randomness: Any, sample: tuple[int, ...]) -> int:

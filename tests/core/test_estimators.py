@@ -389,11 +389,34 @@ def _explicit_term_variance(a: np.ndarray, v: np.ndarray) -> float:
     return float(variance)
 
 
-def _widened(terms: np.ndarray, s0: float) -> float:
-    """``s0`` widened to ``s0 (1 + min(2 s0 / |mean|, 1) / 4)`` where the terms have one sign."""
+def _explicit_rank_one_share(a: np.ndarray, v: np.ndarray) -> float:
+    """``|tr(S^3)| / tr(S^2)^(3/2)`` (capped at 1) estimated pair by pair and triple by triple
+    from the symmetrized cross products ``C_pq = v_p^T S v_q``, ``S = (A + A^T) / 2``."""
+    k = v.shape[-1]
+    if k < 3:
+        return 0.0
+    c = v.T @ (a + a.T) @ v / 2
+    indices = range(k)
+    square = np.mean([c[p, q] ** 2 for p in indices for q in indices if p != q])
+    cube = np.mean(
+        [
+            c[p, q] * c[q, r] * c[r, p]
+            for p in indices
+            for q in indices
+            for r in indices
+            if len({p, q, r}) == 3
+        ]
+    )
+    return float(min(abs(cube), square**1.5) / square**1.5)
+
+
+def _widened(terms: np.ndarray, s0: float, share: float) -> float:
+    """``s0`` widened to ``s0 (1 + min(2 s0 / |mean|, 1) / 4)`` where the terms have one sign,
+    by ``share`` of that elsewhere."""
+    growth = min(2 * s0 / abs(terms.mean()), 1.0) / 4
     if np.all(terms >= 0) or np.all(terms <= 0):
-        return s0 * (1 + min(2 * s0 / abs(terms.mean()), 1.0) / 4)
-    return s0
+        return s0 * (1 + growth)
+    return s0 * (1 + share * growth)
 
 
 @pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
@@ -411,11 +434,13 @@ def test_hutchinson_matches_explicit_formula(distribution: str) -> None:
     formula = np.array([_explicit_term_variance(j[b], probes[b]) for b in range(40)])
     floor = 2 * np.mean(np.sum((j @ probes) ** 2, axis=1), axis=-1) / 5
     s0 = t_factor(4) * np.sqrt(np.maximum(np.maximum(sample, formula), floor) / 5)
-    expected = np.array([_widened(terms[b], s0[b]) for b in range(40)])
+    share = np.array([_explicit_rank_one_share(j[b], probes[b]) for b in range(40)])
+    expected = np.array([_widened(terms[b], s0[b], share[b]) for b in range(40)])
     np.testing.assert_allclose(stderr, expected, rtol=1e-10)
     assert np.any(sample > formula) and np.any(sample < formula)
     one_signed = np.all(terms >= 0, axis=-1) | np.all(terms <= 0, axis=-1)
     assert np.any(one_signed) and not np.all(one_signed)
+    assert np.any((share > 0) & (share < 1) & ~one_signed)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -551,7 +576,8 @@ def test_hutch_plus_plus_matches_explicit_formula() -> None:
         formula = _explicit_term_variance(p @ j[b] @ p, g)
         floor = 2 * np.mean(np.sum((p @ j[b] @ p @ g) ** 2, axis=0)) / m
         variance = max(terms.var(ddof=1), formula, floor)
-        expected_stderr[b] = _widened(terms, t_factor(m - 1) * np.sqrt(variance / m))
+        share = _explicit_rank_one_share(p @ j[b] @ p, g)
+        expected_stderr[b] = _widened(terms, t_factor(m - 1) * np.sqrt(variance / m), share)
     estimate, stderr = est.hutch_plus_plus(lambda v: j @ v, probes)
     np.testing.assert_allclose(estimate, expected, rtol=1e-12)
     np.testing.assert_allclose(stderr, expected_stderr, rtol=1e-10)

@@ -42,8 +42,9 @@ def _coverage(estimate, stderr, exact):
 @pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
 @pytest.mark.parametrize("k", [2, 3, 4, 8, 16])
 def test_squared_frobenius_norm_and_divergence_cover(distribution, k):
-    """``||J||_F^2`` >= 0.94 in every cell (measured 0.966-1.000); the divergence of the same
-    passes >= 0.92 (measured 0.930-1.000: the skew of ``v^T J v`` on rank one plus identity)."""
+    """``||J||_F^2`` and the divergence of the same passes >= 0.94 in every cell (measured
+    0.966-1.000 and 0.963-1.000; the divergence 0.954 at worst over 24000 draws per cell at
+    2-23 probes, rank one plus identity at 23 Rademacher probes)."""
     n = 24
     for i, (name, J) in enumerate(_jacobians(n).items()):
         V = _probes(distribution, n, k, seed=100 * k + i)
@@ -51,7 +52,7 @@ def test_squared_frobenius_norm_and_divergence_cover(distribution, k):
         norm, norm_se = est.squared_norm_mean_and_stderr(images, est.namespace(images))
         div, div_se = est.mean_and_stderr(est.column_dots(V, images), est.namespace(V), images, V)
         assert _coverage(norm, norm_se, (J**2).sum()) >= 0.94, name
-        assert _coverage(div, div_se, np.trace(J)) >= 0.92, name
+        assert _coverage(div, div_se, np.trace(J)) >= 0.94, name
 
 
 @pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])

@@ -116,11 +116,11 @@ def test_gradients_to_inputs_and_params():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("mode", "distribution", "num_probes"), [("fwd", "rademacher", 16), ("rev", "gaussian", 2)]
+    ("mode", "distribution", "num_probes"), [("fwd", "rademacher", 4), ("rev", "gaussian", 2)]
 )
 def test_hutchinson_unbiased_and_calibrated(mode, distribution, num_probes):
     """2000 draws: mean within 4 standard errors of the truth; the error bars cover the
-    divergence >= 93 % and the squared norm >= 94 % of the time within 2 stderr (the recipes
+    divergence and the squared norm >= 94 % of the time within 2 stderr (the recipes
     of ``mean_and_stderr`` and ``squared_norm_mean_and_stderr`` on the images of all probes;
     docs/calibration.md). One probe's standard error is refused (``test_errors``)."""
     f, params, x = _mlp_case()
@@ -142,12 +142,27 @@ def test_hutchinson_unbiased_and_calibrated(mode, distribution, num_probes):
     _, (div, div_se), (sq, sq_se) = jax.jit(jax.vmap(lambda k: both(k, params, x)))(keys)
     alone = jax.jit(jax.vmap(lambda k: norm(k, params, x)))(keys)
     np.testing.assert_allclose(alone, sq, rtol=1e-12)  # the same probes, the same terms
-    for est, se, exact, level in ((div, div_se, exact_div, 0.93), (sq, sq_se, exact_sq, 0.94)):
+    for est, se, exact, level in ((div, div_se, exact_div, 0.94), (sq, sq_se, exact_sq, 0.94)):
         est, se = np.asarray(est), np.asarray(se)
         spread = est.std(0) / np.sqrt(len(est))
         assert np.all(np.abs(est.mean(0) - exact) < 4 * spread)
         assert np.all(np.mean(np.abs(est - exact) <= 2 * se, axis=0) >= level)
         assert np.all(np.isfinite(se)) and np.all(se > 0)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "rev"])
+def test_hutchinson_budget_of_n_is_exact(mode):
+    """``num_probes >= n`` pays for the exact answer, as in ``divergence``: the ``n``
+    coordinate directions give the divergence and the squared norm exactly, stderr 0."""
+    f, params, x = _mlp_case()
+    blocks = _blocks(f, params, x)
+    both = value_divergence_and_frobenius(
+        f, 1, method="hutchinson", mode=mode, num_probes=7, return_stderr=True
+    )
+    _, (div, div_se), (sq, sq_se) = both(jax.random.key(0), params, x)
+    np.testing.assert_allclose(div, np.trace(blocks, axis1=1, axis2=2), rtol=1e-12)
+    np.testing.assert_allclose(sq, (blocks**2).sum((1, 2)), rtol=1e-12)
+    assert np.all(np.asarray(div_se) == 0) and np.all(np.asarray(sq_se) == 0)
 
 
 def test_frobenius_hutchinson_matches_divergence_probes():
@@ -243,8 +258,8 @@ def test_slq_with_n_steps_is_the_quadratic_form_and_its_gradient():
 
 @pytest.mark.slow
 def test_slq_unbiased_and_calibrated():
-    """2000 draws of 4 probes: unbiased (4 Lanczos steps are exact at n = 4); >= 90 % within 2
-    stderr asserted >= 85 % (measured 91-94 %: the shared Student-t recipe on skewed terms)."""
+    """2000 draws of 4 probes: unbiased (4 Lanczos steps are exact at n = 4); >= 94 % within 2
+    stderr (measured 0.989 over 16000 draws; 0.97-1.0 at 2-8 probes of either distribution)."""
     flow, params, x = _flow_case()
     exact = np.linalg.slogdet(_blocks(flow, params, x))[1]
     slq = log_abs_det(flow, 1, method="slq", num_probes=4, lanczos_steps=4, return_stderr=True)
@@ -252,7 +267,7 @@ def test_slq_unbiased_and_calibrated():
     est, se = jax.jit(jax.vmap(lambda k: slq(k, params, x)))(keys)
     est, se = np.asarray(est), np.asarray(se)
     assert np.all(np.abs(est.mean(0) - exact) < 4 * est.std(0) / np.sqrt(len(est)) + 1e-6)
-    assert np.all(np.mean(np.abs(est - exact) <= 2 * se, axis=0) >= 0.85)
+    assert np.all(np.mean(np.abs(est - exact) <= 2 * se, axis=0) >= 0.94)
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ __all__ = [
     "mean_and_stderr",
     "mean_and_variance",
     "namespace",
+    "rank_one_share",
     "single_term_stderr",
     "squared_norm_mean_and_stderr",
     "t_factor",
@@ -168,9 +169,13 @@ def mean_and_stderr(terms: Array, xp: Any, images: Array, probes: Array) -> tupl
     chi-square ones and the draws that fall short have small variances too, so the standard
     error is widened with its relative half-width ``c = min(2 s0 / |mean|, 1)``, to
     ``s0 (1 + c / 4)`` (:func:`skew_widened`): by at most a quarter, hardly where the estimate
-    is precise; with it every cell of the calibration set covers >= 0.94
-    (docs/calibration.md; :func:`relative_stderr` is the full correction, up to tenfold, which
-    the squared norm needs). A single term has neither estimate: its standard error is ``sqrt(g)``, documented
+    is precise. Terms of both signs are just as skewed where one direction dominates the
+    symmetric part ``S`` of ``A`` (``rand(n, n)``, about ``0.5 * 1 1^T``: the draws that fall
+    short are those with many small terms, some of them negative), so they get that widening
+    in the share :func:`rank_one_share` (``|tr(S^3)| / tr(S^2)^(3/2)``, 1 for rank one, about 0
+    for a spectrum symmetric about 0, as the Jacobians of networks). With it every cell of the
+    calibration set covers >= 0.94 (docs/calibration.md; :func:`relative_stderr` is the full
+    correction, up to tenfold, which the squared norm needs). A single term has neither estimate: its standard error is ``sqrt(g)``, documented
     but refused by the transforms (:func:`~divjac._core.estimators.check_stderr_budget`).
     """
     k = terms.shape[-1]
@@ -180,20 +185,47 @@ def mean_and_stderr(terms: Array, xp: Any, images: Array, probes: Array) -> tupl
     bound = term_variance(probes, images, xp)
     floor = 2 * xp.sum(images * images, axis=(-2, -1)) / k**3
     s0 = t_factor(k - 1) * xp.sqrt(xp.maximum(xp.maximum(variance, bound / k), floor))
-    return mean, skew_widened(mean, s0, xp, weight=0.25, terms=terms)
+    share = rank_one_share(probes, images, xp)
+    return mean, skew_widened(mean, s0, xp, weight=0.25, terms=terms, share=share)
 
 
 def skew_widened(
-    mean: Array, s0: Array, xp: Any, *, weight: float, terms: Array | None = None
+    mean: Array, s0: Array, xp: Any, *, weight: float, terms: Array, share: Array | None = None
 ) -> Array:
-    """The standard error ``s0`` of a mean of skewed terms, widened with its relative
-    half-width: ``s0 (1 + weight c)``, ``c = min(2 s0 / |mean|, 1)``; with ``terms``
-    ``(B, k)``, only where every term of a sample has one sign."""
-    widened = s0 * (1 + weight * _relative_halfwidth(mean, s0, xp, cap=1.0))
-    if terms is None:
-        return widened
+    """The standard error ``s0`` of a mean of the ``(B, k)`` skewed ``terms``, widened with its
+    relative half-width: ``s0 (1 + weight c)``, ``c = min(2 s0 / |mean|, 1)``, where every
+    term of a sample has one sign; elsewhere ``s0 (1 + share weight c)`` with the ``(B,)``
+    ``share`` in ``[0, 1]`` (:func:`rank_one_share`), or ``s0`` without one."""
+    growth = weight * _relative_halfwidth(mean, s0, xp, cap=1.0)
     definite = xp.all(terms >= 0, axis=-1) | xp.all(terms <= 0, axis=-1)
-    return xp.where(definite, widened, s0)
+    if share is None:
+        return xp.where(definite, s0 * (1 + growth), s0)
+    return s0 * (1 + xp.where(definite, growth, share * growth))
+
+
+def rank_one_share(probes: Array, images: Array, xp: Any) -> Array:
+    """``(B,)`` estimate of ``|tr(S^3)| / tr(S^2)^(3/2)`` (in ``[0, 1]``: 1 when ``S`` has rank
+    one, ``n^(-1/2)`` for ``S = I``, about 0 for a spectrum symmetric about 0), ``S`` the
+    symmetric part of ``A``, from ``k`` probes ``(B, n, k)`` with ``E[v v^T] = I`` and their
+    images ``A v``; 0 below ``k = 3``.
+
+    It is the skewness of the Hutchinson terms ``v^T A v`` for Gaussian probes
+    (``8 tr(S^3) / (2 tr(S^2))^(3/2)``) over a rank-one matrix's (chi-square with one degree of
+    freedom). With ``C_ab = v_a^T S v_b`` (the symmetrized cross products), ``C_ab^2`` over the
+    pairs ``a != b`` is unbiased for ``tr(S^2)`` and ``C_ab C_bc C_ca`` over the triples of
+    distinct probes for ``tr(S^3)`` (the probes are independent): ``O(B k^3)`` work, no matvec.
+    """
+    k = images.shape[-1]
+    if k < 3:
+        return xp.zeros(images.shape[:-2], dtype=images.dtype, device=device(images))
+    cross = xp.matrix_transpose(probes) @ images  # v_a^T A v_b, (B, k, k)
+    eye = xp.eye(k, dtype=images.dtype, device=device(images))
+    off = (cross + xp.matrix_transpose(cross)) * ((1 - eye) / 2)  # C without its diagonal
+    square = xp.sum(off * off, axis=(-2, -1)) / (k * (k - 1))
+    cube = xp.sum((off @ off) * off, axis=(-2, -1)) / (k * (k - 1) * (k - 2))
+    scale = square * xp.sqrt(square)
+    tiny = xp.full_like(scale, xp.finfo(scale.dtype).tiny)
+    return xp.minimum(xp.abs(cube), scale) / xp.maximum(scale, tiny)
 
 
 def term_variance(probes: Array, images: Array, xp: Any) -> Array:

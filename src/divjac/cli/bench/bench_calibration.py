@@ -278,6 +278,10 @@ CORE_BUDGETS: dict[str, list[int]] = {
     "stde": [2, 3, 4, 8, 16],
     "hessian_diagonal (rademacher)": [3, 4, 8, 16],
     "hessian_diagonal (gaussian)": [3, 4, 8, 16],
+    "squared_frobenius_norm (rademacher)": [2, 3, 4, 8, 16, 32],
+    "squared_frobenius_norm (gaussian)": [2, 3, 4, 8, 16, 32],
+    "divergence, same passes (rademacher)": [2, 3, 4, 8, 16, 32],
+    "divergence, same passes (gaussian)": [2, 3, 4, 8, 16, 32],
 }
 """Budgets per sample (matvecs, sweep directions or probes) of each core estimator, from the
 least that gives a standard error (:func:`~divjac._core.estimators.check_stderr_budget`).
@@ -285,7 +289,10 @@ The Laplacian's and the weighted Laplacian's ``"hutchinson"`` with a standard er
 Hutchinson on Hessian-vector products (the ``hutchinson`` rows, on the Hessians of the set);
 ``stde``: random coordinates, from its terms alone (why ``laplacian(method="stde")`` refuses
 ``return_stderr`` below ``n``); ``hessian_diagonal``: Bekas' estimate per
-coordinate, with the bound of :func:`~divjac._core.estimators.diagonal_mean_and_stderr`."""
+coordinate, with the bound of :func:`~divjac._core.estimators.diagonal_mean_and_stderr`;
+``squared_frobenius_norm`` and ``divergence, same passes``: the two estimates of
+``value_divergence_and_frobenius(method="hutchinson")`` from the images of the same probes
+(below ``n``: from ``n`` probes on, both are exact)."""
 
 
 def _from_terms(terms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -306,6 +313,19 @@ def _core_estimate(
     trace = np.trace(j, axis1=1, axis2=2)
     exact = np.broadcast_to(trace, (reps, batch)).reshape(-1)
     matvec = _tiled(j, reps)
+    if estimator.startswith(("squared_frobenius_norm", "divergence, same passes")):
+        if budget >= n:  # the n coordinate directions: exact
+            return None
+        distribution = "gaussian" if "gaussian" in estimator else "rademacher"
+        probes = _draw(rng, distribution, (reps * batch, n, budget))
+        images = matvec(probes)
+        if estimator.startswith("squared"):
+            estimate, stderr = est.squared_norm_mean_and_stderr(images, np)
+            norms = np.sum(j * j, axis=(1, 2))
+            return estimate, stderr, np.tile(norms, reps), float(budget - 1)
+        terms = est.column_dots(probes, images)
+        estimate, stderr = est.mean_and_stderr(terms, np, images, probes)
+        return estimate, stderr, exact, float(budget - 1)
     if estimator.startswith("hutchinson") or estimator in ("hutch++", "xtrace"):
         method = estimator.split(" ")[0]
         distribution = "gaussian" if "gaussian" in estimator else "rademacher"
