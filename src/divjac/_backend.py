@@ -114,9 +114,6 @@ class Backend(abc.ABC, Generic[TracedT]):
         input_cast_hint: how to cast an integer input to floats (in messages).
         output_cast_hint: how to cast an integer output to floats (in messages).
         randomness_example: a source of randomness of the framework (in messages).
-        host_budget: bytes of passes at once where the device reports no free memory (a
-            host CPU), when the framework runs them faster in smaller chunks than the
-            default budget allows; ``None``: that default (:func:`~divjac._core.plan.memory_budget`).
     """
 
     array_noun: str
@@ -124,7 +121,6 @@ class Backend(abc.ABC, Generic[TracedT]):
     input_cast_hint: str
     output_cast_hint: str
     randomness_example: str
-    host_budget: int | None = None
 
     # --- arrays and dtypes --------------------------------------------------------------------
 

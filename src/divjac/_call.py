@@ -182,11 +182,7 @@ class Call(Point[Traced]):
         device, where the framework reports its free memory)."""
         available = self.backend.memory_available(self.xb)
         return plan.choose_chunk_size(
-            n_passes,
-            self.bytes_per_pass(),
-            chunk_size,
-            available=available,
-            host=self.backend.host_budget,
+            n_passes, self.bytes_per_pass(), chunk_size, available=available
         )
 
     def detect(self, *, per_sample: bool, auto: bool = False) -> Detection:

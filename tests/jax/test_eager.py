@@ -71,38 +71,6 @@ def test_the_budget_is_half_the_free_device_memory(monkeypatch, available, budge
     assert plan.memory_budget(available) == 16 << 20  # the setting wins
 
 
-def test_jax_on_cpu_chunks_passes_to_its_host_budget(monkeypatch):
-    """Where the device reports no free memory (CPU), JAX's passes run in chunks of its host
-    budget (cache-sized: faster than the 1024 MB default), unless the setting says otherwise;
-    a device that reports its memory keeps half of it."""
-    from divjac.jax._backend import BACKEND
-
-    monkeypatch.delenv("DIVJAC_MEMORY_BUDGET_MB", raising=False)
-    host = BACKEND.host_budget
-    assert host is not None and host < 1024 << 20
-    assert plan.memory_budget(None, host=host) == host
-    assert plan.memory_budget(8 << 30, host=host) == 4 << 30
-    monkeypatch.setattr(BACKEND, "memory_available", lambda x: None)
-    seen = []
-    original = plan.choose_chunk_size
-
-    def spy(*args, **kwargs):
-        chunk = original(*args, **kwargs)
-        seen.append((args[1], chunk))
-        return chunk
-
-    monkeypatch.setattr(plan, "choose_chunk_size", spy)
-    x = jnp.ones((64, 512))
-    divergence(lambda x: jnp.tanh(x), method="exact", chunk_size=None)(x)
-    ((bytes_per_pass, chunk),) = seen
-    assert chunk == max(1, min(512, host // bytes_per_pass)) < 512
-    seen.clear()
-    monkeypatch.setenv("DIVJAC_MEMORY_BUDGET_MB", "1024")
-    divergence(lambda x: jnp.sin(x), method="exact", chunk_size=None)(x)
-    ((bytes_per_pass, chunk),) = seen
-    assert chunk == min(512, (1024 << 20) // bytes_per_pass)
-
-
 def _programs(monkeypatch) -> list[int]:
     """Counts the programs compiled from now on."""
     compiled: list[int] = []

@@ -45,17 +45,16 @@ SPARSE_GAIN = 0.8
 _DEVICE_SHARE = 0.5
 
 
-def memory_budget(available: int | None = None, *, host: int | None = None) -> int:
+def memory_budget(available: int | None = None) -> int:
     """Bytes the passes of one call may use at once: ``DIVJAC_MEMORY_BUDGET_MB`` if set, else
-    half of the device's free memory ``available`` where the framework reports it, else the
-    backend's ``host`` budget (:attr:`~divjac._backend.Backend.host_budget`), else 1024 MB.
+    half of the device's free memory ``available`` where the framework reports it, else 1024 MB.
     """
     configured = os.environ.get("DIVJAC_MEMORY_BUDGET_MB")
     if configured is not None:
         return int(float(configured) * (1 << 20))
     if available is not None:
         return int(_DEVICE_SHARE * available)
-    return host if host is not None else 1024 << 20
+    return 1024 << 20
 
 
 @dataclass(frozen=True)
@@ -205,18 +204,13 @@ def memory_limit(available: int | None = None) -> int:
 
 
 def choose_chunk_size(
-    n_passes: int,
-    bytes_per_pass: int,
-    chunk_size: int | None,
-    *,
-    available: int | None = None,
-    host: int | None = None,
+    n_passes: int, bytes_per_pass: int, chunk_size: int | None, *, available: int | None = None
 ) -> int:
     """Passes computed at once: ``chunk_size`` if given, else as many as fit the budget.
 
     ``bytes_per_pass`` is what one pass holds on one device (its share of a sharded batch);
-    ``available``: the free bytes of that device, where the framework reports them; ``host``:
-    the backend's budget where it does not (:func:`memory_budget`, :func:`memory_limit`).
+    ``available``: the free bytes of that device, where the framework reports them
+    (:func:`memory_budget`, :func:`memory_limit`).
 
     Raises:
         OptionError: ``chunk_size`` is not a positive int or ``None``.
@@ -233,7 +227,7 @@ def choose_chunk_size(
     elif n_passes <= 1:  # one chunk whatever the budget
         chunk = 1
     else:
-        fit = memory_budget(available, host=host) // max(bytes_per_pass, 1)
+        fit = memory_budget(available) // max(bytes_per_pass, 1)
         chunk = int(min(max(fit, 1), n_passes))
     limit = memory_limit(available)
     if chunk * bytes_per_pass > limit:

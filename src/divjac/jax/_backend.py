@@ -93,11 +93,6 @@ class JaxBackend(Backend[Traced]):
     input_cast_hint = "x.astype(jnp.float32)"
     output_cast_hint = "cast integer or boolean results"
     randomness_example = "jax.random.key(0)"
-    # XLA on CPU runs each operation of the passes over the whole chunk: chunks that stay in
-    # the caches are faster than large ones (a sparse CNN divergence or Frobenius norm, an
-    # exact MLP divergence or Jacobian: 1.3-1.7x faster at 32 MB than at 1024 MB, which also
-    # keeps fewer passes' intermediates alive).
-    host_budget = 32 << 20
 
     def is_array(self, x: Any) -> bool:
         return is_array(x)
