@@ -182,10 +182,11 @@ def mean_and_stderr(terms: Array, xp: Any, images: Array, probes: Array) -> tupl
     if k == 1:
         return xp.mean(terms, axis=-1), single_term_stderr(images, xp)
     mean, variance = mean_and_variance(terms, xp)
-    bound = term_variance(probes, images, xp)
+    cross = xp.matrix_transpose(probes) @ images  # v_a^T A v_b, (B, k, k): shared by both
+    bound = term_variance(probes, images, xp, cross=cross)
     floor = 2 * xp.sum(images * images, axis=(-2, -1)) / k**3
     s0 = t_factor(k - 1) * xp.sqrt(xp.maximum(xp.maximum(variance, bound / k), floor))
-    share = rank_one_share(probes, images, xp)
+    share = rank_one_share(cross, xp)
     return mean, skew_widened(mean, s0, xp, weight=0.25, terms=terms, share=share)
 
 
@@ -203,11 +204,11 @@ def skew_widened(
     return s0 * (1 + xp.where(definite, growth, share * growth))
 
 
-def rank_one_share(probes: Array, images: Array, xp: Any) -> Array:
+def rank_one_share(cross: Array, xp: Any) -> Array:
     """``(B,)`` estimate of ``|tr(S^3)| / tr(S^2)^(3/2)`` (in ``[0, 1]``: 1 when ``S`` has rank
     one, ``n^(-1/2)`` for ``S = I``, about 0 for a spectrum symmetric about 0), ``S`` the
-    symmetric part of ``A``, from ``k`` probes ``(B, n, k)`` with ``E[v v^T] = I`` and their
-    images ``A v``; 0 below ``k = 3``.
+    symmetric part of ``A``, from the cross products ``v_a^T A v_b`` ``(B, k, k)`` of ``k``
+    probes with ``E[v v^T] = I``; 0 below ``k = 3``.
 
     It is the skewness of the Hutchinson terms ``v^T A v`` for Gaussian probes
     (``8 tr(S^3) / (2 tr(S^2))^(3/2)``) over a rank-one matrix's (chi-square with one degree of
@@ -215,11 +216,10 @@ def rank_one_share(probes: Array, images: Array, xp: Any) -> Array:
     pairs ``a != b`` is unbiased for ``tr(S^2)`` and ``C_ab C_bc C_ca`` over the triples of
     distinct probes for ``tr(S^3)`` (the probes are independent): ``O(B k^3)`` work, no matvec.
     """
-    k = images.shape[-1]
+    k = cross.shape[-1]
     if k < 3:
-        return xp.zeros(images.shape[:-2], dtype=images.dtype, device=device(images))
-    cross = xp.matrix_transpose(probes) @ images  # v_a^T A v_b, (B, k, k)
-    eye = xp.eye(k, dtype=images.dtype, device=device(images))
+        return xp.zeros(cross.shape[:-2], dtype=cross.dtype, device=device(cross))
+    eye = xp.eye(k, dtype=cross.dtype, device=device(cross))
     off = (cross + xp.matrix_transpose(cross)) * ((1 - eye) / 2)  # C without its diagonal
     square = xp.sum(off * off, axis=(-2, -1)) / (k * (k - 1))
     cube = xp.sum((off @ off) * off, axis=(-2, -1)) / (k * (k - 1) * (k - 2))
@@ -228,9 +228,10 @@ def rank_one_share(probes: Array, images: Array, xp: Any) -> Array:
     return xp.minimum(xp.abs(cube), scale) / xp.maximum(scale, tiny)
 
 
-def term_variance(probes: Array, images: Array, xp: Any) -> Array:
+def term_variance(probes: Array, images: Array, xp: Any, *, cross: Array | None = None) -> Array:
     """``(B,)`` unbiased estimate of ``Var(v^T A v)`` from ``k >= 2`` probes ``(B, n, k)`` and
-    their images ``A v``, for Gaussian or (where every entry is +-1) Rademacher probes.
+    their images ``A v`` (and their cross products ``v_a^T A v_b``, ``(B, k, k)``, where the
+    caller has them), for Gaussian or (where every entry is +-1) Rademacher probes.
 
     For Gaussian ``v``, ``Var(v^T A v) = ||A||_F^2 + tr(A^2)``; for Rademacher ``v`` the
     diagonal does not vary (``v_i^2 = 1``): ``Var = ||A||_F^2 + tr(A^2) - 2 sum_i A_ii^2``.
@@ -246,7 +247,8 @@ def term_variance(probes: Array, images: Array, xp: Any) -> Array:
     """
     k = images.shape[-1]
     squares = xp.sum(images * images, axis=(-2, -1)) / k
-    cross = xp.matrix_transpose(probes) @ images  # v_a^T A v_b, (B, k, k)
+    if cross is None:
+        cross = xp.matrix_transpose(probes) @ images  # v_a^T A v_b, (B, k, k)
     pairs = xp.sum(cross * xp.matrix_transpose(cross), axis=(-2, -1))
     ones = xp.sum(column_dots(probes, images) ** 2, axis=-1)  # the pairs a == b
     trace_square = (pairs - ones) / (k * (k - 1))
