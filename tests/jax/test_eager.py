@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -245,3 +246,145 @@ def test_an_index_array_traced_by_an_outer_vmap_is_an_argument_not_a_constant():
         got = jax.vmap(div)(orders)
         want = [div(np.asarray(order)) for order in orders]
         np.testing.assert_allclose(got, np.stack(want), rtol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# The last trace is reused only while everything it read is unchanged (divjac.jax._freshness)
+# --------------------------------------------------------------------------------------------
+
+SCALE = jnp.asarray(0.5)
+SETTINGS = {"power": 2.0, "weights": [jnp.asarray(1.5)]}
+TABLE = np.array([1.0, 2.0, 3.0])
+
+
+def _activation(x):
+    return jnp.sin(x)
+
+
+def _field(params, x):
+    """A user's function: it reads globals (an array, a dict, a NumPy array, a helper)."""
+    h = _activation(x * params["w"]) * SCALE + SETTINGS["weights"][0] * x ** SETTINGS["power"]
+    return h * TABLE
+
+
+def _traces(monkeypatch) -> list[int]:
+    """Counts the traces of the caller's function from now on."""
+    counted: list[int] = []
+    trace = _eager._trace
+
+    def counting(*args, **kwargs):
+        counted.append(1)
+        return trace(*args, **kwargs)
+
+    monkeypatch.setattr(_eager, "_trace", counting)
+    return counted
+
+
+def _brute(f, *args):
+    """Per-sample traces of the Jacobian of ``f`` w.r.t. its last argument, by vmap(jacfwd)."""
+    *head, x = args
+    jacobians = jax.vmap(jax.jacfwd(lambda xs: f(*head, xs[None])[0]))(x)
+    return jnp.trace(jacobians, axis1=1, axis2=2)
+
+
+def test_an_unchanged_function_is_traced_once(monkeypatch):
+    traced = _traces(monkeypatch)
+    rng = np.random.default_rng(11)
+    div = divergence(_field, 1, method="exact")
+    for step in range(4):  # new weights and inputs as arguments: nothing the trace read changed
+        params = {"w": jnp.asarray(rng.normal(size=3))}
+        x = jnp.asarray(rng.normal(size=(4, 3)))
+        np.testing.assert_allclose(div(params, x), _brute(_field, params, x), rtol=1e-12)
+        assert len(traced) == 1, step
+    div(params, x.astype(jnp.float32))  # another dtype: traced again
+    div(params, x[:2])  # another shape
+    assert len(traced) == 3
+
+
+def _user_module():
+    module = types.ModuleType("user_model")
+    module.gain = 2.0
+    return module
+
+
+USER = _user_module()
+
+
+def _with_module(x):
+    return jnp.sin(x) * USER.gain
+
+
+CHANGES = {
+    "a global array rebound": (_field, lambda: globals().update(SCALE=jnp.asarray(0.25))),
+    "an entry of a global dict": (_field, lambda: SETTINGS.update(power=3.0)),
+    "an array in a global list": (
+        _field,
+        lambda: SETTINGS["weights"].__setitem__(0, jnp.asarray(-1.0)),
+    ),
+    "a NumPy array changed in place": (_field, lambda: TABLE.__setitem__(1, -4.0)),
+    "a global helper rebound": (_field, lambda: globals().update(_activation=jnp.cos)),
+    "an attribute of a user's module": (_with_module, lambda: setattr(USER, "gain", -3.0)),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_changed_global_is_seen(monkeypatch, change):
+    for name in ("SCALE", "_activation"):
+        monkeypatch.setitem(globals(), name, globals()[name])
+    monkeypatch.setitem(SETTINGS, "power", 2.0)
+    monkeypatch.setitem(SETTINGS, "weights", [jnp.asarray(1.5)])
+    monkeypatch.setattr(USER, "gain", 2.0)
+    monkeypatch.setitem(globals(), "TABLE", TABLE.copy())
+    traced = _traces(monkeypatch)
+    f, mutate = CHANGES[change]
+    params = {"w": jnp.asarray([0.3, -0.7, 1.1])}
+    x = jnp.asarray(np.random.default_rng(12).normal(size=(4, 3)))
+    g = f if f is _field else lambda params, x: f(x)
+    div = divergence(g, 1, method="exact")
+    before = div(params, x)
+    np.testing.assert_allclose(div(params, x), before, rtol=1e-12)
+    assert len(traced) == 1
+    mutate()
+    after = div(params, x)
+    np.testing.assert_allclose(after, _brute(g, params, x), rtol=1e-12)
+    assert not np.allclose(after, before)
+    assert len(traced) == 2
+
+
+class _Config:
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+
+def test_state_it_cannot_vouch_for_is_traced_at_every_call(monkeypatch):
+    """An object of the user's class, a NumPy random draw, a closure over a list that grows:
+    traced again at every call, so always fresh."""
+    traced = _traces(monkeypatch)
+    x = jnp.asarray(np.random.default_rng(13).normal(size=(4, 3)))
+    config = _Config()
+    div = divergence(lambda x: jnp.sin(x) * config.scale, method="exact")
+    for scale in (1.0, 2.0, 3.0):
+        config.scale = scale
+        np.testing.assert_allclose(div(x), scale * jnp.sum(jnp.cos(x), axis=1), rtol=1e-12)
+    assert len(traced) == 3
+    noisy = divergence(lambda x: x * np.random.uniform(), method="exact")  # noqa: NPY002
+    assert len({float(noisy(x)[0]) for _ in range(3)}) == 3  # a new draw at every call
+    rng = np.random.default_rng(15)
+    drawn = divergence(lambda x: x * rng.uniform(), method="exact")
+    assert len({float(drawn(x)[0]) for _ in range(3)}) == 3
+    assert len(traced) == 9
+
+
+def test_a_mutable_default_argument_changed_is_seen(monkeypatch):
+    traced = _traces(monkeypatch)
+    x = jnp.asarray(np.random.default_rng(14).normal(size=(4, 3)))
+
+    def f(x, gains=[1.0]):  # noqa: B006 - the mutable default is the point
+        return jnp.sin(x) * gains[0]
+
+    div = divergence(f, method="exact")
+    np.testing.assert_allclose(div(x), jnp.sum(jnp.cos(x), axis=1), rtol=1e-12)
+    f.__defaults__[0][0] = 5.0
+    np.testing.assert_allclose(div(x), 5 * jnp.sum(jnp.cos(x), axis=1), rtol=1e-12)
+    div(x)
+    assert len(traced) == 2

@@ -38,6 +38,7 @@ from jax.extend import core as jcore
 
 from .._core.detection import LRU
 from ._detect import digest, fingerprint, is_array
+from ._freshness import state
 from ._jaxpr import is_inexact
 
 __all__ = ["CACHE", "VARYING", "compiled_when_eager"]
@@ -71,6 +72,7 @@ def compiled_when_eager(
         randomness: whether a leading argument is a source of randomness the transform takes.
     """
     transformed = make(f)
+    last: list[_Trace] = []  # the last trace of f, reused while its state is unchanged
 
     def call(*args: Any, **kwargs: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten((args[skip:], kwargs))
@@ -84,6 +86,13 @@ def compiled_when_eager(
             hash((options, _static_key(leaves, arrays)))
         except TypeError:
             return transformed(*args, **kwargs)  # an unhashable option or argument: not cached
+        fresh = state(f)
+        reused = last[0] if last else None
+        if fresh is not None and reused is not None and reused.valid(fresh[0], treedef, leaves):
+            program = CACHE.get(reused.key)
+            if program is not None:
+                dyn = [leaf for leaf, d in zip(leaves, reused.dynamic, strict=True) if d]
+                return program(reused.weights, list(args[:skip]), dyn, reused.others)
         fun = functional(f)
         # Python floats as weak-typed arguments, as jax.jit takes them; as constants where f
         # needs their value (the trace with them as arguments fails: a shape, a branch).
@@ -110,6 +119,10 @@ def compiled_when_eager(
         weights = captured + [n_captured + j for j in sorted(varying)]
         key = (program_key, varying, tuple(v for j, v in enumerate(literals) if j not in varying))
         inputs = ([consts[i] for i in weights], list(args[:skip]), dyn)
+        last.clear()
+        if fresh is not None:
+            signature = _signature(leaves, dynamic)
+            last.append(_Trace(*fresh, treedef, signature, dynamic, key, inputs[0], out.others))
         program = CACHE.get(key)
         if program is not None:
             return program(*inputs, out.others)
@@ -242,6 +255,43 @@ def _rebuild(leaves: list[Any], dynamic: list[bool], treedef: Any, dyn: Any) -> 
     return jax.tree_util.tree_unflatten(
         treedef, [next(it) if d else leaf for leaf, d in zip(leaves, dynamic, strict=True)]
     )
+
+
+class _Trace(NamedTuple):
+    """The last eager call's trace of the caller's function and the compiled program it chose,
+    reused by the next call where :func:`~divjac.jax._freshness.state` of the function, the
+    argument tree, the static leaves' values and the dynamic leaves' types are unchanged."""
+
+    state: Hashable
+    arrays: list[Any]  # the state's JAX arrays, kept alive so that their ids stay theirs
+    treedef: Any
+    signature: list[Any]  # static leaves by value, the dynamic ones by :func:`_signature`
+    dynamic: list[bool]
+    key: Hashable
+    weights: list[Any]
+    others: list[Any]
+
+    def valid(self, fresh: Hashable, treedef: Any, leaves: list[Any]) -> bool:
+        return (
+            fresh == self.state
+            and treedef == self.treedef
+            and _signature(leaves, self.dynamic) == self.signature
+        )
+
+
+def _signature(leaves: list[Any], dynamic: list[bool]) -> list[Any]:
+    """What a trace depends on of the argument leaves: the static ones' types and values; the
+    arrays' shapes, dtypes, weak types and shardings; the other dynamic leaves' types."""
+    return [
+        (
+            (a.shape, a.dtype, getattr(a, "weak_type", False), getattr(a, "sharding", None))
+            if is_array(a)
+            else type(a)
+        )
+        if d
+        else (type(a), a)
+        for a, d in zip(leaves, dynamic, strict=True)
+    ]
 
 
 class _Outputs(NamedTuple):
