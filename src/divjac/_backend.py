@@ -211,8 +211,9 @@ class Backend(abc.ABC, Generic[TracedT]):
         """``fun`` traced batch-first in argument ``argnum`` (cached)."""
 
     @abc.abstractmethod
-    def prefer_reverse(self, traced: TracedT) -> bool:
-        """Whether to push rows (VJPs) rather than columns when both take as many passes."""
+    def prefer_reverse(self, point: Point[TracedT], *, measure: bool = False) -> bool:
+        """Whether to push rows (VJPs) rather than columns when both take as many passes
+        (``measure``: many of them will run, so a backend may time a few of each first)."""
 
     def forward_less(self, point: Point[TracedT]) -> frozenset[str]:
         """The operations of the program at ``point`` without a forward derivative (that can

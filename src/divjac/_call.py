@@ -201,19 +201,20 @@ class Call(Point[Traced]):
             )
         return found
 
-    def prefer_reverse(self, found: Detection | None) -> bool:
+    def prefer_reverse(self, found: Detection | None, *, measure: bool = False) -> bool:
         """Rows rather than columns on a tie (and always where forward mode cannot go, as
         ``found`` or :meth:`columns_possible` tells; ``None``: nothing was detected), unless
-        the caller chose."""
+        the caller chose. ``measure``: the passes are many (an exact or sparse plan of a square
+        Jacobian), so the backend may time a few of each direction to choose."""
         if self.spec.direction != "auto":
             return self.spec.direction == "rev" or not self.columns_possible(self.spec.direction)
         if found is not None and found.has_custom_vjp:
             return True
+        if not self.columns_possible("auto"):
+            return True
         if self.spec.prefer_reverse is not None:
-            reverse = self.spec.prefer_reverse
-        else:
-            reverse = self.backend.prefer_reverse(self.traced)
-        return reverse or not self.columns_possible("auto")
+            return self.spec.prefer_reverse
+        return self.backend.prefer_reverse(self, measure=measure)
 
     def columns_possible(self, mode: str) -> bool:
         """Whether forward passes can run: not where an operation of the program has no

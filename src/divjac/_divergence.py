@@ -102,13 +102,13 @@ def _exact_plan(call: Call, ds: _DivSpec) -> _Diagonal:
     batched = True
     if ds.pattern is not None:
         check_pattern(call, ds.pattern)
-        reverse = call.prefer_reverse(None)
+        reverse = call.prefer_reverse(None, measure=True)
         with timing.stage("coloring"):
             the_plan = plan.divergence_plan("sparse", n, ds.pattern, prefer_reverse=reverse)
     else:
         per_sample = ds.method == "sparse" or (ds.method == "auto" and auto_detects(call, n))
         found = call.detect(per_sample=per_sample, auto=ds.method == "auto")
-        reverse = call.prefer_reverse(found)
+        reverse = call.prefer_reverse(found, measure=True)
         if found.coupling is None:
             with timing.stage("coloring"):
                 the_plan = plan.divergence_plan(ds.method, n, found.pattern, prefer_reverse=reverse)

@@ -217,7 +217,7 @@ def _jacobian_plan(call: Call, mode: Mode, chunk_size: int | None) -> _JacobianP
         mode == "auto" and auto_detects(call, min(call.n_in, call.n_out))
     )
     found = call.detect(per_sample=per_sample, auto=mode == "auto")
-    reverse = call.prefer_reverse(found)
+    reverse = call.prefer_reverse(found, measure=True)
     if found.coupling is not None:  # one pass per (sample, element), in the cheaper direction
         dense_mode = mode if mode in ("fwd", "rev") else "auto"
         direction = plan.jacobian_plan(
@@ -361,7 +361,9 @@ def _given_pattern_plan(
     call: Call, pattern: SparsityPattern, chunk_size: int | None
 ) -> _JacobianPlan:
     check_pattern(call, pattern)
-    return _pattern_plan(call, pattern, "sparse", call.prefer_reverse(None), chunk_size)
+    return _pattern_plan(
+        call, pattern, "sparse", call.prefer_reverse(None, measure=True), chunk_size
+    )
 
 
 def sparse_jacobian(
@@ -388,12 +390,18 @@ def sparse_jacobian(
             if found.pattern is None:
                 raise InternalError("a per-sample detection without its pattern")
             if found.coupling is not None:  # coupling="exact": the detected entries of the blocks
-                blocks, aux = _coupled_jacobian(call, call.prefer_reverse(found), chunk_size)
+                blocks, aux = _coupled_jacobian(
+                    call, call.prefer_reverse(found, measure=True), chunk_size
+                )
                 rows, cols = _nonzeros(found.pattern)
                 values = backend.take_entries(backend.moveaxis(blocks, 0, 1), rows, cols)
             else:
                 planned = _pattern_plan(
-                    call, found.pattern, "sparse", call.prefer_reverse(found), chunk_size
+                    call,
+                    found.pattern,
+                    "sparse",
+                    call.prefer_reverse(found, measure=True),
+                    chunk_size,
                 )
                 if planned.seeds is None or planned.entries is None:
                     raise InternalError("a sparse plan without its seeds")

@@ -406,8 +406,10 @@ def test_random_shapes_and_batch_axes(batch, sample, axis, mode):
     ("case", "reverse"), [("mlp", True), ("module_xt", True), ("cnn", False), ("blur", False)]
 )
 def test_tie_direction_follows_the_program(case, reverse):
-    """Equal pass counts: rows (one forward, then backward passes) for dense layers, columns
-    when the graph convolves (PyTorch's batched convolution backward is the slower one)."""
+    """Equal pass counts, few passes (nothing timed): rows (one forward, then backward passes)
+    for dense layers, columns when the graph convolves (PyTorch's batched convolution backward
+    is often the slower one; tests/torch/test_direction.py: many passes are timed)."""
+    from divjac._backend import Point
     from divjac.torch._backend import BACKEND
 
     if case == "blur":
@@ -415,7 +417,8 @@ def test_tie_direction_follows_the_program(case, reverse):
     else:
         fun, args, argnum = CASES[case]()
     traced = BACKEND.trace(fun, args, {}, argnum=argnum, batch_axis=0, has_aux=False)
-    assert BACKEND.prefer_reverse(traced) is reverse
+    point = Point(fun, args[argnum], traced, False, args, {})
+    assert BACKEND.prefer_reverse(point) is reverse
 
 
 @pytest.mark.parametrize("method", ["auto", "exact", "hutchinson"])

@@ -182,7 +182,7 @@ class JaxBackend(Backend[Traced]):
 
         return on_a_copy
 
-    def prefer_reverse(self, traced: Traced) -> bool:
+    def prefer_reverse(self, point: Point[Traced], *, measure: bool = False) -> bool:
         """Columns: forward passes share the batch-independent work (broadcast sinking)."""
         return False
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -212,13 +214,25 @@ class TorchBackend(Backend[Traced]):
         call: Any = point  # a Call: its spec prepares it again
         return _constant(_prepared, setup, call.spec, call.args, call.kwargs, static)
 
-    def prefer_reverse(self, traced: Traced) -> bool:
-        """Rows, but columns for a convolution network: PyTorch's reverse mode runs one
-        forward pass then batched backward passes, faster on dense layers (MLPs: ~20%), while
-        its batched convolution backward is the slower one (3-7x on a blur). Columns too when
-        a linear solve broadcasts its matrix over a batch of right-hand sides: PyTorch's
-        ``vmap`` of its gradient fails (torch 2.13)."""
-        return not (traced.has_convolution or traced.solves_broadcast)
+    def prefer_reverse(self, point: Point[Traced], *, measure: bool = False) -> bool:
+        """Columns where a linear solve broadcasts its matrix over a batch of right-hand sides
+        (PyTorch's ``vmap`` of its gradient fails, torch 2.13). Otherwise, with ``measure``
+        (many passes to come, at least :data:`MEASURED_FROM`), the direction a few timed
+        passes of each find faster (:func:`_measured_reverse`, once per traced program and
+        context); else rows, but columns for a convolution network: PyTorch's reverse mode runs
+        one forward pass then batched backward passes, faster on dense layers (MLPs: ~20%),
+        while its batched convolution backward is often the slower one (3-7x on a blur; a
+        U-Net with attention and GroupNorm is the other way round, 1.5-1.7x)."""
+        traced = point.traced
+        if traced.solves_broadcast:
+            return False
+        guess = not traced.has_convolution
+        if not (measure and _measurable(point)):
+            return guess
+        key = (_on_graph(point), torch.is_inference_mode_enabled(), point.xb.device)
+        if key not in traced.directions:
+            traced.directions[key] = _measured_reverse(self, point)
+        return traced.directions[key]
 
     def forward_less(self, point: Point[Traced]) -> frozenset[str]:
         """The operations without a forward derivative, and, where a gradient will flow
@@ -446,3 +460,57 @@ def _csr(
 
 
 BACKEND = TorchBackend()
+
+
+MEASURED_FROM = 64
+"""Passes (input elements of a square Jacobian) from which ``auto`` times both directions."""
+
+_TIMED = 4
+"""Passes timed per direction (after one untimed run of them)."""
+
+_ROUNDS = 3
+"""Timed runs per direction, of which the fastest counts."""
+
+
+def _measurable(point: Point[Traced]) -> bool:
+    """Whether timing a few passes of each direction is possible and harmless here: eagerly
+    (no compile, no functorch transform around), a square Jacobian of at least
+    :data:`MEASURED_FROM` elements, no random draws to repeat (dropout: the caller's random
+    stream stays as it was) and no process group whose ranks must take the same path."""
+    in_n, out_n = math.prod(point.in_sample), math.prod(point.out_sample)
+    return (
+        in_n == out_n >= MEASURED_FROM
+        and not _compiling()
+        and torch._C._functorch.peek_interpreter_stack() is None
+        and not point.traced.draws_random
+        and not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    )
+
+
+def _measured_reverse(backend: TorchBackend, point: Point[Traced]) -> bool:
+    """Whether :data:`_TIMED` pushed rows (VJPs) take less time than as many columns (JVPs):
+    after one untimed run of each (kernels warm up, rows record the tape), the best of
+    :data:`_ROUNDS` runs, alternating; on one sample's tangents of ones shared by the batch,
+    as a plan's seeds are, in the caller's context. Their results are dropped."""
+    linears, seconds = {}, {False: math.inf, True: math.inf}
+    for reverse in (False, True):
+        sample = point.out_sample if reverse else point.in_sample
+        tangents = point.xb.new_ones((_TIMED, *sample))
+        linears[reverse] = functools.partial(
+            backend.linearize(point, reverse).passes, tangents, _as_is, _last, _TIMED, shared=True
+        )
+        linears[reverse]()
+    for _ in range(_ROUNDS):
+        for reverse, run in linears.items():
+            start = time.perf_counter()
+            run()
+            seconds[reverse] = min(seconds[reverse], time.perf_counter() - start)
+    return seconds[True] < seconds[False]
+
+
+def _as_is(seed: torch.Tensor) -> torch.Tensor:
+    return seed
+
+
+def _last(c: torch.Tensor, t: torch.Tensor, pushed: torch.Tensor) -> torch.Tensor:
+    return pushed.detach()

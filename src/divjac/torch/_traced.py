@@ -69,6 +69,8 @@ class Traced(detection.Traced):
         captured: the floating-point tensors the graph captured (parameters, buffers), weakly.
         reads: version counter of every ``versioned`` constant a detection read, when it read.
         dropped: the graph constants replaced by meta tensors (weights), weakly, by name.
+        directions: by context, whether rows were measured faster than columns
+            (:meth:`~divjac.torch._backend.TorchBackend.prefer_reverse`).
     """
 
     gm: torch.fx.GraphModule
@@ -82,6 +84,7 @@ class Traced(detection.Traced):
     captured: tuple[weakref.ref[torch.Tensor], ...]
     reads: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, weakref.ref[torch.Tensor]] = field(default_factory=dict)
+    directions: dict[Hashable, bool] = field(default_factory=dict)
 
     def modules(self) -> list[nn.Module]:
         """The modules the function may run (alive while a call runs it)."""
