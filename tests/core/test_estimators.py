@@ -419,11 +419,23 @@ def _widened(terms: np.ndarray, s0: float, share: float) -> float:
     return s0 * (1 + share * growth)
 
 
+def _explicit_dof_share(a: np.ndarray, v: np.ndarray) -> float:
+    """``min(1, (k - 1) / nu)``, ``nu = 2 u^2 / J``: ``u`` the variance estimate of all ``k``
+    probes, ``J`` the jackknife variance of its ``k`` estimates without one probe each."""
+    k = v.shape[-1]
+    u = _explicit_term_variance(a, v)
+    left_out = np.array([_explicit_term_variance(a, np.delete(v, i, axis=1)) for i in range(k)])
+    jackknife = (k - 1) / k * np.sum((left_out - left_out.mean()) ** 2)
+    return min(1.0, (k - 1) * jackknife / (2 * u * u)) if u > 0 else 1.0
+
+
 @pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
 def test_hutchinson_matches_explicit_formula(distribution: str) -> None:
-    """stderr = kappa(k - 1) sqrt(max(s^2, u) / k): the sample variance or the variance formula
-    estimated from the images, whichever is larger (both branches are exercised), widened
-    where a sample's terms have one sign (both cases are exercised too)."""
+    """stderr = kappa(k - 1) sqrt((u + w max(s^2 - u, 0)) / k): the variance formula estimated
+    from the images, plus the sample variance's excess over it in the share
+    ``w = min(1, (k - 1) / nu)``, ``nu`` the formula's jackknife degrees of freedom (both the
+    excess and its absence, ``w < 1`` and ``w = 1``, are exercised), widened where a sample's
+    terms have one sign (both cases are exercised too)."""
     rng = np.random.default_rng(6)
     j = _dense(rng, 8, batch=40)
     probes = _draw(rng, distribution, (40, 8, 5))
@@ -432,12 +444,16 @@ def test_hutchinson_matches_explicit_formula(distribution: str) -> None:
     np.testing.assert_allclose(estimate, terms.mean(axis=-1), rtol=1e-12)
     sample = terms.var(axis=-1, ddof=1)
     formula = np.array([_explicit_term_variance(j[b], probes[b]) for b in range(40)])
+    weight = np.array([_explicit_dof_share(j[b], probes[b]) for b in range(40)])
+    variance = formula + weight * np.maximum(sample - formula, 0)
     floor = 2 * np.mean(np.sum((j @ probes) ** 2, axis=1), axis=-1) / 5
-    s0 = t_factor(4) * np.sqrt(np.maximum(np.maximum(sample, formula), floor) / 5)
+    s0 = t_factor(4) * np.sqrt(np.maximum(variance, floor) / 5)
     share = np.array([_explicit_rank_one_share(j[b], probes[b]) for b in range(40)])
     expected = np.array([_widened(terms[b], s0[b], share[b]) for b in range(40)])
     np.testing.assert_allclose(stderr, expected, rtol=1e-10)
-    assert np.any(sample > formula) and np.any(sample < formula)
+    excess = sample > formula
+    assert np.any(excess & (weight < 1)) and np.any(excess & (weight == 1))
+    assert np.any(sample < formula)
     one_signed = np.all(terms >= 0, axis=-1) | np.all(terms <= 0, axis=-1)
     assert np.any(one_signed) and not np.all(one_signed)
     assert np.any((share > 0) & (share < 1) & ~one_signed)
