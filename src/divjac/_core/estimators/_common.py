@@ -157,15 +157,29 @@ def mean_and_stderr(terms: Array, xp: Any, images: Array, probes: Array) -> tupl
     error, from the ``(B, n, k)`` probes ``v`` and their ``images``, the columns ``A v``.
 
     The variance of one term is estimated twice, both times without bias: by the terms' sample
-    variance ``s^2``, and by :func:`term_variance`, the exact variance formula of the probe
-    distribution estimated from the images and the cross products ``v_a^T A v_b``, which does
-    not collapse when the terms happen to agree (few-valued or skewed terms); the larger is
-    kept. Both can still vanish together when the probes coincide up to sign (Rademacher probes
+    variance ``s^2`` (``k - 1`` degrees of freedom for normal terms), and by
+    :func:`term_variance`, the exact variance formula of the probe distribution estimated from
+    the images and the cross products ``v_a^T A v_b`` (``u``), which does not collapse when the
+    terms happen to agree (few-valued or skewed terms). The variance used is
+    ``u + w max(s^2 - u, 0)``: ``u``, and the sample variance's excess over it in the share
+    ``w = min(1, (k - 1) / nu)`` (:func:`term_variance_dof_share`), ``nu`` the degrees of
+    freedom of ``u`` from its jackknife over the probes. Where one direction dominates
+    (``rand(n, n)``, a fast-decaying spectrum) or ``u`` is a difference of large parts, ``nu``
+    is ``k`` or less, ``w = 1``, and the variance is the larger of the two (the maximum guards
+    the draws where ``u`` falls short); where many directions contribute (the Jacobians of
+    networks: ``nu`` about 25 at 8 probes) ``u`` is several times more precise than ``s^2``, and
+    the maximum's upward bias (about 10 % of the standard error at 8 probes) mostly goes. Both
+    can still vanish together when the probes coincide up to sign (Rademacher probes
     at small ``n``), so the variance of the mean is also kept above ``g / k^2``, with
     ``g = 2 mean ||A v||^2`` an unbiased estimate of the upper bound ``2 ||A||_F^2`` of the
     variance of one term: a floor ``k`` times below that bound's own ``g / k``, which matters
     only at a few probes. The standard error is
-    ``s0 = kappa(k - 1) sqrt(max(s^2 / k, u / k, g / k^2))``. Where every term of a sample has
+    ``s0 = kappa(k - 1) sqrt(max((u + w max(s^2 - u, 0)) / k, g / k^2))``: Student's factor
+    stays at the ``k - 1`` degrees of freedom of ``k`` terms, not ``nu``, as ``nu`` is itself
+    estimated from the same ``k`` probes and overstates the precision of ``u`` where the terms
+    are skewed (``rand(10, 10)`` at 8 probes: ``u`` has about 4 degrees of freedom, the
+    jackknife's median says 8; ``kappa(nu)`` covered 0.92-0.94 there, docs/calibration.md).
+    Where every term of a sample has
     one sign (a definite ``A``, as a nearly rank-one PSD Hessian), the terms are skewed like
     chi-square ones and the draws that fall short have small variances too, so the standard
     error is widened with its relative half-width ``c = min(2 s0 / |mean|, 1)``, to
@@ -256,20 +270,19 @@ def term_variance(probes: Array, images: Array, xp: Any, *, cross: Array | None 
 def term_variance_dof_share(
     probes: Array, images: Array, xp: Any, cross: Array, bound: Array
 ) -> Array:
-    """``(B,)`` ``min(1, (k - 1) / nu)``: how much less precise than the sample variance of
-    ``k >= 3`` terms (``k - 1`` degrees of freedom) the estimate ``bound`` of
-    :func:`term_variance` is, ``nu = 2 bound^2 / J`` its effective degrees of freedom with
-    ``J`` its jackknife variance (Arvesen 1969, for U-statistics); 1 below ``k = 3`` and where
-    ``bound <= 0``.
+    """``(B,)`` ``min(1, (k - 1) / nu)``: the degrees of freedom ``k - 1`` of the sample
+    variance of ``k >= 3`` terms over ``nu = 2 bound^2 / J``, those of the estimate ``bound``
+    of :func:`term_variance`, ``J`` its jackknife variance over the probes (Arvesen 1969, for
+    U-statistics); 1 below ``k = 3`` and where ``bound <= 0``.
 
     :func:`term_variance` is a sum of U-statistics of degrees 1 and 2 over the probes (single
     probes' ``||A v_a||^2``, pairs' products), so its ``k`` leave-one-out values come from the
     per-probe parts and the pairs' row sums, ``O(B k)`` work beyond the estimate's own; their
-    mean is the estimate. ``nu`` is about ``k`` times the effective rank of ``A`` where many
-    directions contribute (25-50 at 8 probes on the Jacobians of networks, the true 30-50),
-    and ``k`` or below where one dominates (``rand(10, 10)``, a spectrum ``1/i^2``) or where
-    the estimate is a difference of large parts (Rademacher probes on ``I + 0.1 E``: ``nu``
-    about 1).
+    mean is the estimate. ``nu`` grows with ``k`` and with the number of directions that
+    contribute: a median of 24-31 at 8 probes on the Jacobians of an MLP and a CNN (their true
+    30-50: the jackknife overstates the variance), about ``k`` where one direction dominates
+    (``rand(10, 10)``, a spectrum ``1/i^2``), about 1 where the estimate is a difference of
+    large parts (Rademacher probes on ``I + 0.1 E``, whose diagonal does not vary).
     """
     k = images.shape[-1]
     if k < 3:
