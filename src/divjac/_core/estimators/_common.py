@@ -329,8 +329,7 @@ def squared_norm_mean_and_stderr(images: Array, xp: Any) -> tuple[Array, Array]:
     For Gaussian probes ``Var(v^T A v) = 2 ||A||_F^2`` (less for Rademacher ones, whose
     diagonal does not vary), and the cross products ``w_a . w_b = v_a^T A v_b`` of two probes
     estimate ``||A||_F^2`` without bias by their square; the variance of one term is estimated
-    by the larger of that (times 2) and the terms' sample variance, as in
-    :func:`mean_and_stderr`, giving ``s0 = kappa(k - 1) sqrt(V / k)``. The terms are skewed
+    by the larger of that (times 2) and the terms' sample variance, giving ``s0 = kappa(k - 1) sqrt(V / k)``. The terms are skewed
     (chi-square-like) and the draws that fall short of ``tr(A)`` have small ``V`` too, so the
     interval is taken on the relative scale, where ``V / mean^2`` (the relative variance) does
     not shrink with the miss: the ``T`` with ``|mean - T| <= c T``, ``c = 2 s0 / mean``, reach
