@@ -502,6 +502,42 @@ def test_term_variance_is_unbiased_for_probes_on_the_sphere() -> None:
     assert terms.var() < 0.9 * (np.sum(a * a) + np.trace(a @ a))  # the Gaussian's is larger
 
 
+@pytest.mark.parametrize("distribution", ["rademacher", "gaussian", "sphere"])
+def test_dof_share_is_the_jackknife_of_term_variance(distribution: str) -> None:
+    """``term_variance_dof_share`` from per-probe parts and row sums is ``min(1, (k - 1) / nu)``
+    with ``nu = 2 u^2 / J``, ``J`` the jackknife variance of ``term_variance`` recomputed on
+    the ``k`` sets of probes without one (each distribution's formula); the share of high-rank
+    matrices (the formula many times more precise than the sample variance) is a fraction of
+    a rank-one matrix's."""
+    from divjac._core.estimators._common import namespace, term_variance, term_variance_dof_share
+
+    rng = np.random.default_rng(24)
+    k = 8
+    high = rng.standard_normal((200, 40, 40))
+    rank_one = rng.standard_normal((200, 40, 1)) * rng.standard_normal((200, 1, 40))
+    medians = []
+    for a in (high, rank_one):
+        probes = _draw(rng, distribution, (200, 40, k))
+        images = a @ probes
+        xp = namespace(probes)
+        u = term_variance(probes, images, xp)
+        cross = np.swapaxes(probes, -1, -2) @ images
+        share = term_variance_dof_share(probes, images, xp, cross, u)
+        left_out = np.stack(
+            [
+                term_variance(np.delete(probes, i, -1), np.delete(images, i, -1), xp)
+                for i in range(k)
+            ],
+            axis=-1,
+        )
+        np.testing.assert_allclose(left_out.mean(-1), u, rtol=1e-10)
+        jackknife = (k - 1) / k * np.sum((left_out - u[:, None]) ** 2, axis=-1)
+        expected = np.where(u > 0, np.minimum(1, (k - 1) * jackknife / (2 * u * u)), 1.0)
+        np.testing.assert_allclose(share, expected, rtol=1e-9)
+        medians.append(np.median(share))
+    assert medians[0] < 0.4 < 0.6 < medians[1]
+
+
 def test_degenerate_rademacher_case_is_covered() -> None:
     """The Hessian of u = x0^2 + x0 x1 at d = 2 (issue 22): Rademacher terms are 0 or 4
     (truth 2), so two probes agree half the time and their sample variance is 0. With 2 probes
