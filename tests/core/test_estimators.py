@@ -504,12 +504,16 @@ def test_term_variance_is_unbiased_for_probes_on_the_sphere() -> None:
 
 @pytest.mark.parametrize("distribution", ["rademacher", "gaussian", "sphere"])
 def test_dof_share_is_the_jackknife_of_term_variance(distribution: str) -> None:
-    """``term_variance_dof_share`` from per-probe parts and row sums is ``min(1, (k - 1) / nu)``
-    with ``nu = 2 u^2 / J``, ``J`` the jackknife variance of ``term_variance`` recomputed on
-    the ``k`` sets of probes without one (each distribution's formula); the share of high-rank
+    """``term_variance_and_dof_share``'s share (from per-probe parts and row sums) is
+    ``min(1, (k - 1) / nu)`` with ``nu = 2 u^2 / J``, ``J`` the jackknife variance of
+    ``term_variance`` recomputed on the ``k`` sets of probes without one (each distribution's formula); the share of high-rank
     matrices (the formula many times more precise than the sample variance) is a fraction of
     a rank-one matrix's."""
-    from divjac._core.estimators._common import namespace, term_variance, term_variance_dof_share
+    from divjac._core.estimators._common import (
+        namespace,
+        term_variance,
+        term_variance_and_dof_share,
+    )
 
     rng = np.random.default_rng(24)
     k = 8
@@ -522,7 +526,8 @@ def test_dof_share_is_the_jackknife_of_term_variance(distribution: str) -> None:
         xp = namespace(probes)
         u = term_variance(probes, images, xp)
         cross = np.swapaxes(probes, -1, -2) @ images
-        share = term_variance_dof_share(probes, images, xp, cross, u)
+        bound, share = term_variance_and_dof_share(probes, images, xp, cross)
+        np.testing.assert_allclose(bound, u, rtol=1e-12)
         left_out = np.stack(
             [
                 term_variance(np.delete(probes, i, -1), np.delete(images, i, -1), xp)

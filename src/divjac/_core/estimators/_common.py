@@ -38,7 +38,7 @@ __all__ = [
     "squared_norm_mean_and_stderr",
     "t_factor",
     "term_variance",
-    "term_variance_dof_share",
+    "term_variance_and_dof_share",
 ]
 
 Array: TypeAlias = Any
@@ -162,7 +162,7 @@ def mean_and_stderr(terms: Array, xp: Any, images: Array, probes: Array) -> tupl
     the images and the cross products ``v_a^T A v_b`` (``u``), which does not collapse when the
     terms happen to agree (few-valued or skewed terms). The variance used is
     ``u + w max(s^2 - u, 0)``: ``u``, and the sample variance's excess over it in the share
-    ``w = min(1, (k - 1) / nu)`` (:func:`term_variance_dof_share`), ``nu`` the degrees of
+    ``w = min(1, (k - 1) / nu)`` (:func:`term_variance_and_dof_share`), ``nu`` the degrees of
     freedom of ``u`` from its jackknife over the probes. Where one direction dominates
     (``rand(n, n)``, a fast-decaying spectrum) or ``u`` is a difference of large parts, ``nu``
     is ``k`` or less, ``w = 1``, and the variance is the larger of the two (the maximum guards
@@ -198,9 +198,8 @@ def mean_and_stderr(terms: Array, xp: Any, images: Array, probes: Array) -> tupl
         return xp.mean(terms, axis=-1), single_term_stderr(images, xp)
     mean, variance = mean_and_variance(terms, xp)
     cross = xp.matrix_transpose(probes) @ images  # v_a^T A v_b, (B, k, k): shared by all
-    bound = term_variance(probes, images, xp, cross=cross)
+    bound, weight = term_variance_and_dof_share(probes, images, xp, cross)
     excess = xp.maximum(variance - bound / k, xp.zeros_like(variance))
-    weight = term_variance_dof_share(probes, images, xp, cross, bound)
     floor = 2 * xp.sum(images * images, axis=(-2, -1)) / k**3
     s0 = t_factor(k - 1) * xp.sqrt(xp.maximum(bound / k + weight * excess, floor))
     share = rank_one_share(cross, xp)
@@ -262,18 +261,17 @@ def term_variance(probes: Array, images: Array, xp: Any, *, cross: Array | None 
     sphere, ``S`` the symmetric part), ``tr(A)^2`` estimated by the products of two probes'
     terms; the Gaussian formula would overstate it (intervals covering 0.998 at 16 probes).
     """
-    singles, rows = _term_variance_parts(probes, images, xp, cross)
-    k = images.shape[-1]
-    return xp.mean(singles, axis=-1) + xp.sum(rows, axis=-1) / (k * (k - 1))
+    return _term_variance_of(*_term_variance_parts(probes, images, xp, cross), xp)
 
 
-def term_variance_dof_share(
-    probes: Array, images: Array, xp: Any, cross: Array, bound: Array
-) -> Array:
-    """``(B,)`` ``min(1, (k - 1) / nu)``: the degrees of freedom ``k - 1`` of the sample
-    variance of ``k >= 3`` terms over ``nu = 2 bound^2 / J``, those of the estimate ``bound``
-    of :func:`term_variance`, ``J`` its jackknife variance over the probes (Arvesen 1969, for
-    U-statistics); 1 below ``k = 3`` and where ``bound <= 0``.
+def term_variance_and_dof_share(
+    probes: Array, images: Array, xp: Any, cross: Array
+) -> tuple[Array, Array]:
+    """``(B,)`` ``bound``, the estimate of :func:`term_variance` (from the cross products
+    ``cross``), and ``(B,)`` ``min(1, (k - 1) / nu)``: the degrees of freedom ``k - 1`` of the
+    sample variance of ``k >= 3`` terms over ``nu = 2 bound^2 / J``, those of ``bound``, ``J``
+    its jackknife variance over the probes (Arvesen 1969, for U-statistics); 1 below ``k = 3``
+    and where ``bound <= 0``.
 
     :func:`term_variance` is a sum of U-statistics of degrees 1 and 2 over the probes (single
     probes' ``||A v_a||^2``, pairs' products), so its ``k`` leave-one-out values come from the
@@ -285,9 +283,10 @@ def term_variance_dof_share(
     large parts (Rademacher probes on ``I + 0.1 E``, whose diagonal does not vary).
     """
     k = images.shape[-1]
-    if k < 3:
-        return xp.ones_like(bound)
     singles, rows = _term_variance_parts(probes, images, xp, cross)
+    bound = _term_variance_of(singles, rows, xp)
+    if k < 3:
+        return bound, xp.ones_like(bound)
     total = xp.sum(singles, axis=-1)[..., None]
     pairs = xp.sum(rows, axis=-1)[..., None]
     left_out = (total - singles) / (k - 1) + (pairs - 2 * rows) / ((k - 1) * (k - 2))
@@ -295,7 +294,13 @@ def term_variance_dof_share(
     scaled = (k - 1) ** 2 / k * xp.sum(deviations * deviations, axis=-1)  # (k - 1) J
     tiny = xp.full_like(bound, xp.finfo(bound.dtype).tiny)
     share = scaled / xp.maximum(xp.maximum(2 * bound * bound, scaled), tiny)  # <= 1, finite
-    return xp.where(bound > 0, share, xp.ones_like(bound))
+    return bound, xp.where(bound > 0, share, xp.ones_like(bound))
+
+
+def _term_variance_of(singles: Array, rows: Array, xp: Any) -> Array:
+    """:func:`term_variance` from its parts (:func:`_term_variance_parts`)."""
+    k = singles.shape[-1]
+    return xp.mean(singles, axis=-1) + xp.sum(rows, axis=-1) / (k * (k - 1))
 
 
 def _term_variance_parts(
