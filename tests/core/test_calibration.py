@@ -14,7 +14,7 @@ Measured coverage (8000 intervals each, Rademacher probes), over the three model
 method      budget  first       second      now
 ==========  ======  ==========  ==========  ===============================================
 hutchinson  3-8     0.80-0.92   0.94-0.95   0.978-1.000 (the larger of two variance estimates)
-hutchinson  16-32   0.94-0.95   0.94-0.95   0.961-0.974
+hutchinson  16-32   0.94-0.95   0.94-0.95   0.957-0.974 (s^2's excess in the share (k-1)/nu)
 hutch++     6-24    0.71-0.92   0.93-0.95   0.977-1.000
 xtrace      4-24    0.69-0.93   0.93-0.97   0.937-0.975 (never below its naive estimate)
 probing     4-24    0.69-0.90   0.92-0.96   0.962-1.000 (the images' class variances)

@@ -419,11 +419,23 @@ def _widened(terms: np.ndarray, s0: float, share: float) -> float:
     return s0 * (1 + share * growth)
 
 
+def _explicit_dof_share(a: np.ndarray, v: np.ndarray) -> float:
+    """``min(1, (k - 1) / nu)``, ``nu = 2 u^2 / J``: ``u`` the variance estimate of all ``k``
+    probes, ``J`` the jackknife variance of its ``k`` estimates without one probe each."""
+    k = v.shape[-1]
+    u = _explicit_term_variance(a, v)
+    left_out = np.array([_explicit_term_variance(a, np.delete(v, i, axis=1)) for i in range(k)])
+    jackknife = (k - 1) / k * np.sum((left_out - left_out.mean()) ** 2)
+    return min(1.0, (k - 1) * jackknife / (2 * u * u)) if u > 0 else 1.0
+
+
 @pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
 def test_hutchinson_matches_explicit_formula(distribution: str) -> None:
-    """stderr = kappa(k - 1) sqrt(max(s^2, u) / k): the sample variance or the variance formula
-    estimated from the images, whichever is larger (both branches are exercised), widened
-    where a sample's terms have one sign (both cases are exercised too)."""
+    """stderr = kappa(k - 1) sqrt((u + w max(s^2 - u, 0)) / k): the variance formula estimated
+    from the images, plus the sample variance's excess over it in the share
+    ``w = min(1, (k - 1) / nu)``, ``nu`` the formula's jackknife degrees of freedom (both the
+    excess and its absence, ``w < 1`` and ``w = 1``, are exercised), widened where a sample's
+    terms have one sign (both cases are exercised too)."""
     rng = np.random.default_rng(6)
     j = _dense(rng, 8, batch=40)
     probes = _draw(rng, distribution, (40, 8, 5))
@@ -432,12 +444,16 @@ def test_hutchinson_matches_explicit_formula(distribution: str) -> None:
     np.testing.assert_allclose(estimate, terms.mean(axis=-1), rtol=1e-12)
     sample = terms.var(axis=-1, ddof=1)
     formula = np.array([_explicit_term_variance(j[b], probes[b]) for b in range(40)])
+    weight = np.array([_explicit_dof_share(j[b], probes[b]) for b in range(40)])
+    variance = formula + weight * np.maximum(sample - formula, 0)
     floor = 2 * np.mean(np.sum((j @ probes) ** 2, axis=1), axis=-1) / 5
-    s0 = t_factor(4) * np.sqrt(np.maximum(np.maximum(sample, formula), floor) / 5)
+    s0 = t_factor(4) * np.sqrt(np.maximum(variance, floor) / 5)
     share = np.array([_explicit_rank_one_share(j[b], probes[b]) for b in range(40)])
     expected = np.array([_widened(terms[b], s0[b], share[b]) for b in range(40)])
     np.testing.assert_allclose(stderr, expected, rtol=1e-10)
-    assert np.any(sample > formula) and np.any(sample < formula)
+    excess = sample > formula
+    assert np.any(excess & (weight < 1)) and np.any(excess & (weight == 1))
+    assert np.any(sample < formula)
     one_signed = np.all(terms >= 0, axis=-1) | np.all(terms <= 0, axis=-1)
     assert np.any(one_signed) and not np.all(one_signed)
     assert np.any((share > 0) & (share < 1) & ~one_signed)
@@ -484,6 +500,47 @@ def test_term_variance_is_unbiased_for_probes_on_the_sphere() -> None:
     sem = estimates.std() / np.sqrt(len(estimates))
     assert abs(estimates.mean() - terms.var()) < 4 * sem + 0.02 * terms.var()
     assert terms.var() < 0.9 * (np.sum(a * a) + np.trace(a @ a))  # the Gaussian's is larger
+
+
+@pytest.mark.parametrize("distribution", ["rademacher", "gaussian", "sphere"])
+def test_dof_share_is_the_jackknife_of_term_variance(distribution: str) -> None:
+    """``term_variance_and_dof_share``'s share (from per-probe parts and row sums) is
+    ``min(1, (k - 1) / nu)`` with ``nu = 2 u^2 / J``, ``J`` the jackknife variance of
+    ``term_variance`` recomputed on the ``k`` sets of probes without one (each distribution's formula); the share of high-rank
+    matrices (the formula many times more precise than the sample variance) is a fraction of
+    a rank-one matrix's."""
+    from divjac._core.estimators._common import (
+        namespace,
+        term_variance,
+        term_variance_and_dof_share,
+    )
+
+    rng = np.random.default_rng(24)
+    k = 8
+    high = rng.standard_normal((200, 40, 40))
+    rank_one = rng.standard_normal((200, 40, 1)) * rng.standard_normal((200, 1, 40))
+    medians = []
+    for a in (high, rank_one):
+        probes = _draw(rng, distribution, (200, 40, k))
+        images = a @ probes
+        xp = namespace(probes)
+        u = term_variance(probes, images, xp)
+        cross = np.swapaxes(probes, -1, -2) @ images
+        bound, share = term_variance_and_dof_share(probes, images, xp, cross)
+        np.testing.assert_allclose(bound, u, rtol=1e-12)
+        left_out = np.stack(
+            [
+                term_variance(np.delete(probes, i, -1), np.delete(images, i, -1), xp)
+                for i in range(k)
+            ],
+            axis=-1,
+        )
+        np.testing.assert_allclose(left_out.mean(-1), u, rtol=1e-10)
+        jackknife = (k - 1) / k * np.sum((left_out - u[:, None]) ** 2, axis=-1)
+        expected = np.where(u > 0, np.minimum(1, (k - 1) * jackknife / (2 * u * u)), 1.0)
+        np.testing.assert_allclose(share, expected, rtol=1e-9)
+        medians.append(np.median(share))
+    assert medians[0] < 0.4 < 0.6 < medians[1]
 
 
 def test_degenerate_rademacher_case_is_covered() -> None:

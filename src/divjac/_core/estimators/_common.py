@@ -38,6 +38,7 @@ __all__ = [
     "squared_norm_mean_and_stderr",
     "t_factor",
     "term_variance",
+    "term_variance_and_dof_share",
 ]
 
 Array: TypeAlias = Any
@@ -156,15 +157,29 @@ def mean_and_stderr(terms: Array, xp: Any, images: Array, probes: Array) -> tupl
     error, from the ``(B, n, k)`` probes ``v`` and their ``images``, the columns ``A v``.
 
     The variance of one term is estimated twice, both times without bias: by the terms' sample
-    variance ``s^2``, and by :func:`term_variance`, the exact variance formula of the probe
-    distribution estimated from the images and the cross products ``v_a^T A v_b``, which does
-    not collapse when the terms happen to agree (few-valued or skewed terms); the larger is
-    kept. Both can still vanish together when the probes coincide up to sign (Rademacher probes
+    variance ``s^2`` (``k - 1`` degrees of freedom for normal terms), and by
+    :func:`term_variance`, the exact variance formula of the probe distribution estimated from
+    the images and the cross products ``v_a^T A v_b`` (``u``), which does not collapse when the
+    terms happen to agree (few-valued or skewed terms). The variance used is
+    ``u + w max(s^2 - u, 0)``: ``u``, and the sample variance's excess over it in the share
+    ``w = min(1, (k - 1) / nu)`` (:func:`term_variance_and_dof_share`), ``nu`` the degrees of
+    freedom of ``u`` from its jackknife over the probes. Where one direction dominates
+    (``rand(n, n)``, a fast-decaying spectrum) or ``u`` is a difference of large parts, ``nu``
+    is ``k`` or less, ``w = 1``, and the variance is the larger of the two (the maximum guards
+    the draws where ``u`` falls short); where many directions contribute (the Jacobians of
+    networks: ``nu`` about 25 at 8 probes) ``u`` is several times more precise than ``s^2``, and
+    the maximum's upward bias (about 10 % of the standard error at 8 probes) mostly goes. Both
+    can still vanish together when the probes coincide up to sign (Rademacher probes
     at small ``n``), so the variance of the mean is also kept above ``g / k^2``, with
     ``g = 2 mean ||A v||^2`` an unbiased estimate of the upper bound ``2 ||A||_F^2`` of the
     variance of one term: a floor ``k`` times below that bound's own ``g / k``, which matters
     only at a few probes. The standard error is
-    ``s0 = kappa(k - 1) sqrt(max(s^2 / k, u / k, g / k^2))``. Where every term of a sample has
+    ``s0 = kappa(k - 1) sqrt(max((u + w max(s^2 - u, 0)) / k, g / k^2))``: Student's factor
+    stays at the ``k - 1`` degrees of freedom of ``k`` terms, not ``nu``, as ``nu`` is itself
+    estimated from the same ``k`` probes and overstates the precision of ``u`` where the terms
+    are skewed (``rand(10, 10)`` at 8 probes: ``u`` has about 4 degrees of freedom, the
+    jackknife's median says 8; ``kappa(nu)`` covered 0.92-0.94 there, docs/calibration.md).
+    Where every term of a sample has
     one sign (a definite ``A``, as a nearly rank-one PSD Hessian), the terms are skewed like
     chi-square ones and the draws that fall short have small variances too, so the standard
     error is widened with its relative half-width ``c = min(2 s0 / |mean|, 1)``, to
@@ -182,10 +197,11 @@ def mean_and_stderr(terms: Array, xp: Any, images: Array, probes: Array) -> tupl
     if k == 1:
         return xp.mean(terms, axis=-1), single_term_stderr(images, xp)
     mean, variance = mean_and_variance(terms, xp)
-    cross = xp.matrix_transpose(probes) @ images  # v_a^T A v_b, (B, k, k): shared by both
-    bound = term_variance(probes, images, xp, cross=cross)
+    cross = xp.matrix_transpose(probes) @ images  # v_a^T A v_b, (B, k, k): shared by all
+    bound, weight = term_variance_and_dof_share(probes, images, xp, cross)
+    excess = xp.maximum(variance - bound / k, xp.zeros_like(variance))
     floor = 2 * xp.sum(images * images, axis=(-2, -1)) / k**3
-    s0 = t_factor(k - 1) * xp.sqrt(xp.maximum(xp.maximum(variance, bound / k), floor))
+    s0 = t_factor(k - 1) * xp.sqrt(xp.maximum(bound / k + weight * excess, floor))
     share = rank_one_share(cross, xp)
     return mean, skew_widened(mean, s0, xp, weight=0.25, terms=terms, share=share)
 
@@ -245,27 +261,70 @@ def term_variance(probes: Array, images: Array, xp: Any, *, cross: Array | None 
     sphere, ``S`` the symmetric part), ``tr(A)^2`` estimated by the products of two probes'
     terms; the Gaussian formula would overstate it (intervals covering 0.998 at 16 probes).
     """
+    return _term_variance_of(*_term_variance_parts(probes, images, xp, cross), xp)
+
+
+def term_variance_and_dof_share(
+    probes: Array, images: Array, xp: Any, cross: Array
+) -> tuple[Array, Array]:
+    """``(B,)`` ``bound``, the estimate of :func:`term_variance` (from the cross products
+    ``cross``), and ``(B,)`` ``min(1, (k - 1) / nu)``: the degrees of freedom ``k - 1`` of the
+    sample variance of ``k >= 3`` terms over ``nu = 2 bound^2 / J``, those of ``bound``, ``J``
+    its jackknife variance over the probes (Arvesen 1969, for U-statistics); 1 below ``k = 3``
+    and where ``bound <= 0``.
+
+    :func:`term_variance` is a sum of U-statistics of degrees 1 and 2 over the probes (single
+    probes' ``||A v_a||^2``, pairs' products), so its ``k`` leave-one-out values come from the
+    per-probe parts and the pairs' row sums, ``O(B k)`` work beyond the estimate's own; their
+    mean is the estimate. ``nu`` grows with ``k`` and with the number of directions that
+    contribute: a median of 24-31 at 8 probes on the Jacobians of an MLP and a CNN (their true
+    30-50: the jackknife overstates the variance), about ``k`` where one direction dominates
+    (``rand(10, 10)``, a spectrum ``1/i^2``), about 1 where the estimate is a difference of
+    large parts (Rademacher probes on ``I + 0.1 E``, whose diagonal does not vary).
+    """
     k = images.shape[-1]
-    squares = xp.sum(images * images, axis=(-2, -1)) / k
+    singles, rows = _term_variance_parts(probes, images, xp, cross)
+    bound = _term_variance_of(singles, rows, xp)
+    if k < 3:
+        return bound, xp.ones_like(bound)
+    total = xp.sum(singles, axis=-1)[..., None]
+    pairs = xp.sum(rows, axis=-1)[..., None]
+    left_out = (total - singles) / (k - 1) + (pairs - 2 * rows) / ((k - 1) * (k - 2))
+    deviations = left_out - bound[..., None]
+    scaled = (k - 1) ** 2 / k * xp.sum(deviations * deviations, axis=-1)  # (k - 1) J
+    tiny = xp.full_like(bound, xp.finfo(bound.dtype).tiny)
+    share = scaled / xp.maximum(xp.maximum(2 * bound * bound, scaled), tiny)  # <= 1, finite
+    return bound, xp.where(bound > 0, share, xp.ones_like(bound))
+
+
+def _term_variance_of(singles: Array, rows: Array, xp: Any) -> Array:
+    """:func:`term_variance` from its parts (:func:`_term_variance_parts`)."""
+    k = singles.shape[-1]
+    return xp.mean(singles, axis=-1) + xp.sum(rows, axis=-1) / (k * (k - 1))
+
+
+def _term_variance_parts(
+    probes: Array, images: Array, xp: Any, cross: Array | None
+) -> tuple[Array, Array]:
+    """The ``(B, k)`` parts of :func:`term_variance`: ``singles[a]``, the single probes' terms
+    (its mean over ``a`` the degree-1 part), and ``rows[a]``, the sum over ``b != a`` of the
+    pairs' terms (their sum over ``a``, over ``k (k - 1)``, the degree-2 part)."""
+    n = probes.shape[-2]
+    squares = xp.sum(images * images, axis=-2)  # ||A v_a||^2, (B, k)
     if cross is None:
         cross = xp.matrix_transpose(probes) @ images  # v_a^T A v_b, (B, k, k)
-    pairs = xp.sum(cross * xp.matrix_transpose(cross), axis=(-2, -1))
-    ones = xp.sum(column_dots(probes, images) ** 2, axis=-1)  # the pairs a == b
-    trace_square = (pairs - ones) / (k * (k - 1))
-    d = probes * images
-    total = xp.sum(d, axis=-1)
-    diagonal = (xp.sum(total * total, axis=-1) - xp.sum(d * d, axis=(-2, -1))) / (k * (k - 1))
-    signs = xp.all(probes * probes == 1, axis=(-2, -1))
-    gaussian = squares + trace_square
-    n = probes.shape[-2]
-    norms = xp.sum(probes * probes, axis=-2)  # (B, k)
-    sphere = ~signs & xp.all(xp.abs(norms - n) <= 1e-6 * n, axis=-1)
     terms = column_dots(probes, images)  # v_a^T A v_a, (B, k)
-    sums = xp.sum(terms, axis=-1)
-    trace_squared = (sums * sums - xp.sum(terms * terms, axis=-1)) / (k * (k - 1))
-    on_sphere = (n * gaussian - 2 * trace_squared) / (n + 2)
-    rademacher = gaussian - 2 * diagonal
-    return xp.where(signs, rademacher, xp.where(sphere, on_sphere, gaussian))
+    trace_square = xp.sum(cross * xp.matrix_transpose(cross), axis=-1) - terms * terms
+    d = probes * images
+    diagonal = column_dots(d, xp.sum(d, axis=-1)[..., None]) - xp.sum(d * d, axis=-2)
+    trace_squared = terms * (xp.sum(terms, axis=-1)[..., None] - terms)
+    signs = xp.all(probes * probes == 1, axis=(-2, -1))[..., None]
+    norms = xp.sum(probes * probes, axis=-2)  # (B, k)
+    sphere = ~signs & xp.all(xp.abs(norms - n) <= 1e-6 * n, axis=-1)[..., None]
+    singles = xp.where(sphere, n * squares / (n + 2), squares)
+    rademacher = trace_square - 2 * diagonal
+    on_sphere = (n * trace_square - 2 * trace_squared) / (n + 2)
+    return singles, xp.where(signs, rademacher, xp.where(sphere, on_sphere, trace_square))
 
 
 def squared_norm_mean_and_stderr(images: Array, xp: Any) -> tuple[Array, Array]:
@@ -275,8 +334,7 @@ def squared_norm_mean_and_stderr(images: Array, xp: Any) -> tuple[Array, Array]:
     For Gaussian probes ``Var(v^T A v) = 2 ||A||_F^2`` (less for Rademacher ones, whose
     diagonal does not vary), and the cross products ``w_a . w_b = v_a^T A v_b`` of two probes
     estimate ``||A||_F^2`` without bias by their square; the variance of one term is estimated
-    by the larger of that (times 2) and the terms' sample variance, as in
-    :func:`mean_and_stderr`, giving ``s0 = kappa(k - 1) sqrt(V / k)``. The terms are skewed
+    by the larger of that (times 2) and the terms' sample variance, giving ``s0 = kappa(k - 1) sqrt(V / k)``. The terms are skewed
     (chi-square-like) and the draws that fall short of ``tr(A)`` have small ``V`` too, so the
     interval is taken on the relative scale, where ``V / mean^2`` (the relative variance) does
     not shrink with the miss: the ``T`` with ``|mean - T| <= c T``, ``c = 2 s0 / mean``, reach

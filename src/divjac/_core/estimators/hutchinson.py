@@ -47,11 +47,12 @@ def hutchinson(matvec: Matvec, probes: Array) -> tuple[Array, Array]:
 
     Returns:
         ``(estimate, stderr)``, each of shape ``(B,)``: the mean of the ``k`` independent terms
-        and ``kappa(k - 1) sqrt(max(s^2, bound) / k)`` (package docstring): ``s^2`` is the
-        terms' sample variance, ``bound`` an unbiased estimate of an upper bound of the
-        variance of one term from the images ``J v`` (``2 mean ||J v||^2``; for sign probes
-        ``2 sum_{i != j} J_ij^2``, which does not count the diagonal). With ``k == 1``:
-        ``sqrt(bound)``.
+        and its standard error (:func:`~divjac._core.estimators.mean_and_stderr`):
+        ``kappa(k - 1) sqrt((u + w max(s^2 - u, 0)) / k)``, ``s^2`` the terms' sample
+        variance, ``u`` the unbiased estimate of the variance of one term from the images
+        ``J v`` and the probes' cross products, ``w = min(1, (k - 1) / nu)`` with ``nu``
+        the degrees of freedom of ``u`` (its jackknife), kept above a floor and widened where
+        the terms are skewed. With ``k == 1``: ``sqrt(2 ||J v||^2)``.
 
     Raises:
         NumProbesError: ``probes`` is not 3-d.
