@@ -33,9 +33,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend import core as jcore
 
-from ._sink import _Passes, _real
+from ._sink import _bind, _Passes, _real
 from ._taylor import _CALLS, _CURVATURE, _Sweep
 
 __all__ = ["sparse_cost", "sparse_laplacian"]
@@ -80,7 +81,8 @@ def sparse_cost(f: Callable[[jax.Array], jax.Array], x: jax.Array) -> float:
 
 def _run(f: Callable[[jax.Array], jax.Array], x: jax.Array) -> tuple[jax.Array, float]:
     n = math.prod(x.shape[1:])
-    closed = jax.make_jaxpr(lambda p: jnp.asarray(f(p)))(x)
+    traced = jax.make_jaxpr(lambda p: jnp.asarray(f(p)))(x)
+    closed = jax.make_jaxpr(lambda p: _distributed(traced.jaxpr, traced.consts, p))(x)
     labels = np.broadcast_to(np.arange(n).reshape(1, 1, *x.shape[1:]), (1, *x.shape))
     seed = _Sparse(jnp.ones((1, *x.shape), x.dtype), labels)
     sweep = _SparseSweep(n)
@@ -89,10 +91,73 @@ def _run(f: Callable[[jax.Array], jax.Array], x: jax.Array) -> tuple[jax.Array, 
     return lap, sweep.stored / max(sweep.dense, 1)
 
 
+def _distributed(jaxpr: Any, consts: Sequence[Any], x: jax.Array) -> Any:
+    """``jaxpr`` evaluated with its products by a constant distributed over their dependent
+    operand where that keeps terms apart: ``concatenate([a, b]) @ W`` along a contracted axis as
+    ``a @ W_a + b @ W_b``, ``broadcast(g) @ W`` along free axes as ``broadcast(g @ W)`` (a
+    FermiNet layer on ``[h_i, mean_j h_j]``: the sparse ``h_i`` part and the shared part, each
+    product at its own size)."""
+    env: dict[Any, Any] = {}
+    made: dict[Any, Any] = {}
+    dependent: set[Any] = set(jaxpr.invars)
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    def product(v: Any, rhs: Any, eqn: Any) -> Any:
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        src = made.get(v)
+        if src is not None and src.primitive.name == "concatenate":
+            dim = src.params["dimension"]
+            if dim in lc:
+                axis, start, total = rc[lc.index(dim)], 0, None
+                for part in src.invars:
+                    width = part.aval.shape[dim]
+                    piece = lax.slice_in_dim(rhs, start, start + width, axis=axis)
+                    start += width
+                    term = product(part, piece, eqn) if part in dependent else _bind(
+                        eqn, read(part), piece
+                    )
+                    total = term if total is None else total + term
+                return total
+        if src is not None and src.primitive.name == "broadcast_in_dim" and len(src.invars) == 1:
+            (g,) = src.invars
+            shape = tuple(src.params["shape"])
+            if not isinstance(g, jcore.Literal) and len(g.aval.shape) == len(shape):
+                grown = [a for a in range(len(shape)) if g.aval.shape[a] != shape[a]]
+                (_, (lb, _)) = eqn.params["dimension_numbers"]
+                if not set(grown) & (set(lc) | set(lb)):
+                    out_shape = tuple(eqn.outvars[0].aval.shape)
+                    return jnp.broadcast_to(product(g, rhs, eqn), out_shape)
+        return _bind(eqn, read(v), rhs)
+
+    for var, val in zip(jaxpr.constvars, consts, strict=True):
+        env[var] = val
+    env[jaxpr.invars[0]] = x
+    for eqn in jaxpr.eqns:
+        lhs = eqn.invars[0] if eqn.invars else None
+        if (
+            eqn.primitive.name == "dot_general"
+            and lhs in dependent
+            and eqn.invars[1] not in dependent
+        ):
+            outs = [product(lhs, read(eqn.invars[1]), eqn)]
+        else:
+            out = _bind(eqn, *(read(v) for v in eqn.invars))
+            outs = list(out) if eqn.primitive.multiple_results else [out]
+        for var, val in zip(eqn.outvars, outs, strict=True):
+            env[var] = val
+            made[var] = eqn
+            if any(v in dependent for v in eqn.invars if not isinstance(v, jcore.Literal)):
+                dependent.add(var)
+    (out,) = (read(v) for v in jaxpr.outvars)
+    return out
+
+
 class _SparseSweep(_Sweep):
     """The collapsed sweep over the unit basis of ``k`` inputs, first-order terms stored sparse
-    while that pays; ``stored`` and ``dense`` count the first-order terms it stores and the
-    dense sweep would."""
+    while that pays; ``stored`` and ``dense`` count the work on first-order terms it does and
+    the dense sweep would (:meth:`count`)."""
 
     def __init__(self, k: int) -> None:
         super().__init__(None, False)
@@ -105,10 +170,17 @@ class _SparseSweep(_Sweep):
             return super().equation(eqn, ins, dep)
         sparse = [i for i in dep if isinstance(ins[i][1], _Sparse)]
         planned = _layout(eqn, ins, dep, self.k) if len(sparse) == len(dep) else None
+        if planned is None and eqn.primitive.name == "reduce_sum" and sparse == [0]:
+            # Summed while expanded: the one-hot product contracts the summed axes too.
+            ((p, t, s),) = ins
+            y, dense_t = _bind(eqn, p), _expand(t, self.k, eqn.params["axes"])
+            outs = [(y, dense_t, None if s is None else _bind(eqn, s))]
+            self.count(eqn, outs, [None])
+            return outs
         if planned is None:
             dense = [(p, _expand(t, self.k) if isinstance(t, _Sparse) else t, s) for p, t, s in ins]
             outs = super().equation(eqn, dense, dep)
-            self.count(outs, [None] * len(outs))
+            self.count(eqn, outs, [None] * len(outs))
             return outs
         laid, idxs = planned
         pushed = [(p, _Passes(laid[i]) if i in laid else t, s) for i, (p, t, s) in enumerate(ins)]
@@ -117,13 +189,19 @@ class _SparseSweep(_Sweep):
             (y, None if t is None else _Sparse(_real(t).value, idx), s)
             for (y, t, s), idx in zip(outs, idxs, strict=True)
         ]
-        self.count(outs, idxs)
+        self.count(eqn, outs, idxs)
         return outs
 
-    def count(self, outs: list[Any], idxs: Sequence[np.ndarray | None]) -> None:
+    def count(self, eqn: Any, outs: list[Any], idxs: Sequence[np.ndarray | None]) -> None:
+        """Add the work of ``eqn``'s first-order terms: per term and output element, the
+        length of a product's contraction (1 for the other equations)."""
+        work = 1
+        if eqn.primitive.name == "dot_general":
+            (lc, _), _ = eqn.params["dimension_numbers"]
+            work = math.prod(eqn.invars[0].aval.shape[a] for a in lc)
         for (y, t, _), idx in zip(outs, idxs, strict=True):
             if t is not None:
-                size = math.prod(jnp.shape(y))
+                size = math.prod(jnp.shape(y)) * work
                 self.dense += self.k * size
                 self.stored += (self.k if idx is None else idx.shape[0]) * size
 
@@ -142,7 +220,9 @@ def _layout(
         if any(t.idx.shape[1:] != shape for t in tangents.values()):
             return None
         idx = _union(np.concatenate([t.idx for t in tangents.values()]))
-        return _checked(k, {i: _laid(t, idx) for i, t in tangents.items()}, idx)
+        if 2 * idx.shape[0] > k:
+            return None
+        return {i: _laid(t, idx) for i, t in tangents.items()}, [idx]
     if name == "concatenate":
         m = max(t.idx.shape[0] for t in tangents.values())
         parts = [
@@ -161,19 +241,14 @@ def _layout(
         kept = [a for a in range(t.idx.ndim) if a not in axes]
         folded = t.idx.transpose((*axes, *kept)).reshape(-1, *(t.idx.shape[a] for a in kept[1:]))
         idx = _union(folded)
+        if 2 * idx.shape[0] > k:
+            return None
         back = np.broadcast_to(np.expand_dims(idx, axes), (idx.shape[0], *t.idx.shape[1:]))
-        return _checked(k, {0: _laid(t, back)}, idx)
+        return {0: _laid(t, back)}, [idx]
     if name == "dot_general":
         return _dot(eqn, t, shape, k)
     moved = _moved(eqn, t.idx)
     return None if moved is None else ({0: t.terms}, [moved])
-
-
-def _checked(
-    k: int, laid: dict[int, Any], idx: np.ndarray
-) -> tuple[dict[int, Any], list[np.ndarray]] | None:
-    """``None`` (go dense) where the output depends on more than half the inputs."""
-    return None if 2 * idx.shape[0] > k else (laid, [idx])
 
 
 def _dot(
@@ -190,6 +265,8 @@ def _dot(
     folded = np.moveaxis(arranged.reshape(arranged.shape[0], *kept_shape, -1), -1, 1)
     idx = _union(folded.reshape(-1, *kept_shape))
     m = idx.shape[0]
+    if 2 * m > k:
+        return None
     # Back on the operand: the same index over the contracted axes.
     spread = np.broadcast_to(
         idx.reshape(*idx.shape, *(1 for _ in contract)), (m, *arranged.shape[1:])
@@ -198,7 +275,7 @@ def _dot(
     out = np.broadcast_to(
         idx.reshape(*idx.shape, *(1 for _ in range(len(shape) - len(kept_shape)))), (m, *shape)
     )
-    return _checked(k, {0: _laid(t, back)}, out)
+    return {0: _laid(t, back)}, [out]
 
 
 def _moved(eqn: Any, idx: np.ndarray) -> np.ndarray | None:
@@ -307,12 +384,27 @@ def _padded(a: Any, m: int, fill: int) -> Any:
     return jnp.concatenate([a, jnp.zeros((m - a.shape[0], *a.shape[1:]), a.dtype)])
 
 
-def _expand(t: _Sparse, k: int) -> _Passes:
-    """The dense first-order terms ``[k, *S]`` of ``t``: a one-hot sum over its slots."""
-    shape = tuple(t.terms.shape[1:])
-    rows = jnp.arange(k, dtype=jnp.int32).reshape(k, *(1 for _ in shape))
-    dense = jnp.zeros((k, *shape), t.terms.dtype)
-    for j in range(t.idx.shape[0]):
-        core, _ = _compressed(t.idx[j : j + 1])
-        dense = dense + jnp.where(rows == jnp.asarray(core, jnp.int32), t.terms[j : j + 1], 0)
-    return _Passes(dense)
+def _expand(t: _Sparse, k: int, axes: Sequence[int] = ()) -> _Passes:
+    """The dense first-order terms ``[k, *S]`` of ``t``, summed over its ``axes`` (of ``S``):
+    one product with the one-hot matrix of its index (contracting the slots and the summed
+    axes), over the axes along which the index varies only."""
+    core, shape = _compressed(t.idx)
+    terms = t.terms
+    varying = [a for a in range(len(shape)) if core.shape[1 + a] > 1]
+    flat = [a for a in axes if a not in varying]  # the index is the same along these: sum first
+    if flat:
+        terms = terms.sum(tuple(1 + a for a in flat))
+    rest = [a for a in range(len(shape)) if a not in flat]
+    onehot = core.reshape(core.shape[0], *(shape[a] for a in varying))[..., None] == np.arange(k)
+    summed = [a for a in axes if a in varying]
+    batch = [a for a in varying if a not in axes]
+    dims = (
+        ((0, *(1 + rest.index(a) for a in summed)), (0, *(1 + varying.index(a) for a in summed))),
+        (tuple(1 + rest.index(a) for a in batch), tuple(1 + varying.index(a) for a in batch)),
+    )
+    dense = lax.dot_general(
+        terms, jnp.asarray(onehot, terms.dtype), dims, precision=lax.Precision.HIGHEST
+    )
+    order = [*batch, *(a for a in rest if a not in varying), -1]  # the product's axes
+    kept = [a for a in range(len(shape)) if a not in axes]
+    return _Passes(dense.transpose((len(order) - 1, *(order.index(a) for a in kept))))
