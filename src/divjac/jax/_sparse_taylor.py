@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from ._sink import _bind, _Passes, _real
+from ._sink import _bind, _Passes, _real, varying_like
 from ._taylor import _CALLS, _CURVATURE, _Sweep
 
 __all__ = ["sparse_cost", "sparse_laplacian"]
@@ -84,7 +84,7 @@ def _run(f: Callable[[jax.Array], jax.Array], x: jax.Array) -> tuple[jax.Array, 
     traced = jax.make_jaxpr(lambda p: jnp.asarray(f(p)))(x)
     closed = jax.make_jaxpr(lambda p: _distributed(traced.jaxpr, traced.consts, p))(x)
     labels = np.broadcast_to(np.arange(n).reshape(1, 1, *x.shape[1:]), (1, *x.shape))
-    seed = _Sparse(jnp.ones((1, *x.shape), x.dtype), labels)
+    seed = _Sparse(varying_like(jnp.ones((1, *x.shape), x.dtype), x), labels)
     sweep = _SparseSweep(n)
     ((y, _, s),) = sweep.eval(closed.jaxpr, closed.consts, [(x, seed, None)])
     lap = jnp.zeros_like(y) if s is None else jnp.broadcast_to(s, jnp.shape(y))
@@ -104,6 +104,9 @@ def _distributed(jaxpr: Any, consts: Sequence[Any], x: jax.Array) -> Any:
     def read(v: Any) -> Any:
         return v.val if isinstance(v, jcore.Literal) else env[v]
 
+    def depends(v: Any) -> bool:
+        return not isinstance(v, jcore.Literal) and v in dependent
+
     def product(v: Any, rhs: Any, eqn: Any) -> Any:
         (lc, rc), _ = eqn.params["dimension_numbers"]
         src = made.get(v)
@@ -115,9 +118,8 @@ def _distributed(jaxpr: Any, consts: Sequence[Any], x: jax.Array) -> Any:
                     width = part.aval.shape[dim]
                     piece = lax.slice_in_dim(rhs, start, start + width, axis=axis)
                     start += width
-                    term = product(part, piece, eqn) if part in dependent else _bind(
-                        eqn, read(part), piece
-                    )
+                    own = depends(part)
+                    term = product(part, piece, eqn) if own else _bind(eqn, read(part), piece)
                     total = term if total is None else total + term
                 return total
         if src is not None and src.primitive.name == "broadcast_in_dim" and len(src.invars) == 1:
@@ -136,11 +138,7 @@ def _distributed(jaxpr: Any, consts: Sequence[Any], x: jax.Array) -> Any:
     env[jaxpr.invars[0]] = x
     for eqn in jaxpr.eqns:
         lhs = eqn.invars[0] if eqn.invars else None
-        if (
-            eqn.primitive.name == "dot_general"
-            and lhs in dependent
-            and eqn.invars[1] not in dependent
-        ):
+        if eqn.primitive.name == "dot_general" and depends(lhs) and not depends(eqn.invars[1]):
             outs = [product(lhs, read(eqn.invars[1]), eqn)]
         else:
             out = _bind(eqn, *(read(v) for v in eqn.invars))
@@ -148,7 +146,7 @@ def _distributed(jaxpr: Any, consts: Sequence[Any], x: jax.Array) -> Any:
         for var, val in zip(eqn.outvars, outs, strict=True):
             env[var] = val
             made[var] = eqn
-            if any(v in dependent for v in eqn.invars if not isinstance(v, jcore.Literal)):
+            if any(depends(v) for v in eqn.invars):
                 dependent.add(var)
     (out,) = (read(v) for v in jaxpr.outvars)
     return out
@@ -184,13 +182,12 @@ class _SparseSweep(_Sweep):
             return outs
         laid, idxs = planned
         pushed = [(p, _Passes(laid[i]) if i in laid else t, s) for i, (p, t, s) in enumerate(ins)]
-        outs = super().equation(eqn, pushed, dep)
-        outs = [
+        sparse_outs: list[Any] = [
             (y, None if t is None else _Sparse(_real(t).value, idx), s)
-            for (y, t, s), idx in zip(outs, idxs, strict=True)
+            for (y, t, s), idx in zip(super().equation(eqn, pushed, dep), idxs, strict=True)
         ]
-        self.count(eqn, outs, idxs)
-        return outs
+        self.count(eqn, sparse_outs, idxs)
+        return sparse_outs
 
     def count(self, eqn: Any, outs: list[Any], idxs: Sequence[np.ndarray | None]) -> None:
         """Add the work of ``eqn``'s first-order terms: per term and output element, the
@@ -226,9 +223,7 @@ def _layout(
     if name == "concatenate":
         m = max(t.idx.shape[0] for t in tangents.values())
         parts = [
-            _padded(tangents[i].idx, m, -1)
-            if i in tangents
-            else np.full((m, *v.aval.shape), -1)
+            _padded(tangents[i].idx, m, -1) if i in tangents else np.full((m, *v.aval.shape), -1)
             for i, v in enumerate(eqn.invars)
         ]
         idx = np.concatenate(parts, axis=eqn.params["dimension"] + 1)
@@ -283,7 +278,7 @@ def _moved(eqn: Any, idx: np.ndarray) -> np.ndarray | None:
     name, p = eqn.primitive.name, eqn.params
     m = idx.shape[0]
     out_shape = tuple(eqn.outvars[0].aval.shape)
-    if name == "reshape" and p.get("dimensions") is None or name == "squeeze":
+    if (name == "reshape" and p.get("dimensions") is None) or name == "squeeze":
         return idx.reshape(m, *out_shape)
     if name == "transpose":
         return idx.transpose((0, *(a + 1 for a in p["permutation"])))
@@ -297,7 +292,8 @@ def _moved(eqn: Any, idx: np.ndarray) -> np.ndarray | None:
     if name == "slice":
         strides = p["strides"] or (1,) * len(out_shape)
         window = zip(p["start_indices"], p["limit_indices"], strides, strict=True)
-        return idx[(slice(None), *(slice(a, b, s) for a, b, s in window))]
+        index = [slice(None), *(slice(a, b, s) for a, b, s in window)]
+        return idx[tuple(index)]
     if name == "rev":
         return np.flip(idx, tuple(a + 1 for a in p["dimensions"]))
     if name == "pad":
@@ -367,7 +363,9 @@ def _laid(t: _Sparse, idx: np.ndarray) -> Any:
     if t.idx.shape == idx.shape and np.array_equal(t.idx, idx):
         return t.terms
     m_in = t.idx.shape[0]
-    both, _ = _compressed(np.concatenate([t.idx, np.broadcast_to(idx, (idx.shape[0], *t.idx.shape[1:]))]))
+    both, _ = _compressed(
+        np.concatenate([t.idx, np.broadcast_to(idx, (idx.shape[0], *t.idx.shape[1:]))])
+    )
     have, want = both[:m_in], both[m_in:]
     match = (have[None] == want[:, None]) & (want[:, None] >= 0)  # [m', m, *S]
     pos = np.where(match.any(1), match.argmax(1), m_in).astype(np.int32)

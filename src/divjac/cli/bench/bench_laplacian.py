@@ -157,7 +157,9 @@ def _blocks(u: Callable[[jax.Array], jax.Array], d: int, name: str, quick: bool)
         fns[f"folx_{th}"] = jax.jit(lambda x, th=th: _folx(u, th)(x).laplacian)
     ref = jax.jit(jax.vmap(lambda z: jnp.trace(jax.hessian(u)(z))))(x)
     err = float(jnp.max(jnp.abs(ours(x) - ref)) / jnp.max(jnp.abs(ref)))
-    times = interleaved_times({k: partial(fn, x) for k, fn in fns.items()}, repeat=5 if quick else 9)
+    times = interleaved_times(
+        {k: partial(fn, x) for k, fn in fns.items()}, repeat=5 if quick else 9
+    )
     best = {k: min(ts) for k, ts in times.items()}
     median = {k: statistics.median(ts) for k, ts in times.items()}
     folx_best = min((k for k in fns if k != "ours"), key=best.__getitem__)
