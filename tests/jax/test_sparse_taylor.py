@@ -171,3 +171,27 @@ def test_random_block_architectures(n, dim, width, act, pool, seed):
 
     x = jax.random.normal(jax.random.key(seed), (2, n * dim), jnp.float64)
     _check(u, x)
+
+
+def test_through_the_api_with_other_arguments_and_aux(monkeypatch):
+    """Particles as ``(B, P, D)``, the Laplacian in the second argument, another per-sample
+    argument and an aux output: the sparse sweep sees the batch-first function of ``x`` alone."""
+    calls = []
+    inner = _sparse_taylor.sparse_laplacian
+    monkeypatch.setattr(
+        _sparse_taylor, "sparse_laplacian", lambda f, x: calls.append(1) or inner(f, x)
+    )
+    w1, w2 = _params(11, (3, 16), (16,))
+
+    def u(scale, x):
+        h = jnp.tanh(x @ w1) * scale[:, None, None]
+        return jnp.sum(h @ w2, -1), jnp.sum(x, (1, 2))
+
+    scale = jnp.arange(1.0, 4.0, dtype=jnp.float64)
+    x = jax.random.normal(jax.random.key(12), (3, 10, 3), jnp.float64)
+    lap, aux = jax.jit(laplacian(u, argnums=1, method="exact", has_aux=True))(scale, x)
+    one = lambda s, z: u(s[None], z.reshape(1, 10, 3))[0][0]  # noqa: E731
+    ref = jax.vmap(lambda s, z: jnp.trace(jax.hessian(one, 1)(s, z)))(scale, x.reshape(3, 30))
+    np.testing.assert_allclose(lap, ref, rtol=1e-10, atol=1e-9)
+    np.testing.assert_allclose(aux, x.sum((1, 2)))
+    assert calls == [1]
