@@ -25,6 +25,7 @@ whether it pays.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -140,6 +141,8 @@ def _distributed(jaxpr: Any, consts: Sequence[Any], x: jax.Array) -> Any:
         lhs = eqn.invars[0] if eqn.invars else None
         if eqn.primitive.name == "dot_general" and depends(lhs) and not depends(eqn.invars[1]):
             outs = [product(lhs, read(eqn.invars[1]), eqn)]
+        elif _plain_conv(eqn) and depends(lhs) and not depends(eqn.invars[1]):
+            outs = [_conv_as_products(eqn, read(lhs), read(eqn.invars[1]))]
         else:
             out = _bind(eqn, *(read(v) for v in eqn.invars))
             outs = list(out) if eqn.primitive.multiple_results else [out]
@@ -150,6 +153,48 @@ def _distributed(jaxpr: Any, consts: Sequence[Any], x: jax.Array) -> Any:
                 dependent.add(var)
     (out,) = (read(v) for v in jaxpr.outvars)
     return out
+
+
+def _plain_conv(eqn: Any) -> bool:
+    p = eqn.params
+    return (
+        eqn.primitive.name == "conv_general_dilated"
+        and p["feature_group_count"] == 1
+        and p["batch_group_count"] == 1
+        and all(d == 1 for d in p["lhs_dilation"])
+    )
+
+
+def _conv_as_products(eqn: Any, lhs: Any, rhs: Any) -> Any:
+    """A convolution as the sum over the kernel's offsets of a strided slice of the padded input
+    times that offset's ``[out, in]`` matrix: moves and products over the input channels, which
+    keep an output element's terms to its window."""
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    x = jnp.transpose(lhs, dn.lhs_spec)  # (N, C, *spatial)
+    kernel = jnp.transpose(rhs, dn.rhs_spec)  # (O, I, *window)
+    config = [(0, 0, 0), (0, 0, 0), *((lo, hi, 0) for lo, hi in p["padding"])]
+    x = lax.pad(x, jnp.zeros((), x.dtype), config)
+    out = eqn.outvars[0].aval.shape
+    sizes = [out[a] for a in dn.out_spec[2:]]
+    total: Any = None
+    for offset in itertools.product(*(range(n) for n in kernel.shape[2:])):
+        starts = [o * d for o, d in zip(offset, p["rhs_dilation"], strict=True)]
+        limits = [
+            a + (n - 1) * st + 1
+            for a, n, st in zip(starts, sizes, p["window_strides"], strict=True)
+        ]
+        piece = lax.slice(x, [0, 0, *starts], [*x.shape[:2], *limits], [1, 1, *p["window_strides"]])
+        term = lax.dot_general(
+            piece,
+            kernel[tuple([slice(None), slice(None), *offset])],
+            (((1,), (1,)), ((), ())),
+            precision=p["precision"],
+            preferred_element_type=p["preferred_element_type"],
+        )  # (N, *spatial, O)
+        total = term if total is None else total + term
+    held = [0, *range(2, len(out)), 1]  # the canonical axes (N, O, *spatial) of ``total``
+    return jnp.transpose(total, [held.index(dn.out_spec.index(a)) for a in range(len(out))])
 
 
 class _SparseSweep(_Sweep):
@@ -181,6 +226,8 @@ class _SparseSweep(_Sweep):
             self.count(eqn, outs, [None] * len(outs))
             return outs
         laid, idxs = planned
+        # A gather per element of an operand laid out anew (counted as work too).
+        self.stored += sum(math.prod(laid[i].shape) for i in laid if laid[i] is not ins[i][1].terms)
         pushed = [(p, _Passes(laid[i]) if i in laid else t, s) for i, (p, t, s) in enumerate(ins)]
         sparse_outs: list[Any] = [
             (y, None if t is None else _Sparse(_real(t).value, idx), s)

@@ -5,8 +5,9 @@ the sweep over the unit basis (``[d, 1, d]``, shared by the samples, one summed 
 term) against ``folx.forward_laplacian`` (vmapped over the batch), ``vmap(trace(hessian))`` and
 forward-over-reverse (``jvp`` of ``grad``, vmapped over the basis).
 
-Blocks: a sum over 50 particles in 4-D of an MLP of each particle, and a FermiNet-like net (16
-electrons in 3-D, a one-electron layer, then a layer on ``[h_i, mean_j h_j]``), B = 64: divjac's
+Blocks: a sum over 50 particles in 4-D of an MLP of each particle, a FermiNet-like net (16
+electrons in 3-D, a one-electron layer, then a layer on ``[h_i, mean_j h_j]``), B = 64, and a
+CNN on 16x16x3 (two 3x3 convolutions), B = 8: divjac's
 exact Laplacian (its sweep storing first-order terms sparse, chosen by itself) against
 ``folx.forward_laplacian`` at its fastest ``sparsity_threshold`` of several, in one interleaved
 run (best-of and median).
@@ -39,8 +40,7 @@ def run(quick: bool) -> list[Result]:
     results: list[Result] = []
     for d in (16, 64) if quick else (16, 64, 256):
         results += _dense(d, batch=64 if quick else 256, repeat=2 if quick else 5)
-    for name, (u, d) in _block_models().items():
-        results.append(_blocks(u, d, name, quick))
+    results += [_blocks(block, quick) for block in _block_models(quick).values()]
     results += _sparse(
         _pair_energy(32 if quick else 64), 96 if quick else 192, 16, "pairs", 2 if quick else 5
     )
@@ -126,8 +126,12 @@ def _dense(d: int, batch: int, repeat: int) -> list[Result]:
     ]
 
 
-def _block_models() -> dict[str, tuple[Callable[[jax.Array], jax.Array], int]]:
-    """Per-sample (and batched) ``u`` of the blocks' rows, with their input sizes."""
+_Block = tuple[Callable[[jax.Array], jax.Array], tuple[int, ...], int, tuple[int, ...], str]
+
+
+def _block_models(quick: bool) -> dict[str, _Block]:
+    """The blocks' rows: per-sample (and batched) ``u``, its sample shape, the batch, folx's
+    thresholds to try, and the case."""
     keys = jax.random.split(jax.random.key(4), 6)
     normal = lambda i, shape, scale: jax.random.normal(keys[i], shape) * scale  # noqa: E731
     w1, b1 = normal(0, (4, 64), 0.5), normal(1, (64,), 1.0)
@@ -145,17 +149,43 @@ def _block_models() -> dict[str, tuple[Callable[[jax.Array], jax.Array], int]]:
         h = jnp.tanh(jnp.concatenate([h, g], -1) @ v2) + h
         return jnp.sum(h @ w3, -1)
 
-    return {"particles": (particles, 200), "ferminet": (ferminet, 48)}
+    few = (8, 16, 48) if quick else (4, 8, 16, 32, 64)
+    return {
+        "particles": (
+            particles,
+            (200,),
+            64,
+            few,
+            "Laplacian, sum over 50 particles (4-D) of a 4-64-64-1 tanh MLP, B=64",
+        ),
+        "ferminet": (
+            ferminet,
+            (48,),
+            64,
+            few,
+            "Laplacian, FermiNet-like (16 electrons, one-electron layer, [h_i, mean h] layer), "
+            "B=64",
+        ),
+        "cnn": (
+            _conv_energy(),
+            (16, 16, 3),
+            8,
+            (128,) if quick else (64, 128, 256),
+            "Laplacian, sum tanh(2 conv3x3, 8 channels) on 16x16x3, B=8",
+        ),
+    }
 
 
-def _blocks(u: Callable[[jax.Array], jax.Array], d: int, name: str, quick: bool) -> Result:
-    x = jax.random.normal(jax.random.key(5), (64, d))
+def _blocks(block: _Block, quick: bool) -> Result:
+    u, shape, batch, thresholds, case = block
+    x = jax.random.normal(jax.random.key(5), (batch, *shape))
     ours = jax.jit(laplacian(u, method="exact"))
-    thresholds = (8, 16, 48) if quick else (4, 8, 16, 32, 64)
     fns: dict[str, Callable[[jax.Array], Any]] = {"ours": ours}
     for th in thresholds:
         fns[f"folx_{th}"] = jax.jit(lambda x, th=th: _folx(u, th)(x).laplacian)
-    ref = jax.jit(jax.vmap(lambda z: jnp.trace(jax.hessian(u)(z))))(x)
+    d = int(np.prod(shape))
+    trace = lambda z: jnp.trace(jax.hessian(u)(z).reshape(d, d))  # noqa: E731
+    ref = jax.jit(jax.vmap(trace))(x)
     err = float(jnp.max(jnp.abs(ours(x) - ref)) / jnp.max(jnp.abs(ref)))
     times = interleaved_times(
         {k: partial(fn, x) for k, fn in fns.items()}, repeat=5 if quick else 9
@@ -163,11 +193,6 @@ def _blocks(u: Callable[[jax.Array], jax.Array], d: int, name: str, quick: bool)
     best = {k: min(ts) for k, ts in times.items()}
     median = {k: statistics.median(ts) for k, ts in times.items()}
     folx_best = min((k for k in fns if k != "ours"), key=best.__getitem__)
-    case = (
-        "Laplacian, sum over 50 particles (4-D) of a 4-64-64-1 tanh MLP, B=64"
-        if name == "particles"
-        else "Laplacian, FermiNet-like (16 electrons, one-electron layer, [h_i, mean h] layer), B=64"
-    )
     return Result(
         "P9-blocks",
         case,
