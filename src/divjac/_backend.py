@@ -265,9 +265,9 @@ class Backend(abc.ABC, Generic[TracedT]):
     ) -> Array | None:
         """The exact per-sample Laplacian ``[B, *out]`` of the uncoupled batch-first ``f`` by a
         collapsed sweep that stores each intermediate's first-order terms for the inputs it
-        depends on only, where that stores at most half the terms of a dense sweep of
-        ``passes`` directions and at most ``budget`` passes' worth; ``None`` otherwise, or where
-        the framework has no such sweep."""
+        depends on only, where its work is at most half that of a dense sweep of ``passes``
+        directions and at most ``budget`` passes' worth; ``None`` otherwise, or where the
+        framework has no such sweep."""
         return None
 
     @abc.abstractmethod

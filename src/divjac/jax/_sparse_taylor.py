@@ -16,11 +16,12 @@ output's index (the union of the operands' indices over the elements it combines
 (its linearization pushed per slot, the curvature summed over the slots) is right as it stands.
 The index follows element-wise operations, moves of elements (reshape, transpose, slice,
 broadcast, concatenation, padding), reductions and products with a constant (``dot_general``
-with one dependent operand); any other equation, or one whose output would depend on more than
-half the inputs, gets its operands expanded to the dense ``[d, *S]`` (a one-hot sum) and the
-sweep goes on dense from there. The index is computed from the jaxpr at trace time (NumPy), and
-so is the cost this sweep stores against the dense one (:func:`sparse_cost`), which decides
-whether it pays.
+with one dependent operand; a convolution is swept as its kernel's offsets, and a product of a
+concatenation or a broadcast split, by :func:`_distributed`); any other equation, or one whose
+output would depend on more than half the inputs, gets its operands expanded to the dense
+``[d, *S]`` (a one-hot product) and the sweep goes on dense from there. The index is computed
+from the jaxpr at trace time (NumPy), and so is this sweep's work against the dense one's
+(:func:`sparse_cost`), which decides whether it pays.
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ def sparse_laplacian(f: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.A
 
 
 def sparse_cost(f: Callable[[jax.Array], jax.Array], x: jax.Array) -> float:
-    """The first-order terms the sparse sweep stores, as a fraction of the dense sweep's (over
-    the intermediates that depend on ``x``), from shapes alone (nothing is computed)."""
+    """The sparse sweep's work on first-order terms (:meth:`_SparseSweep.count`, and its
+    gathers), as a fraction of the dense sweep's, from the structure alone (nothing is
+    computed)."""
     box: list[float] = []
 
     def run(z: jax.Array) -> jax.Array:
