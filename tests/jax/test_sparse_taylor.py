@@ -195,3 +195,31 @@ def test_through_the_api_with_other_arguments_and_aux(monkeypatch):
     np.testing.assert_allclose(lap, ref, rtol=1e-10, atol=1e-9)
     np.testing.assert_allclose(aux, x.sum((1, 2)))
     assert calls == [1]
+
+
+def test_a_loop_goes_dense_and_the_gradient_in_the_parameters_is_right():
+    """A ``scan`` over the particles takes the dense terms; ``jax.grad`` of a PINN-like loss
+    w.r.t. the weights goes through the sparse sweep (the Hessian trace's gradient agrees)."""
+
+    def looped(x):
+        p = x.reshape(x.shape[0], 4, 2)
+        carry, _ = lax.scan(
+            lambda c, q: (c + jnp.sin(q).sum(-1) * c, None),
+            jnp.ones(x.shape[0]),
+            p.transpose(1, 0, 2),
+        )
+        return carry
+
+    x = jax.random.normal(jax.random.key(13), (2, 8), jnp.float64)
+    _check(looped, x)
+
+    def net(w, x):
+        h = jnp.tanh(x.reshape(x.shape[0], 6, 3) @ w)
+        return jnp.sum(jnp.sin(h.sum(-1)) ** 2, -1)
+
+    (w,) = _params(14, (3, 8))
+    x = jax.random.normal(jax.random.key(15), (3, 18), jnp.float64)
+    assert sparse_cost(lambda z: net(w, z), x) < 0.5  # the sparse sweep is taken
+    loss = lambda w: jnp.sum(laplacian(lambda z: net(w, z), method="exact")(x) ** 2)  # noqa: E731
+    ref = lambda w: jnp.sum(_brute(lambda z: net(w, z), x) ** 2)  # noqa: E731
+    np.testing.assert_allclose(jax.grad(loss)(w), jax.grad(ref)(w), rtol=1e-9, atol=1e-9)
