@@ -188,7 +188,7 @@ def _blocks(block: _Block, quick: bool) -> Result:
     ref = jax.jit(jax.vmap(trace))(x)
     err = float(jnp.max(jnp.abs(ours(x) - ref)) / jnp.max(jnp.abs(ref)))
     times = interleaved_times(
-        {k: partial(fn, x) for k, fn in fns.items()}, repeat=5 if quick else 9
+        {k: partial(fn, x) for k, fn in fns.items()}, repeat=9 if quick else 15
     )
     best = {k: min(ts) for k, ts in times.items()}
     median = {k: statistics.median(ts) for k, ts in times.items()}
