@@ -261,6 +261,16 @@ class Backend(abc.ABC, Generic[TracedT]):
         ``None``, ``[K]`` or ``[K, B]``; the second-order terms summed with the weights
         (``[B, *out]``) with ``collapse``, else each ``[K, B, *out]``."""
 
+    def sparse_laplacian(
+        self, f: Callable[[Array], Array], x: Array, passes: int, budget: int
+    ) -> Array | None:
+        """The exact per-sample Laplacian ``[B, *out]`` of the uncoupled batch-first ``f`` by a
+        collapsed sweep that stores each intermediate's first-order terms for the inputs it
+        depends on only, where its work is at most half that of a dense sweep of ``passes``
+        directions and at most ``budget`` passes' worth; ``None`` otherwise, or where the
+        framework has no such sweep."""
+        return None
+
     @abc.abstractmethod
     def grad_of_sum(self, fn: Callable[[Array], Any], x: Array, *, has_aux: bool) -> Any:
         """The gradient of ``sum(fn(x))`` w.r.t. ``x``, differentiable again; with ``has_aux``,

@@ -23,7 +23,7 @@ from jax.experimental import sparse as jsparse
 from .._backend import Array, Backend, Finish, Linear, Point, Seed
 from .._core import plan
 from .._errors import OptionError
-from . import _sharding, _taylor
+from . import _sharding, _sparse_taylor, _taylor
 from ._detect import Traced, is_array, trace
 from ._sink import pushes, varying_axes
 
@@ -207,6 +207,14 @@ class JaxBackend(Backend[Traced]):
         collapse: bool,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         return _taylor.second_order_sweep(f, x, directions, weights=weights, collapse=collapse)
+
+    def sparse_laplacian(
+        self, f: Callable[[jax.Array], jax.Array], x: jax.Array, passes: int, budget: int
+    ) -> jax.Array | None:
+        share = _sparse_taylor.sparse_cost(f, x) * math.prod(x.shape[1:])
+        if 2 * share > passes or share > budget:
+            return None
+        return _sparse_taylor.sparse_laplacian(f, x)
 
     def grad_of_sum(self, fn: Callable[[jax.Array], Any], x: jax.Array, *, has_aux: bool) -> Any:
         if has_aux:

@@ -5,6 +5,13 @@ the sweep over the unit basis (``[d, 1, d]``, shared by the samples, one summed 
 term) against ``folx.forward_laplacian`` (vmapped over the batch), ``vmap(trace(hessian))`` and
 forward-over-reverse (``jvp`` of ``grad``, vmapped over the basis).
 
+Blocks: a sum over 50 particles in 4-D of an MLP of each particle, a FermiNet-like net (16
+electrons in 3-D, a one-electron layer, then a layer on ``[h_i, mean_j h_j]``), B = 64, and a
+CNN on 16x16x3 (two 3x3 convolutions), B = 8: divjac's
+exact Laplacian (its sweep storing first-order terms sparse, chosen by itself) against
+``folx.forward_laplacian`` at its fastest ``sparsity_threshold`` of several, in one interleaved
+run (best-of and median).
+
 Sparse: 64 particles in 3-D, the energy a sum of pair terms (a small MLP of the distance) over
 the pairs within 3 places of each other in a chain (a cutoff on a fixed neighbour list), B = 16:
 the sweep over the indicator directions of a diagonal coloring of the per-sample Hessian (the
@@ -13,6 +20,8 @@ pattern of ``grad(sum u)`` from :func:`divjac.jax.sparsity`) against folx with i
 
 from __future__ import annotations
 
+import os
+import statistics
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -21,16 +30,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...jax import sparsity
+from ...jax import laplacian, sparsity
 from ...jax._taylor import second_order_sweep
 from ...models import jax as models
-from ._harness import Result, interleaved_best_times
+from ._harness import Result, interleaved_best_times, interleaved_times
 
 
 def run(quick: bool) -> list[Result]:
     results: list[Result] = []
     for d in (16, 64) if quick else (16, 64, 256):
         results += _dense(d, batch=64 if quick else 256, repeat=2 if quick else 5)
+    results += [_blocks(block, quick) for block in _block_models(quick).values()]
     results += _sparse(
         _pair_energy(32 if quick else 64), 96 if quick else 192, 16, "pairs", 2 if quick else 5
     )
@@ -114,6 +124,91 @@ def _dense(d: int, batch: int, repeat: int) -> list[Result]:
             kind="gain",
         ),
     ]
+
+
+_Block = tuple[Callable[[jax.Array], jax.Array], tuple[int, ...], int, tuple[int, ...], str]
+
+
+def _block_models(quick: bool) -> dict[str, _Block]:
+    """The blocks' rows: per-sample (and batched) ``u``, its sample shape, the batch, folx's
+    thresholds to try, and the case."""
+    keys = jax.random.split(jax.random.key(4), 6)
+    normal = lambda i, shape, scale: jax.random.normal(keys[i], shape) * scale  # noqa: E731
+    w1, b1 = normal(0, (4, 64), 0.5), normal(1, (64,), 1.0)
+    w2, w3 = normal(2, (64, 64), 0.125), normal(3, (64,), 0.125)
+
+    def particles(x: jax.Array) -> jax.Array:
+        h = jnp.tanh(x.reshape(*x.shape[:-1], 50, 4) @ w1 + b1)
+        return jnp.sum(jnp.tanh(h @ w2) @ w3, -1)
+
+    v1, v2 = normal(4, (3, 64), 1.0), normal(5, (128, 64), 0.125)
+
+    def ferminet(x: jax.Array) -> jax.Array:
+        h = jnp.tanh(x.reshape(*x.shape[:-1], 16, 3) @ v1)
+        g = jnp.broadcast_to(jnp.mean(h, axis=-2, keepdims=True), h.shape)
+        h = jnp.tanh(jnp.concatenate([h, g], -1) @ v2) + h
+        return jnp.sum(h @ w3, -1)
+
+    few = (8, 16, 48) if quick else (4, 8, 16, 32, 64)
+    return {
+        "particles": (
+            particles,
+            (200,),
+            64,
+            few,
+            "Laplacian, sum over 50 particles (4-D) of a 4-64-64-1 tanh MLP, B=64",
+        ),
+        "ferminet": (
+            ferminet,
+            (48,),
+            64,
+            few,
+            "Laplacian, FermiNet-like (16 electrons, one-electron layer, [h_i, mean h] layer), "
+            "B=64",
+        ),
+        "cnn": (
+            _conv_energy(),
+            (16, 16, 3),
+            8,
+            (128,) if quick else (64, 128, 256),
+            "Laplacian, sum tanh(2 conv3x3, 8 channels) on 16x16x3, B=8",
+        ),
+    }
+
+
+def _blocks(block: _Block, quick: bool) -> Result:
+    u, shape, batch, thresholds, case = block
+    x = jax.random.normal(jax.random.key(5), (batch, *shape))
+    ours = jax.jit(laplacian(u, method="exact"))
+    fns: dict[str, Callable[[jax.Array], Any]] = {"ours": ours}
+    for th in thresholds:
+        fns[f"folx_{th}"] = jax.jit(lambda x, th=th: _folx(u, th)(x).laplacian)
+    d = int(np.prod(shape))
+    trace = lambda z: jnp.trace(jax.hessian(u)(z).reshape(d, d))  # noqa: E731
+    ref = jax.jit(jax.vmap(trace))(x)
+    err = float(jnp.max(jnp.abs(ours(x) - ref)) / jnp.max(jnp.abs(ref)))
+    times = interleaved_times(
+        {k: partial(fn, x) for k, fn in fns.items()}, repeat=9 if quick else 15
+    )
+    best = {k: min(ts) for k, ts in times.items()}
+    median = {k: statistics.median(ts) for k, ts in times.items()}
+    folx_best = min((k for k in fns if k != "ours"), key=best.__getitem__)
+    return Result(
+        "P9-blocks",
+        case,
+        "laplacian(method='exact') (sparse first-order terms)",
+        f"folx.forward_laplacian (sparsity_threshold={folx_best.split('_')[1]}, fastest of "
+        f"{thresholds})",
+        best["ours"],
+        best[folx_best],
+        target=1.0,
+        extra={
+            "max_rel_err_vs_hessian": err,
+            "median_ratio": median["ours"] / median[folx_best],
+            "median_seconds": median,
+            "load_average_1min": os.getloadavg()[0],
+        },
+    )
 
 
 def _pair_energy(n: int, reach: int = 3) -> Callable[[jax.Array], jax.Array]:
