@@ -114,9 +114,9 @@ class Traced(detection.Traced):
     @functools.cached_property
     def graph_elements(self) -> int:
         """Elements one pass keeps when a gradient will flow through it (memory planning): its
-        intermediates, saved for the backward, and their gradients, twice the sum of all of
-        them (1.1-1.5x the peak measured on CNNs, chunked and checkpointed)."""
-        return 2 * sum(map(_elements, self.gm.graph.nodes))
+        intermediates, saved for the backward, and the gradients alive at once in the
+        backward, which runs the graph in reverse (:attr:`pass_elements`: twice its live peak)."""
+        return sum(map(_elements, self.gm.graph.nodes)) + self.pass_elements
 
     @functools.cached_property
     def draws_random(self) -> bool:
