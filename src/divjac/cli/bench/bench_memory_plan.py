@@ -73,7 +73,6 @@ def _jax_rows(quick: bool) -> list[Result]:
     import jax
     import jax.numpy as jnp
 
-    from ...jax import divergence
     from ...models import jax as models
 
     key = jax.random.key(0)
@@ -107,31 +106,37 @@ def _jax_rows(quick: bool) -> list[Result]:
             ),
         ]
 
-    def temp_bytes(fn: Callable[..., Any], *args: Any) -> float:
-        analysis = jax.jit(fn).lower(*args).compile().memory_analysis()
-        if analysis is None:
-            raise InternalError("XLA gave no memory analysis of the compiled call")
-        return float(analysis.temp_size_in_bytes)
-
     seen, undo = _spy_estimates()
     rows = []
     try:
         for name, f, params, x in cases:
             for grad in (False, True):
-
-                def at(chunk: int) -> tuple[int, float]:
-                    def call(p: Any, x: Any) -> Any:
-                        return divergence(f, 1, method="sparse", chunk_size=chunk)(p, x)
-
-                    fn = jax.grad(lambda p, x: jnp.sum(call(p, x))) if grad else call
-                    return chunk, temp_bytes(fn, params, x)
-
-                small, large = at(4), at(8)
+                small, large = (_jax_temp_bytes(f, params, x, c, grad=grad) for c in (4, 8))
                 what = "sparse divergence + jax.grad" if grad else "sparse divergence"
                 rows.append(_row(f"JAX {name}, {what}", seen[-1], small, large))
     finally:
         undo()
     return rows
+
+
+def _jax_temp_bytes(
+    f: Callable[..., Any], params: Any, x: Any, chunk: int, *, grad: bool
+) -> tuple[int, float]:
+    """XLA's temporaries of ``divergence(f, 1, method="sparse", chunk_size=chunk)`` (under
+    ``jax.grad`` of its sum with ``grad``)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ...jax import divergence
+
+    def call(p: Any, x: Any) -> Any:
+        return divergence(f, 1, method="sparse", chunk_size=chunk)(p, x)
+
+    fn = jax.grad(lambda p, x: jnp.sum(call(p, x))) if grad else call
+    analysis = jax.jit(fn).lower(params, x).compile().memory_analysis()
+    if analysis is None:
+        raise InternalError("XLA gave no memory analysis of the compiled call")
+    return chunk, float(analysis.temp_size_in_bytes)
 
 
 _TORCH_CHILD = """
