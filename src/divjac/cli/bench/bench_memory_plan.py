@@ -180,14 +180,14 @@ def _status(field: str) -> int:
 
 
 def _torch_rows(quick: bool) -> list[Result]:
-    size, channels, batch = (16, 4, 1) if quick else (32, 8, 2)
+    size, channels, batch = (16, 4, 2) if quick else (32, 8, 2)
     env = dict(
         os.environ,
         MALLOC_MMAP_THRESHOLD_="65536",
         PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
     )
     measured = []
-    for chunk in (8, 32):
+    for chunk in (16, 64):
         ran = subprocess.run(
             [sys.executable, "-c", _TORCH_CHILD, str(chunk), str(batch), str(channels), str(size)],
             env=env, capture_output=True, text=True, check=True,
