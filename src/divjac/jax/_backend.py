@@ -189,6 +189,16 @@ class JaxBackend(Backend[Traced]):
     def linearize(self, point: Point[Traced], reverse: bool) -> Linear:
         return _Linearized(point, reverse)
 
+    def pass_elements(self, point: Point[Traced]) -> int:
+        """Where a gradient flows through the passes (``jax.grad`` of a loss on the result,
+        traced under ``jit`` or not), what a pass keeps for the backward, which recomputes it
+        chunk by chunk (:meth:`checkpointed`): :attr:`~divjac.jax._detect.Traced.graph_elements`;
+        else the program's live peak."""
+        traced = point.traced
+        if traced.differentiated(jax.tree_util.tree_leaves((point.args, point.kwargs))):
+            return traced.graph_elements
+        return traced.pass_elements
+
     def checkpointed(
         self, point: Point[Traced], n_chunks: int
     ) -> Callable[[Callable[..., R]], Callable[..., R]]:
