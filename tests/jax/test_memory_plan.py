@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import divjac.jax as dj
@@ -70,6 +71,25 @@ def test_a_differentiated_pass_is_planned_larger(planned):
     jax.jit(jax.grad(lambda p: jnp.sum(transform(p, x))))(params)
     evaluated, differentiated = planned
     assert differentiated > 2 * evaluated
+
+
+def test_an_eager_grad_is_planned_as_under_jit(planned):
+    """An eager ``jax.grad`` through a transform runs it as its own compiled program, whose
+    trace cannot see the differentiation: it is planned for the backward all the same."""
+    f, params, x = _mlp()
+    transform = dj.divergence(f, 1, method="sparse", chunk_size=4)
+
+    def loss(p):
+        return jnp.sum(transform(p, x))
+
+    jitted = jax.jit(jax.grad(loss))(params)
+    under_jit = planned[-1]
+    eager = jax.grad(loss)(params)
+    assert planned[-1] == under_jit
+    for got, expected in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-12)
+    transform(params, x)  # evaluated eagerly: another program, planned without the backward
+    assert planned[-1] < under_jit / 2
 
 
 def _jaxpr(f, n=10):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import hashlib
 import math
@@ -18,7 +19,17 @@ from .._core import detection, rules as D
 from .._core.detection import LRU, EntryLimit, Propagated
 from ._interpret import Interpreter
 
-__all__ = ["CACHE", "Traced", "Variant", "digest", "fingerprint", "is_array", "trace"]
+__all__ = [
+    "CACHE",
+    "GRADIENT",
+    "Traced",
+    "Variant",
+    "digest",
+    "fingerprint",
+    "is_array",
+    "is_differentiated",
+    "trace",
+]
 
 
 def is_array(x: Any) -> bool:
@@ -75,7 +86,7 @@ class Traced(detection.Traced):
         """Whether ``leaves`` (the call's arguments) or the program's captured constants are
         being differentiated (a ``jax.grad``, ``jvp`` or ``linearize`` trace, under ``jit`` or
         not): the passes then keep their intermediates for the backward."""
-        return any(map(_differentiated, (*leaves, *self.closed.consts)))
+        return GRADIENT.get() or any(map(is_differentiated, (*leaves, *self.closed.consts)))
 
     def _propagate(self, seeded: D.Deps, limit: EntryLimit) -> Propagated:
         interp = Interpreter(seeded.n_labels, limit=limit)
@@ -307,7 +318,13 @@ def _kept_elements(jaxpr: Any) -> int:
     return total
 
 
-def _differentiated(leaf: Any) -> bool:
+GRADIENT: contextvars.ContextVar[bool] = contextvars.ContextVar("divjac_gradient", default=False)
+"""Set while a program is traced that a differentiation will run through from outside (an
+eager call under ``jax.grad``, compiled on its own: :mod:`divjac.jax._eager`), which its own
+trace cannot see."""
+
+
+def is_differentiated(leaf: Any) -> bool:
     """Whether ``leaf`` is a tracer of a differentiation, at any depth of nested traces."""
     while isinstance(leaf, jax.core.Tracer):
         name = type(leaf).__name__

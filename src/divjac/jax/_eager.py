@@ -37,7 +37,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from .._core.detection import LRU
-from ._detect import digest, fingerprint, is_array
+from ._detect import GRADIENT, digest, fingerprint, is_array, is_differentiated
 from ._freshness import state
 from ._jaxpr import is_inexact
 
@@ -89,9 +89,9 @@ def compiled_when_eager(
         fresh = state(f)
         reused = last[0] if last else None
         if fresh is not None and reused is not None and reused.valid(fresh[0], treedef, leaves):
-            program = CACHE.get(reused.key)
+            dyn = [leaf for leaf, d in zip(leaves, reused.dynamic, strict=True) if d]
+            program = CACHE.get((reused.key, _differentiated(dyn, reused.weights)))
             if program is not None:
-                dyn = [leaf for leaf, d in zip(leaves, reused.dynamic, strict=True) if d]
                 return program(reused.weights, list(args[:skip]), dyn, reused.others)
         fun = functional(f)
         # Python floats as weak-typed arguments, as jax.jit takes them; as constants where f
@@ -123,10 +123,11 @@ def compiled_when_eager(
         if fresh is not None:
             signature = _signature(leaves, dynamic)
             last.append(_Trace(*fresh, treedef, signature, dynamic, key, inputs[0], out.others))
-        program = CACHE.get(key)
+        differentiated = _differentiated(dyn, inputs[0])
+        program = CACHE.get((key, differentiated))
         if program is not None:
             return program(*inputs, out.others)
-        program = _Program(make, closed, weights, leaves, dynamic, treedef, out)
+        program = _Program(make, closed, weights, leaves, dynamic, treedef, out, differentiated)
         try:
             result = program(*inputs, out.others)
         except Exception:
@@ -135,10 +136,17 @@ def compiled_when_eager(
             # differentiated once f's trace is over, as in jacfwd(jit(f)): the transform runs f
             # itself instead, as under the caller's jit.
             return transformed(*args, **kwargs)
-        CACHE.put(key, program)
+        CACHE.put((key, differentiated), program)
         return result
 
     return call
+
+
+def _differentiated(dyn: list[Any], weights: list[Any]) -> bool:
+    """Whether an outer differentiation (an eager ``jax.grad``) runs through this call: its
+    program is then planned for the backward (:data:`~divjac.jax._detect.GRADIENT`), which
+    its own trace, whose inputs are plain, cannot see; part of the program's key."""
+    return any(map(is_differentiated, (*dyn, *weights)))
 
 
 def _staged(leaf: Any) -> bool:
@@ -325,6 +333,7 @@ class _Program:
         dynamic: list[bool],
         treedef: Any,
         out: _Outputs,
+        differentiated: bool,
     ) -> None:
         fixed = {i: c for i, c in enumerate(closed.consts) if i not in weights}
         jaxpr, n_consts = closed.jaxpr, len(closed.consts)  # not the traced weights themselves
@@ -347,7 +356,11 @@ class _Program:
                 return jax.tree_util.tree_unflatten(out.treedef, out_leaves)
 
             a, kw = _rebuild(static, dynamic, treedef, dyn)
-            result, result_def = jax.tree_util.tree_flatten(make(traced_f)(*ours, *a, **kw))
+            token = GRADIENT.set(differentiated)  # the planner keeps the backward's memory
+            try:
+                result, result_def = jax.tree_util.tree_flatten(make(traced_f)(*ours, *a, **kw))
+            finally:
+                GRADIENT.reset(token)
             where = [leaf.index if isinstance(leaf, _Slot) else None for leaf in result]
             self._layout[:] = [(result_def, where)]
             return [leaf for leaf in result if not isinstance(leaf, _Slot)]
