@@ -437,12 +437,13 @@ _DOCS: dict[str, _Doc] = {
         ),
         """A function with ``f``'s signature returning ``log|det J_b|``, shape ``(B,)`` (with
         ``return_stderr``, ``(values, stderr)``: the stderr of ``"slq"`` covers its probes'
-        randomness, not the quadrature error of few Lanczos steps).""",
+        randomness and, below ``n`` Lanczos steps, the quadrature's bias, gauged by the gap to
+        the rule of half the steps; docs/calibration.md).""",
         (
             *_FROBENIUS_RAISES,
             """NonSquareJacobianError: output and input samples differ in shape.""",
             """NumProbesError: ``lanczos_steps`` is not in ``1 .. n``, or a standard error with one
-        probe.""",
+        probe or with one Lanczos step below ``n``.""",
         ),
         stochastic=True,
         own_args=(_LOGDET_METHOD, _FROBENIUS_MODE, _LOGDET_PROBES, _LANCZOS_STEPS),

@@ -50,7 +50,6 @@ __all__ = [
 
 STOCHASTIC_METHODS = ("hutchinson", "slq")
 """The stochastic methods of the functionals (their functions take randomness first)."""
-_DEFAULT_LANCZOS_STEPS = 30
 
 
 @dataclass(frozen=True)
@@ -312,7 +311,7 @@ def _slq_log_abs_det(
     backend.ahead(_direction, call)  # samples must not mix
     columns, rows = backend.linearize(call, False), backend.linearize(call, True)
     k = _num_probes(call, options, randomness, shape)
-    steps = options.lanczos_steps or min(n, _DEFAULT_LANCZOS_STEPS)
+    steps = options.lanczos_steps or est.default_lanczos_steps(n)
     probes = _draw(call, randomness, k, options.distribution)  # (k, B, *in)
     chunk = backend.ahead(Call.chunk, call, k, options.chunk_size)
 

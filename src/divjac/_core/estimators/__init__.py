@@ -74,13 +74,17 @@ from .epperly2024xtrace import xtrace as xtrace
 from .hutchinson import hutchinson as hutchinson, hutchinson_from_terms as hutchinson_from_terms
 from .meyer2020hutchpp import hutch_plus_plus as hutch_plus_plus
 from .tang2012probing import probe_matrix as probe_matrix, probing as probing
-from .ubaru2017slq import slq_log_abs_det as slq_log_abs_det
+from .ubaru2017slq import (
+    default_lanczos_steps as default_lanczos_steps,
+    slq_log_abs_det as slq_log_abs_det,
+)
 
 __all__ = [
     "DISTRIBUTIONS",
     "METHODS",
     "check_stderr_budget",
     "column_dots",
+    "default_lanczos_steps",
     "diagonal_mean_and_stderr",
     "estimate_trace",
     "hutch_plus_plus",

@@ -282,6 +282,8 @@ CORE_BUDGETS: dict[str, list[int]] = {
     "squared_frobenius_norm (gaussian)": [2, 3, 4, 8, 16, 32],
     "divergence, same passes (rademacher)": [2, 3, 4, 8, 16, 32],
     "divergence, same passes (gaussian)": [2, 3, 4, 8, 16, 32],
+    "slq (rademacher)": [2, 4, 8, 16, 32],
+    "slq (gaussian)": [2, 4, 8, 16, 32],
 }
 """Budgets per sample (matvecs, sweep directions or probes) of each core estimator, from the
 least that gives a standard error (:func:`~divjac._core.estimators.check_stderr_budget`).
@@ -292,7 +294,9 @@ Hutchinson on Hessian-vector products (the ``hutchinson`` rows, on the Hessians 
 coordinate, with the bound of :func:`~divjac._core.estimators.diagonal_mean_and_stderr`;
 ``squared_frobenius_norm`` and ``divergence, same passes``: the two estimates of
 ``value_divergence_and_frobenius(method="hutchinson")`` from the images of the same probes
-(below ``n``: from ``n`` probes on, both are exact)."""
+(below ``n``: from ``n`` probes on, both are exact); ``slq``: ``log|det J|`` of
+``log_abs_det(method="slq")`` at its default ``min(n, 30)`` Lanczos steps (probes at every
+budget: it keeps random probes from ``n`` on)."""
 
 
 def _from_terms(terms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -313,6 +317,8 @@ def _core_estimate(
     trace = np.trace(j, axis1=1, axis2=2)
     exact = np.broadcast_to(trace, (reps, batch)).reshape(-1)
     matvec = _tiled(j, reps)
+    if estimator.startswith("slq"):
+        return _slq_estimate(estimator, case, budget, reps, rng)
     if estimator.startswith(("squared_frobenius_norm", "divergence, same passes")):
         if budget >= n:  # the n coordinate directions: exact
             return None
@@ -366,6 +372,30 @@ def _core_estimate(
     estimate, stderr = estimate.reshape(-1), stderr.reshape(-1)
     diagonal = np.broadcast_to(np.diagonal(j, axis1=1, axis2=2), (reps, batch, n)).reshape(-1)
     return estimate, stderr, diagonal, float(budget - 1)
+
+
+def _slq_estimate(
+    estimator: str, case: Case, budget: int, reps: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float | None]:
+    """SLQ's ``log|det J|`` on ``J^T J`` at the default number of Lanczos steps, in chunks of
+    the repetitions (the Lanczos basis holds ``steps`` copies of the probes: ~128 MB a chunk)."""
+    j = case.matrices
+    batch, n, _ = j.shape
+    gram = np.swapaxes(j, 1, 2) @ j
+    steps = est.default_lanczos_steps(n)
+    distribution = "gaussian" if "gaussian" in estimator else "rademacher"
+    per = max(1, 2**24 // (batch * n * budget * steps))
+    estimates, errors = [], []
+    for start in range(0, reps, per):
+        count = min(per, reps - start)
+        probes = _draw(rng, distribution, (count * batch, n, budget))
+        estimate, stderr = est.slq_log_abs_det(_tiled(gram, count), probes, steps)
+        if stderr is None:
+            raise InternalError("slq_log_abs_det gave no standard error")
+        estimates.append(estimate)
+        errors.append(stderr)
+    exact = np.tile(np.linalg.slogdet(j)[1], reps)
+    return np.concatenate(estimates), np.concatenate(errors), exact, float(budget - 1)
 
 
 def core_cells(
@@ -433,6 +463,8 @@ FRAMEWORK_CELLS: list[tuple[str, str, list[int]]] = [
     ("laplacian xtrace", "scalar", [2, 4]),
     ("weighted_laplacian hutchinson", "scalar", [2, 4, 16]),
     ("hessian_diagonal hutchinson", "scalar", [3, 4, 16]),
+    ("log_abs_det slq (rademacher)", "field", [2, 8, 16, 32]),
+    ("log_abs_det slq (gaussian)", "field", [2, 8, 16, 32]),
 ]
 """End-to-end cells: (transform and method, which functions, budgets)."""
 
@@ -510,6 +542,8 @@ def _truth(what: str, case: Case, n: int) -> np.ndarray:
         return np.array(np.trace(a @ a.T / n @ h))
     if what.startswith("hessian_diagonal"):
         return np.diagonal(h)
+    if what.startswith("log_abs_det"):
+        return np.array(np.linalg.slogdet(h)[1])
     return np.array(np.trace(h))
 
 
