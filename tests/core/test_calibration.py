@@ -464,16 +464,20 @@ def test_slq_refuses_an_error_bar_it_cannot_gauge() -> None:
 
 
 @pytest.mark.slow
-def test_slq_is_calibrated_on_the_calibration_set() -> None:
-    """Every SLQ cell of the core calibration table (21 matrices, 2-32 probes of either
+@pytest.mark.parametrize("budget", [2, 8, 16])
+@pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
+def test_slq_is_calibrated_on_the_calibration_set(distribution: str, budget: int) -> None:
+    """Every SLQ cell of the core calibration table at 2, 8 and 16 probes (21 matrices, either
     distribution, the default ``min(n, 30)`` Lanczos steps, 2000 draws): >= 0.94 up to the
     sampling error of 2000 draws. Before the quadrature's bias was in the stderr: 0.535 at
-    worst (CNN Jacobian, n = 128, 32 probes)."""
+    worst (CNN Jacobian, n = 128, 32 probes). The 32-probe cells (minutes each on the CNN)
+    are the bench's (``divjac bench``, P15; docs/calibration.md)."""
     pytest.importorskip("typer", reason="the calibration cells live in the CLI's bench")
     from divjac.cli.bench.bench_calibration import core_cells
 
-    cells = list(core_cells(2000, estimators=["slq (rademacher)", "slq (gaussian)"]))
-    assert len(cells) == 2 * 21 * 5
+    estimator = f"slq ({distribution})"
+    cells = list(core_cells(2000, estimators=[estimator], budgets={estimator: [budget]}))
+    assert len(cells) == 21
     for cell in cells:
         assert cell.draws >= 2000
         assert cell.coverage >= 0.94 - 0.011, cell

@@ -399,15 +399,20 @@ def _slq_estimate(
 
 
 def core_cells(
-    draws: int = 2000, estimators: list[str] | None = None, cases: list[str] | None = None
+    draws: int = 2000,
+    estimators: list[str] | None = None,
+    cases: list[str] | None = None,
+    budgets: dict[str, list[int]] | None = None,
 ) -> Iterator[Cell]:
-    """The cells of the core table: every estimator x budget x case, ``>= draws`` each."""
+    """The cells of the core table: every estimator x budget x case, ``>= draws`` each
+    (``budgets``: other budgets for some estimators than :data:`CORE_BUDGETS`')."""
+    chosen = {**CORE_BUDGETS, **(budgets or {})}
     for estimator in estimators or list(CORE_BUDGETS):
         for name in cases or list(CASES):
             case = _case(name)
             batch = case.matrices.shape[0]
             reps = -(-draws // batch)
-            for budget in CORE_BUDGETS[estimator]:
+            for budget in chosen[estimator]:
                 rng = _rng(f"{estimator}/{name}/{budget}")
                 got = _core_estimate(estimator, case, budget, reps, rng)
                 if got is None:
@@ -641,9 +646,14 @@ def _summary_rows(cells: list[Cell]) -> list[Result]:
     ]  # fmt: skip
 
 
+QUICK_BUDGETS = {"slq (rademacher)": [8], "slq (gaussian)": [8]}
+"""``--quick``: SLQ's cells at 8 probes only (its 30 Lanczos steps with full
+reorthogonalization make the 2000 draws of 32 probes on the CNN Jacobian minutes per cell)."""
+
+
 def run(quick: bool) -> list[Result]:
     draws = 2000
-    cells = list(core_cells(draws))
+    cells = list(core_cells(draws, budgets=QUICK_BUDGETS if quick else None))
     for framework in ("jax", "torch"):
         try:
             cells += list(framework_cells(framework, draws))
