@@ -72,17 +72,22 @@ def test_the_budget_is_half_the_free_device_memory(monkeypatch, available, budge
     assert plan.memory_budget(available) == 16 << 20  # the setting wins
 
 
-def _programs(monkeypatch) -> list[int]:
-    """Counts the programs compiled from now on."""
-    compiled: list[int] = []
-    program = _eager._Program
+def _calls(monkeypatch, name: str) -> list[int]:
+    """Counts the calls of ``_eager.<name>`` from now on."""
+    counted: list[int] = []
+    original = getattr(_eager, name)
 
     def counting(*args, **kwargs):
-        compiled.append(1)
-        return program(*args, **kwargs)
+        counted.append(1)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(_eager, "_Program", counting)
-    return compiled
+    monkeypatch.setattr(_eager, name, counting)
+    return counted
+
+
+def _programs(monkeypatch) -> list[int]:
+    """Counts the programs compiled from now on."""
+    return _calls(monkeypatch, "_Program")
 
 
 def test_value_and_divergence_with_another_aux_structure_is_another_program(monkeypatch):
@@ -269,15 +274,7 @@ def _field(params, x):
 
 def _traces(monkeypatch) -> list[int]:
     """Counts the traces of the caller's function from now on."""
-    counted: list[int] = []
-    trace = _eager._trace
-
-    def counting(*args, **kwargs):
-        counted.append(1)
-        return trace(*args, **kwargs)
-
-    monkeypatch.setattr(_eager, "_trace", counting)
-    return counted
+    return _calls(monkeypatch, "_trace")
 
 
 def _brute(f, *args):
