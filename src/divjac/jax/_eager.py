@@ -20,7 +20,7 @@ instead, cached in :data:`CACHE` on everything the program depends on:
 
 The floating-point constants the function captures (weights), its random keys, scalar
 constants (step counters) and any value an outer ``grad`` or ``vmap`` traces are arguments of the compiled program, not part of the key: updated
-weights reuse it, and the cache keeps none of them alive. (Detection then sees such a scalar as
+weights reuse it, and the cache keeps none of them alive (each transform keeps its last call's trace, and so its weights, while it lives: :mod:`divjac.jax._freshness`). (Detection then sees such a scalar as
 unknown, which may only make a pattern denser, never wrong.)
 The program evaluates the traced function (its jaxpr) rather than calling the caller's function
 again, so a cached program can never read stale values.
