@@ -270,6 +270,18 @@ def test_slq_unbiased_and_calibrated():
     assert np.all(np.mean(np.abs(est - exact) <= 2 * se, axis=0) >= 0.94)
 
 
+@pytest.mark.parametrize("differentiate", [False, True])
+def test_slq_program_holds_one_eigh(differentiate):
+    """The estimate with its stderr below ``n`` steps (two Gauss rules) and its gradient call one
+    batched ``eigh``: two independent ones run at once on XLA:CPU, and jaxlib's LAPACK kernels
+    wait for the thread pool they run on (the end-to-end calibration hung with 2 threads)."""
+    flow, params, x = _flow_case()
+    slq = log_abs_det(flow, 1, method="slq", num_probes=3, lanczos_steps=3, return_stderr=True)
+    program = slq if not differentiate else jax.grad(lambda k, p, x: slq(k, p, x)[1].sum(), 1)
+    jaxpr = str(jax.make_jaxpr(program)(jax.random.key(0), params, x))
+    assert jaxpr.count("eigh[") == 1
+
+
 @pytest.mark.slow
 def test_slq_breakdown_is_exact():
     """``J = 2 I``: the Krylov space of every probe is one-dimensional (Lanczos breaks down at

@@ -163,12 +163,25 @@ def _quadrature(
         q = xp.where(alive[..., None, :], w / norm[..., None, :], 0 * w)
         basis.append(q)
     T = _tridiagonal(alphas, betas)
-    coefficients = _log_e1(T, xp)  # log(T) e_1
+    if bias:
+        # Both rules in one eigh: the leading block of h nodes, the rest decoupled constants of
+        # weight 0. Two independent batched eighs in one XLA:CPU program run at once, and
+        # jaxlib's LAPACK kernels wait for the thread pool they run on: with every thread in
+        # one, the program never finishes (seen with 2 threads).
+        h = (m + 1) // 2
+        block = np.zeros((m, m))
+        block[:h, :h] = 1.0
+        rest = np.diag([0.0] * h + [_DEAD + j * _GOLDEN for j in range(h, m)])
+        constant = {"dtype": T.dtype, "device": device(T)}
+        half = T * xp.asarray(block, **constant) + xp.asarray(rest, **constant)
+        both = _log_e1(xp.stack([T, half]), xp)
+        coefficients, gauss_h = both[0], both[1][..., 0]
+    else:
+        coefficients = _log_e1(T, xp)  # log(T) e_1
     image = sum((coefficients[..., j][..., None, :] * v for j, v in enumerate(basis)), start=0 * q)
     if not bias:
         return coefficients[..., 0], image, None
-    half = _log_e1(T[..., : (m + 1) // 2, : (m + 1) // 2], xp)[..., 0]
-    gap = xp.where(alive, xp.abs(half - coefficients[..., 0]), xp.zeros_like(half))
+    gap = xp.where(alive, xp.abs(gauss_h - coefficients[..., 0]), xp.zeros_like(gauss_h))
     return coefficients[..., 0], image, gap
 
 
