@@ -96,28 +96,43 @@ def _jaxpr(f, n=10):
     return jax.make_jaxpr(f)(jnp.ones(n)).jaxpr
 
 
+W = jnp.eye(10) / 2
+"""A matrix: its products are stored (XLA fuses no elementwise work into them)."""
+
+
 def test_live_peak_of_a_chain_holds_two_values_at_once():
-    chain = _jaxpr(lambda x: jnp.exp(jnp.cos(jnp.sin(x))))
+    chain = _jaxpr(lambda x: ((x @ W) @ W) @ W)
     assert _live_peak(chain) == 20  # an operation's input and output
     assert _kept_elements(chain) == 30
 
 
 def test_live_peak_keeps_a_skip_connection_alive():
     def skip(x):
-        y = jnp.sin(x)
-        z = jnp.cos(jnp.exp(y))
-        return z + y  # y alive across exp and cos
+        y = x @ W
+        z = (y @ W) @ W
+        return z + y  # y alive across both products
 
     jaxpr = _jaxpr(skip)
-    assert _live_peak(jaxpr) == 30  # y, z and their sum; exp's result is freed by then
+    assert _live_peak(jaxpr) == 30  # y, z and their sum; the first product is freed by then
     assert _kept_elements(jaxpr) == 40
 
 
+def test_fused_elementwise_work_is_not_stored():
+    """XLA computes elementwise work that only elementwise work or a reduction reads inside its
+    reader's loop: of sin -> cos -> exp only the result is stored; what a product reads is."""
+    assert _live_peak(_jaxpr(lambda x: jnp.exp(jnp.cos(jnp.sin(x))))) == 10
+    assert _kept_elements(_jaxpr(lambda x: jnp.exp(jnp.cos(jnp.sin(x))))) == 10
+    assert _live_peak(_jaxpr(lambda x: jnp.sum(jnp.cos(x + 1.0)))) == 1
+    into_product = _jaxpr(lambda x: jnp.tanh(jnp.sin(x) @ W))
+    assert _live_peak(into_product) == 20  # sin's result, read by the product, and the product
+    assert _kept_elements(into_product) == 30
+
+
 def test_live_peak_counts_a_nested_program_at_its_call_site():
-    inner = jax.jit(lambda x: jnp.exp(jnp.cos(jnp.sin(x))))
+    inner = jax.jit(lambda x: ((x @ W) @ W) @ W)
 
     def outer(x):
-        y = jnp.sin(x)
+        y = x @ W
         return inner(y) + y
 
     jaxpr = _jaxpr(outer)
