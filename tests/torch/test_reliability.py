@@ -603,3 +603,32 @@ def test_values_that_change_every_call_are_traced_every_call_and_warned():
             np.testing.assert_allclose(
                 divergence(f)(x), traces(torch_diagonal_blocks(f, (x,)), (3,))
             )
+
+
+class _Slotted:
+    """An object with ``__slots__`` and no ``__weakref__`` (as OpInfo's ``SampleInput``): the
+    walk can neither follow its attributes nor hold it by identity."""
+
+    __slots__ = ("dim",)
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+
+
+def test_an_object_the_walk_cannot_tell_apart_is_traced_at_every_call():
+    """``f`` reads its option from a ``__slots__`` object: changed in place or rebound, the
+    next call differentiates the new ``f`` (the trace was reused: dim 0's Jacobian for dim 1,
+    error 1.0, in the OpInfo sweep's pattern of a lambda over a global sample)."""
+    x = _randn(5, 5, 5)
+    options = _Slotted(0)
+
+    def f(x):
+        return torch.logcumsumexp(x, options.dim)
+
+    for change in (lambda: setattr(options, "dim", 1), lambda: setattr(options, "dim", 2)):
+        got = jacobian(f, batch_axis=None, mode="sparse")(x)
+        torch.testing.assert_close(got, torch.func.jacrev(f)(x), rtol=1e-12, atol=1e-12)
+        change()
+    options = _Slotted(0)  # rebound
+    got = jacobian(f, batch_axis=None, mode="sparse")(x)
+    torch.testing.assert_close(got, torch.func.jacrev(f)(x), rtol=1e-12, atol=1e-12)

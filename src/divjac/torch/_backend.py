@@ -222,10 +222,15 @@ class TorchBackend(Backend[Traced]):
         context); else rows, but columns for a convolution network: PyTorch's reverse mode runs
         one forward pass then batched backward passes, faster on dense layers (MLPs: ~20%),
         while its batched convolution backward is often the slower one (3-7x on a blur; a
-        U-Net with attention and GroupNorm is the other way round, 1.5-1.7x)."""
+        U-Net with attention and GroupNorm is the other way round, 1.5-1.7x). Rows, whatever
+        their speed, where the program runs an operation whose forward derivative PyTorch
+        computes inaccurately (:func:`~divjac.torch._aten.forward_derivative_inexact`:
+        ``logcumsumexp``, off by ~1e-6 in float64)."""
         traced = point.traced
         if traced.solves_broadcast:
             return False
+        if traced.forward_inexact:
+            return True
         guess = not traced.has_convolution
         if not (measure and _measurable(point)):
             return guess
@@ -491,7 +496,9 @@ def _measured_reverse(backend: TorchBackend, point: Point[Traced]) -> bool:
     """Whether :data:`_TIMED` pushed rows (VJPs) take less time than as many columns (JVPs):
     after one untimed run of each (kernels warm up, rows record the tape), the best of
     :data:`_ROUNDS` runs, alternating; on one sample's tangents of ones shared by the batch,
-    as a plan's seeds are, in the caller's context. Their results are dropped."""
+    as a plan's seeds are, in the caller's context. Their results are dropped. A direction
+    whose passes fail here (``tensor_split`` at tensor indices has no batched forward
+    derivative) leaves the other one, which then runs, or reports, the real passes."""
     linears, seconds = {}, {False: math.inf, True: math.inf}
     for reverse in (False, True):
         sample = point.out_sample if reverse else point.in_sample
@@ -499,7 +506,10 @@ def _measured_reverse(backend: TorchBackend, point: Point[Traced]) -> bool:
         linears[reverse] = functools.partial(
             backend.linearize(point, reverse).passes, tangents, _as_is, _last, _TIMED, shared=True
         )
-        linears[reverse]()
+        try:
+            linears[reverse]()
+        except Exception:  # any failure of a trial: the other direction
+            return not reverse
     for _ in range(_ROUNDS):
         for reverse, run in linears.items():
             start = time.perf_counter()

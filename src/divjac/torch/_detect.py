@@ -110,11 +110,14 @@ def _key(
     treedef: Any,
     reached: Reached,
 ) -> _Key | None:
-    """The cache key (``None`` if a static argument is unhashable). A plain function counts by
+    """The cache key (``None`` if a static argument is unhashable, or the function reaches an
+    object its signature cannot tell apart from another: traced at every call). A plain function counts by
     its code, other callables and static modules are held weakly: the cache keeps no model
     alive. The objects the signature holds by ``id`` are checked alive on a hit
     (:meth:`Traced.current`), so a new object at a recycled address is not mistaken for a
     dead one."""
+    if not reached.keyable:
+        return None
     try:
         key = (
             # A plain function by its code (what it reaches is in the signature): a closure

@@ -225,6 +225,8 @@ class Reached:
         checks: with ``record``, what tells that nothing the walk read has changed.
         lists: per list met, in the order met, what its items were (numbers and strings
             themselves, other objects by ``id``; ``None`` for a log).
+        keyable: whether the signature holds everything found (``False`` when an object was
+            neither walked nor weakly referenceable: the call cannot be cached).
     """
 
     modules: tuple[nn.Module, ...]
@@ -234,6 +236,7 @@ class Reached:
     signature: tuple[Hashable, ...]
     checks: Checks | None = None
     lists: tuple[tuple[Any, ...] | None, ...] = ()
+    keyable: bool = True
 
 
 # Per function (its code, the function of a method, or the callable itself; weakly): the
@@ -304,6 +307,7 @@ def reach(fun: Callable[..., Any], static: Sequence[Any], *, record: bool = Fals
         signature=tuple(walk.sig),
         checks=None if checks is None else Checks(checks),
         lists=tuple(walk.lists),
+        keyable=walk.keyable,
     )
 
 
@@ -354,6 +358,7 @@ class _Walk:
         self.lists: list[tuple[Any, ...] | None] = []  # see Reached.lists
         self.checks: list[tuple[Any, ...]] = []
         self.checkable = _dict_version is not None
+        self.keyable = True  # False: the signature misses something the call reaches
         self.sig: list[Any] = []  # hashable values
         self.modules: list[nn.Module] = []
         self.tensors: dict[int, torch.Tensor] = {}
@@ -414,7 +419,9 @@ class _Walk:
             try:
                 weakref.ref(obj)
             except TypeError:
-                self.checkable = False
+                # Neither walked nor identified (a library object with __slots__, e.g. an
+                # OpInfo SampleInput): the signature cannot tell two of them apart.
+                self.checkable = self.keyable = False
                 return
             sig.append(id(obj))
             self.identified.append(obj)

@@ -152,9 +152,13 @@ def _quadrature(
         alphas.append(xp.where(alive, alpha, xp.full_like(alpha, _DEAD + j * _GOLDEN)))
         if j == m - 1:
             break
-        for _ in range(2):  # full reorthogonalization; twice is enough (Giraud et al. 2005)
-            for v in basis:
-                w = w - xp.sum(v * w, axis=-2)[..., None, :] * v
+        # Full reorthogonalization, classical Gram-Schmidt twice ("twice is enough", Giraud et
+        # al. 2005), as products with the basis (..., k, n, j): two matmuls, not 2j updates.
+        Q = xp.moveaxis(xp.stack(basis, axis=-1), -2, -3)
+        r = xp.moveaxis(w, -1, -2)[..., None, :]  # (..., k, 1, n)
+        for _ in range(2):
+            r = r - xp.matrix_transpose(Q @ xp.matrix_transpose(r @ Q))
+        w = xp.moveaxis(r[..., 0, :], -2, -1)
         squared = xp.sum(w * w, axis=-2)
         alive = alive & (squared > (1e3 * info.eps * xp.abs(alphas[0])) ** 2)
         # the root of 1 where dead: a finite derivative (that of sqrt at 0 is not)
