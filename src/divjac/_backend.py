@@ -175,6 +175,11 @@ class Backend(abc.ABC, Generic[TracedT]):
         where the passes are planned (1: on one device, or unknown)."""
         return 1
 
+    def recomputes_chunks(self, point: Point[TracedT]) -> bool:
+        """Whether the backward of a gradient recomputes each chunk of passes at ``point``
+        (where more chunks cost more than the passes they hold)."""
+        return False
+
     @abc.abstractmethod
     def memory_available(self, x: Array) -> int | None:
         """Free bytes of the device holding ``x``, where the framework reports them (``None``:

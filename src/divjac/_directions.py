@@ -184,7 +184,9 @@ def _sweep(
     ``collapse``), ``chunk_size`` directions at a time."""
     backend = call.backend
     K = int(directions.shape[0])
-    chunk = backend.ahead(Call.chunk, call, K, chunk_size)
+    # (chunks by the memory budget alone: the sweeps carry K directions per chunk, as measured
+    # against folx and jet, not chunked for the host's cache)
+    chunk = backend.ahead(Call.chunk, call, K, chunk_size, False)
     if K == 0:  # an empty sample: no direction, every second-order term is zero
         passes = () if collapse else (0,)
         zeros = np.zeros((*passes, call.batch_size, *call.out_sample))

@@ -190,7 +190,8 @@ def _own_products(
     def own(c: Array, t: Array, pushed: Array) -> Array:
         return (pushed * t if times_tangent else pushed).reshape(B, n)
 
-    chunk = backend.ahead(Call.chunk, grad_call, n_passes, chunk_size)
+    # second-order passes: chunked by the memory budget alone, as the sweeps (_directions._sweep)
+    chunk = backend.ahead(Call.chunk, grad_call, n_passes, chunk_size, False)
     return linear.passes(inputs, seed, own, chunk, shared=shared)
 
 

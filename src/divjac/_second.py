@@ -131,7 +131,7 @@ def _laplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Arra
         # the unit basis' sweep (in the memory a chunk of it may take). Where auto found few
         # colors of the Hessian, their dense passes are cheaper (measured on particles, CNN).
         n = call.n_in
-        budget = call.backend.ahead(Call.chunk, call, n, opts.chunk_size)
+        budget = call.backend.ahead(Call.chunk, call, n, opts.chunk_size, False)  # by memory
         lap = call.backend.sparse_laplacian(_values(call), call.xb, n, budget)
         if lap is not None:
             return lap, (call.backend.zeros_like(lap) if opts.return_stderr else None)
@@ -419,7 +419,7 @@ def _nested(call: Call, inner: Array, outer: Array, chunk_size: int | None) -> A
         return backend.second_order_sweep(f, xb, inner, weights=None, collapse=True)[2]
 
     K = int(outer.shape[0])
-    chunk = backend.ahead(Call.chunk, call, K, chunk_size)
+    chunk = backend.ahead(Call.chunk, call, K, chunk_size, False)  # as _directions._sweep
     parts = [
         backend.second_order_sweep(
             second, call.xb, outer[i : i + chunk], weights=None, collapse=True

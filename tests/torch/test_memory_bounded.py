@@ -147,3 +147,33 @@ def test_budget_counts_what_a_pass_keeps_for_the_backward(monkeypatch):
     transform(x)
     assert len(planned) == 2
     assert planned[1] > 1.5 * planned[0]
+
+
+def test_cache_sized_chunks_only_where_the_backward_does_not_recompute_them(
+    monkeypatch, checkpoints
+):
+    """On the host, passes off the autograd graph run in chunks that fit the CPU's cache;
+    on it, each chunk would be recomputed by the backward, so the memory budget alone chunks
+    them (no checkpoint where they all fit)."""
+    from divjac._core import plan
+
+    monkeypatch.delenv("DIVJAC_MEMORY_BUDGET_MB", raising=False)
+    monkeypatch.setattr(plan, "host_cache_bytes", lambda: 1)  # every chunk at its floor
+    chunks = []
+    original = plan.choose_chunk_size
+
+    def spy(*args, **kwargs):
+        chunks.append(original(*args, **kwargs))
+        return chunks[-1]
+
+    monkeypatch.setattr(plan, "choose_chunk_size", spy)
+    net = _cnn().eval()
+    x = torch.randn(2, 2, 4, 4, dtype=D)
+    transform = dj.divergence(net, method="exact")
+    with torch.no_grad():
+        off = transform(x)
+    on = transform(x)
+    on.sum().backward()
+    assert chunks == [8, 32]  # 32 passes: at the floor of 8 off the graph, one chunk on it
+    assert checkpoints[0] == 0
+    torch.testing.assert_close(on.detach(), off)

@@ -8,6 +8,8 @@ the trivial coloring ``colors = arange(n)``.
 
 from __future__ import annotations
 
+import functools
+import glob
 import os
 from dataclasses import dataclass
 
@@ -27,6 +29,7 @@ __all__ = [
     "color_classes",
     "divergence_plan",
     "frobenius_plan",
+    "host_cache_bytes",
     "jacobian_plan",
     "memory_budget",
 ]
@@ -43,6 +46,13 @@ SPARSE_GAIN = 0.8
 # Share of a device's free memory that the passes of one call may use at once: the estimate of
 # a pass is an upper bound, and the framework needs room for its own buffers.
 _DEVICE_SHARE = 0.5
+
+# On the host (no device reports its free memory), the passes of a chunk run faster while their
+# working set stays in the CPU's last-level cache: on 2 EPYC cores (32 MiB L3), the sparse
+# Frobenius norm of a 3-layer CNN [8, 32, 32, 3] (147 passes) took 1.4x (JAX) to 2.4x (torch)
+# longer in one chunk than in chunks of 8-16, a dense MLP Jacobian (64 passes) 1.8x. Chunks
+# keep at least this many passes (fewer lose the batching of a pass's small kernels).
+_HOST_MIN_CHUNK = 8
 
 
 def memory_budget(available: int | None = None) -> int:
@@ -203,14 +213,40 @@ def memory_limit(available: int | None = None) -> int:
     return int(0.8 * physical_memory())
 
 
+@functools.cache
+def host_cache_bytes() -> int:
+    """Bytes of the host CPU's largest cache (Linux's ``sysfs``; 32 MiB where it does not say)."""
+    sizes = []
+    for name in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(name) as file:
+                text = file.read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text[-1:] in units and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=32 << 20)
+
+
 def choose_chunk_size(
-    n_passes: int, bytes_per_pass: int, chunk_size: int | None, *, available: int | None = None
+    n_passes: int,
+    bytes_per_pass: int,
+    chunk_size: int | None,
+    *,
+    available: int | None = None,
+    in_cache: bool = False,
 ) -> int:
     """Passes computed at once: ``chunk_size`` if given, else as many as fit the budget.
 
     ``bytes_per_pass`` is what one pass holds on one device (its share of a sharded batch);
     ``available``: the free bytes of that device, where the framework reports them
-    (:func:`memory_budget`, :func:`memory_limit`).
+    (:func:`memory_budget`, :func:`memory_limit`). ``in_cache``: on the host (``available``
+    unknown) and without ``DIVJAC_MEMORY_BUDGET_MB``, a chunk also holds no more than the CPU's
+    last-level cache (:func:`host_cache_bytes`), and at least ``8`` passes: for speed, where
+    more chunks cost nothing else (not where each chunk is recomputed for a gradient).
 
     Raises:
         OptionError: ``chunk_size`` is not a positive int or ``None``.
@@ -228,6 +264,9 @@ def choose_chunk_size(
         chunk = 1
     else:
         fit = memory_budget(available) // max(bytes_per_pass, 1)
+        if in_cache and available is None and "DIVJAC_MEMORY_BUDGET_MB" not in os.environ:
+            cached = max(_HOST_MIN_CHUNK, host_cache_bytes() // max(bytes_per_pass, 1))
+            fit = min(fit, cached)
         chunk = int(min(max(fit, 1), n_passes))
     limit = memory_limit(available)
     if chunk * bytes_per_pass > limit:

@@ -185,6 +185,10 @@ class TorchBackend(Backend[Traced]):
             return cast(Callable[..., Any], fun._orig_mod)
         return fun
 
+    def recomputes_chunks(self, point: Point[Traced]) -> bool:
+        """Passes on the autograd graph are checkpointed chunk by chunk (:func:`_checkpointed`)."""
+        return not _compiling() and _on_graph(point)
+
     def memory_available(self, x: torch.Tensor) -> int | None:
         """The free memory of a CUDA device (``torch.cuda.mem_get_info``); ``None`` elsewhere."""
         if x.device.type != "cuda":

@@ -115,9 +115,10 @@ def interleaved_best_times(
     repeat: int = 7,
     warmup: int = 1,
     min_time: float = 0.05,
+    settle: int = 0,
 ) -> dict[str, float]:
     """Best times of several functions measured in alternation (fair under machine noise)."""
-    times = interleaved_times(fns, repeat=repeat, warmup=warmup, min_time=min_time)
+    times = interleaved_times(fns, repeat=repeat, warmup=warmup, min_time=min_time, settle=settle)
     return {name: min(ts) for name, ts in times.items()}
 
 
@@ -127,16 +128,19 @@ def interleaved_times(
     repeat: int = 7,
     warmup: int = 1,
     min_time: float = 0.05,
+    settle: int = 0,
 ) -> dict[str, list[float]]:
     """All ``repeat`` times of several functions measured in alternation (for a median on a
-    machine that others load)."""
+    machine that others load). ``settle``: untimed calls before each timing, for functions of
+    very different memory (one timed right after another that freed gigabytes pays the page
+    faults of the memory it takes back: 2x on a 0.2 s call after a 4 s one)."""
     for fn in fns.values():
         for _ in range(warmup):
             block(fn())
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
-            times[name].append(best_time(fn, repeat=1, warmup=0, min_time=min_time))
+            times[name].append(best_time(fn, repeat=1, warmup=settle, min_time=min_time))
     return times
 
 

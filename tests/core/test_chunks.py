@@ -1,0 +1,38 @@
+"""How many passes run at once when the caller does not say: the memory budget, and on the
+host the CPU's cache (first-order passes only)."""
+
+from __future__ import annotations
+
+import pytest
+
+from divjac._core import plan
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def host(monkeypatch):
+    monkeypatch.delenv("DIVJAC_MEMORY_BUDGET_MB", raising=False)
+    monkeypatch.setattr(plan, "host_cache_bytes", lambda: 32 * MIB)
+
+
+@pytest.mark.usefixtures("host")
+def test_on_the_host_a_chunk_of_first_order_passes_fits_the_cache():
+    assert plan.choose_chunk_size(147, MIB, None, in_cache=True) == 32
+    assert plan.choose_chunk_size(147, MIB, None) == 147  # by the memory budget alone
+    assert plan.choose_chunk_size(20, MIB, None, in_cache=True) == 20  # all fit
+    assert plan.choose_chunk_size(147, 16 * MIB, None, in_cache=True) == 8  # at least 8
+    assert plan.choose_chunk_size(147, 200 * MIB, None, in_cache=True) == 5  # the budget's
+    assert plan.choose_chunk_size(147, MIB, 100, in_cache=True) == 100  # the caller's
+
+
+@pytest.mark.usefixtures("host")
+def test_a_device_or_a_set_budget_is_not_cut_to_the_cache(monkeypatch):
+    assert plan.choose_chunk_size(147, MIB, None, available=8 << 30, in_cache=True) == 147
+    monkeypatch.setenv("DIVJAC_MEMORY_BUDGET_MB", "100")
+    assert plan.choose_chunk_size(147, MIB, None, in_cache=True) == 100
+
+
+def test_the_host_cache_is_read_or_defaults():
+    cache = plan.host_cache_bytes()
+    assert MIB // 4 <= cache <= 4096 * MIB
