@@ -36,3 +36,28 @@ def test_a_device_or_a_set_budget_is_not_cut_to_the_cache(monkeypatch):
 def test_the_host_cache_is_read_or_defaults():
     cache = plan.host_cache_bytes()
     assert MIB // 4 <= cache <= 4096 * MIB
+
+
+@pytest.mark.usefixtures("host")
+def test_jax_passes_under_a_gradient_are_not_cut_to_the_cache(monkeypatch):
+    """Under ``jax.grad`` each chunk is checkpointed (recomputed by the backward): the memory
+    budget alone chunks the passes there; without a gradient they fit the cache."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from divjac.jax import divergence
+
+    monkeypatch.setattr(plan, "host_cache_bytes", lambda: 1)  # every chunk at its floor
+    chunks = []
+    original = plan.choose_chunk_size
+
+    def spy(*args, **kwargs):
+        chunks.append(original(*args, **kwargs))
+        return chunks[-1]
+
+    monkeypatch.setattr(plan, "choose_chunk_size", spy)
+    div = divergence(lambda x: jnp.tanh(x @ jnp.ones((20, 20))), method="exact")
+    x = jnp.ones((2, 20)) / 20
+    div(x)
+    jax.grad(lambda x: div(x).sum())(x)
+    assert chunks == [8, 20]

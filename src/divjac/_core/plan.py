@@ -53,6 +53,7 @@ _DEVICE_SHARE = 0.5
 # longer in one chunk than in chunks of 8-16, a dense MLP Jacobian (64 passes) 1.8x. Chunks
 # keep at least this many passes (fewer lose the batching of a pass's small kernels).
 _HOST_MIN_CHUNK = 8
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # of sysfs cache sizes
 
 
 def memory_budget(available: int | None = None) -> int:
@@ -223,9 +224,8 @@ def host_cache_bytes() -> int:
                 text = file.read().strip()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        if text[-1:] in units and text[:-1].isdigit():
-            sizes.append(int(text[:-1]) * units[text[-1]])
+        if text[-1:] in _UNITS and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * _UNITS[text[-1]])
         elif text.isdigit():
             sizes.append(int(text))
     return max(sizes, default=32 << 20)

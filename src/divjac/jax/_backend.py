@@ -195,9 +195,12 @@ class JaxBackend(Backend[Traced]):
         chunk by chunk (:meth:`checkpointed`): :attr:`~divjac.jax._detect.Traced.graph_elements`;
         else the program's live peak."""
         traced = point.traced
-        if traced.differentiated(jax.tree_util.tree_leaves((point.args, point.kwargs))):
-            return traced.graph_elements
-        return traced.pass_elements
+        return traced.graph_elements if self.recomputes_chunks(point) else traced.pass_elements
+
+    def recomputes_chunks(self, point: Point[Traced]) -> bool:
+        """A gradient flows through the passes (``jax.grad`` of a loss on the result, traced
+        under ``jit`` or not): each chunk is checkpointed (:meth:`checkpointed`)."""
+        return point.traced.differentiated(jax.tree_util.tree_leaves((point.args, point.kwargs)))
 
     def checkpointed(
         self, point: Point[Traced], n_chunks: int

@@ -30,7 +30,7 @@ from . import _ddp, _taylor
 from ._ahead import _Ahead, _compiling, _constant, _prepared
 from ._detect import trace
 from ._kernels import _differentiable_kernels
-from ._passes import _checkpointed, _on_graph, _Passes, _split_aux, _Tape
+from ._passes import _checkpointed, _on_graph, _Passes, _recomputed, _split_aux, _Tape
 from ._traced import TensorSpec, Traced
 
 __all__ = ["BACKEND", "TorchBackend"]
@@ -187,7 +187,7 @@ class TorchBackend(Backend[Traced]):
 
     def recomputes_chunks(self, point: Point[Traced]) -> bool:
         """Passes on the autograd graph are checkpointed chunk by chunk (:func:`_checkpointed`)."""
-        return not _compiling() and _on_graph(point)
+        return _recomputed(point)
 
     def memory_available(self, x: torch.Tensor) -> int | None:
         """The free memory of a CUDA device (``torch.cuda.mem_get_info``); ``None`` elsewhere."""
@@ -257,7 +257,7 @@ class TorchBackend(Backend[Traced]):
         for the backward, which recomputes it chunk by chunk (:func:`_checkpointed`):
         :attr:`~divjac.torch._traced.Traced.graph_elements` (under ``torch.compile``, whose
         partitioner decides, the program's own estimate)."""
-        if not _compiling() and _on_graph(point):
+        if _recomputed(point):
             return point.traced.graph_elements
         return point.traced.pass_elements
 

@@ -281,6 +281,12 @@ def _on_graph(point: Point[Traced]) -> bool:
     )
 
 
+def _recomputed(point: Point[Traced]) -> bool:
+    """Whether the backward recomputes each chunk of passes at ``point``: their results go on
+    the autograd graph, outside ``torch.compile`` (whose partitioner chooses what to recompute)."""
+    return not _compiling() and _on_graph(point)
+
+
 def _checkpointed(
     point: Point[Traced],
     n_chunks: int,
@@ -294,7 +300,7 @@ def _checkpointed(
     running statistics that the chunk ran within). Peak memory then follows the chunk size
     (one chunk's graph at a time, and the function's own, which a tape keeps), at the cost of
     computing every chunk twice when a gradient is taken."""
-    if n_chunks < 2 or _compiling() or not _on_graph(point):
+    if n_chunks < 2 or not _recomputed(point):
         return lambda run: run
 
     @contextlib.contextmanager
