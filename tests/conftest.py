@@ -19,6 +19,16 @@ except ImportError:  # pragma: no cover - the jax extra is not installed
     pass
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """One BLAS/OpenMP thread per xdist worker: the workers already fill the cores, and
+    OpenBLAS's spinning threads in two processes on two cores slowed batched ``eigh`` and
+    matrix-vector products (SLQ's calibration cells) more than 4x. Set before the workers start,
+    so that they inherit it; a value the caller set is kept."""
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(name, "1")
+
+
 @pytest.fixture
 def rng():
     import numpy as np
