@@ -179,9 +179,10 @@ class Call(Point[Traced]):
 
     def chunk(self, n_passes: int, chunk_size: int | None, in_cache: bool = True) -> int:
         """Passes run at once: ``chunk_size``, or as many as fit the memory budget (of the
-        device, where the framework reports its free memory). ``in_cache``: first-order
-        passes, which on the host run fastest in chunks that stay in the CPU's cache, unless
-        the backward of a gradient recomputes every chunk (:func:`plan.choose_chunk_size`)."""
+        device, where the framework reports its free memory). ``in_cache``: passes (or the
+        directions of a second-order sweep) that on the host run fastest in chunks that stay
+        in the CPU's cache, unless the backward of a gradient recomputes every chunk
+        (:func:`plan.choose_chunk_size`); ``False`` for a bound by memory alone."""
         available = self.backend.memory_available(self.xb)
         in_cache = in_cache and not self.backend.recomputes_chunks(self)
         return plan.choose_chunk_size(

@@ -184,9 +184,10 @@ def _sweep(
     ``collapse``), ``chunk_size`` directions at a time."""
     backend = call.backend
     K = int(directions.shape[0])
-    # (chunks by the memory budget alone: the sweeps carry K directions per chunk, as measured
-    # against folx and jet, not chunked for the host's cache)
-    chunk = backend.ahead(Call.chunk, call, K, chunk_size, False)
+    # On the host, chunks of directions that stay in the CPU's cache, as first-order passes
+    # (Call.chunk): a tanh MLP d -> 256 -> 256 -> 1 at B = 256, 2 idle cores, torch d = 64
+    # 36.6 -> 26.7 ms and d = 256 202 -> 121 ms, JAX d = 256 119 -> 99 ms (folx 118 ms).
+    chunk = backend.ahead(Call.chunk, call, K, chunk_size)
     if K == 0:  # an empty sample: no direction, every second-order term is zero
         passes = () if collapse else (0,)
         zeros = np.zeros((*passes, call.batch_size, *call.out_sample))

@@ -419,7 +419,7 @@ def _nested(call: Call, inner: Array, outer: Array, chunk_size: int | None) -> A
         return backend.second_order_sweep(f, xb, inner, weights=None, collapse=True)[2]
 
     K = int(outer.shape[0])
-    chunk = backend.ahead(Call.chunk, call, K, chunk_size, False)  # as _directions._sweep
+    chunk = backend.ahead(Call.chunk, call, K, chunk_size)  # as _directions._sweep
     parts = [
         backend.second_order_sweep(
             second, call.xb, outer[i : i + chunk], weights=None, collapse=True

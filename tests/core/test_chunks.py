@@ -1,5 +1,5 @@
 """How many passes run at once when the caller does not say: the memory budget, and on the
-host the CPU's cache (first-order passes only)."""
+host the CPU's cache (where the backward does not recompute each chunk)."""
 
 from __future__ import annotations
 

@@ -149,24 +149,29 @@ def test_budget_counts_what_a_pass_keeps_for_the_backward(monkeypatch):
     assert planned[1] > 1.5 * planned[0]
 
 
-def test_cache_sized_chunks_only_where_the_backward_does_not_recompute_them(
-    monkeypatch, checkpoints
-):
-    """On the host, passes off the autograd graph run in chunks that fit the CPU's cache;
-    on it, each chunk would be recomputed by the backward, so the memory budget alone chunks
-    them (no checkpoint where they all fit)."""
+@pytest.fixture
+def chunks(monkeypatch) -> list[int]:
+    """The chunk sizes the planner chooses, on a host whose cache holds no pass (every chunk
+    it cuts for the cache is at its floor of 8)."""
     from divjac._core import plan
 
     monkeypatch.delenv("DIVJAC_MEMORY_BUDGET_MB", raising=False)
-    monkeypatch.setattr(plan, "host_cache_bytes", lambda: 1)  # every chunk at its floor
-    chunks = []
+    monkeypatch.setattr(plan, "host_cache_bytes", lambda: 1)
+    chosen: list[int] = []
     original = plan.choose_chunk_size
 
     def spy(*args, **kwargs):
-        chunks.append(original(*args, **kwargs))
-        return chunks[-1]
+        chosen.append(original(*args, **kwargs))
+        return chosen[-1]
 
     monkeypatch.setattr(plan, "choose_chunk_size", spy)
+    return chosen
+
+
+def test_cache_sized_chunks_only_where_the_backward_does_not_recompute_them(chunks, checkpoints):
+    """On the host, passes off the autograd graph run in chunks that fit the CPU's cache;
+    on it, each chunk would be recomputed by the backward, so the memory budget alone chunks
+    them (no checkpoint where they all fit)."""
     net = _cnn().eval()
     x = torch.randn(2, 2, 4, 4, dtype=D)
     transform = dj.divergence(net, method="exact")
@@ -177,3 +182,31 @@ def test_cache_sized_chunks_only_where_the_backward_does_not_recompute_them(
     assert chunks == [8, 32]  # 32 passes: at the floor of 8 off the graph, one chunk on it
     assert checkpoints[0] == 0
     torch.testing.assert_close(on.detach(), off)
+
+
+def test_second_order_sweeps_fit_the_cache_off_the_graph(chunks, checkpoints):
+    """The directions of a Laplacian's and a Hessian diagonal's sweeps are chunked for the CPU's
+    cache as first-order passes are (torch, tanh MLP d = 64 at B = 256: 1.3x faster), and by
+    the memory budget alone where a gradient flows through them, with the same values."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(20, 16), nn.Tanh(), nn.Linear(16, 1)).to(D)
+    x = torch.randn(3, 20, dtype=D)
+
+    def u(z: torch.Tensor) -> torch.Tensor:
+        return net(z)[..., 0]
+
+    hessians = torch.stack([torch.autograd.functional.hessian(u, xi) for xi in x])
+    for transform, expected in (
+        (dj.laplacian(u, method="exact"), hessians.diagonal(dim1=1, dim2=2).sum(1)),
+        (dj.hessian_diagonal(u, method="exact"), hessians.diagonal(dim1=1, dim2=2)),
+    ):
+        chunks.clear()
+        with torch.no_grad():
+            off = transform(x)
+        assert chunks[-1] == 8  # 20 directions in chunks of 8
+        on = transform(x)
+        assert chunks[-1] == 20  # one chunk: nothing recomputed
+        on.sum().backward()
+        torch.testing.assert_close(off, expected)
+        torch.testing.assert_close(on.detach(), off)
+    assert checkpoints[0] == 0
