@@ -38,6 +38,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from .._core.sparse_index import compressed, positions, union
 from ._sink import _bind, _Passes, _real, varying_like
 from ._taylor import _CALLS, _CURVATURE, _Sweep
 
@@ -265,7 +266,7 @@ def _layout(
     if name in _ELEMENTWISE or (name == "custom_jvp_call" and _elementwise_call(eqn)):
         if any(t.idx.shape[1:] != shape for t in tangents.values()):
             return None
-        idx = _union(np.concatenate([t.idx for t in tangents.values()]))
+        idx = union(np.concatenate([t.idx for t in tangents.values()]))
         if 2 * idx.shape[0] > k:
             return None
         return {i: _laid(t, idx) for i, t in tangents.items()}, [idx]
@@ -284,7 +285,7 @@ def _layout(
         axes = tuple(a + 1 for a in eqn.params["axes"])
         kept = [a for a in range(t.idx.ndim) if a not in axes]
         folded = t.idx.transpose((*axes, *kept)).reshape(-1, *(t.idx.shape[a] for a in kept[1:]))
-        idx = _union(folded)
+        idx = union(folded)
         if 2 * idx.shape[0] > k:
             return None
         back = np.broadcast_to(np.expand_dims(idx, axes), (idx.shape[0], *t.idx.shape[1:]))
@@ -307,7 +308,7 @@ def _dot(
     arranged = t.idx.transpose((0, *(a + 1 for a in order)))
     kept_shape = arranged.shape[1 : 1 + len(batch) + len(free)]
     folded = np.moveaxis(arranged.reshape(arranged.shape[0], *kept_shape, -1), -1, 1)
-    idx = _union(folded.reshape(-1, *kept_shape))
+    idx = union(folded.reshape(-1, *kept_shape))
     m = idx.shape[0]
     if 2 * m > k:
         return None
@@ -380,44 +381,12 @@ def _elementwise_jaxpr(jaxpr: Any, shape: tuple[int, ...]) -> bool:
 # --- the index: unions, layouts, expansion -------------------------------------------------------
 
 
-def _union(stacked: np.ndarray) -> np.ndarray:
-    """``[m, *S]``: per element, the distinct inputs of ``stacked`` ``[M, *S]`` in increasing
-    order, ``-1`` after them (at least one slot)."""
-    core, shape = _compressed(stacked)
-    top = np.iinfo(np.int64).max
-    a = np.sort(np.where(core < 0, top, core.astype(np.int64)), axis=0)
-    a[1:][a[1:] == a[:-1]] = top
-    a.sort(axis=0)
-    m = max(int((a != top).sum(0).max(initial=0)), 1)
-    a = a[:m]
-    a[a == top] = -1
-    return np.broadcast_to(a, (m, *shape))
-
-
-def _compressed(a: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
-    """``a`` with its axes (past the first) along which it is constant cut to length 1, and its
-    shape past the first axis (broadcasting the result back restores it)."""
-    core = a
-    for axis in range(1, a.ndim):
-        if core.shape[axis] > 1:
-            first = np.take(core, [0], axis=axis)
-            if (core == first).all():
-                core = first
-    return core, tuple(a.shape[1:])
-
-
 def _laid(t: _Sparse, idx: np.ndarray) -> Any:
     """``t``'s terms ``[m, *S]`` on the index ``idx`` (``[m', *S]``, a superset of ``t.idx``
     per element): slot ``j`` holds the term of input ``idx[j]``, zero where ``t`` has none."""
     if t.idx.shape == idx.shape and np.array_equal(t.idx, idx):
         return t.terms
-    m_in = t.idx.shape[0]
-    both, _ = _compressed(
-        np.concatenate([t.idx, np.broadcast_to(idx, (idx.shape[0], *t.idx.shape[1:]))])
-    )
-    have, want = both[:m_in], both[m_in:]
-    match = (have[None] == want[:, None]) & (want[:, None] >= 0)  # [m', m, *S]
-    pos = np.where(match.any(1), match.argmax(1), m_in).astype(np.int32)
+    pos = positions(t.idx, idx).astype(np.int32)
     padded = jnp.concatenate([t.terms, jnp.zeros((1, *t.terms.shape[1:]), t.terms.dtype)])
     return jnp.take_along_axis(padded, jnp.asarray(pos), axis=0, mode="clip")
 
@@ -435,7 +404,7 @@ def _expand(t: _Sparse, k: int, axes: Sequence[int] = ()) -> _Passes:
     """The dense first-order terms ``[k, *S]`` of ``t``, summed over its ``axes`` (of ``S``):
     one product with the one-hot matrix of its index (contracting the slots and the summed
     axes), over the axes along which the index varies only."""
-    core, shape = _compressed(t.idx)
+    core, shape = compressed(t.idx)
     terms = t.terms
     varying = [a for a in range(len(shape)) if core.shape[1 + a] > 1]
     flat = [a for a in axes if a not in varying]  # the index is the same along these: sum first
