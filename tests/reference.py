@@ -58,3 +58,19 @@ def torch_diagonal_blocks(
 
         blocks.append(torch.autograd.functional.jacobian(sample_out, x[b]).detach().numpy())
     return np.stack(blocks)
+
+
+def block_architectures() -> dict[str, Any]:
+    """The hypothesis strategies of the sparse sweeps' random networks (both frameworks):
+    ``n`` blocks of ``dim`` inputs, a per-block layer of ``width``, an activation, then a
+    pooling over the blocks or a FermiNet-like mixing (``pool``), and a seed."""
+    from hypothesis import strategies as st
+
+    return {
+        "n": st.integers(2, 5),
+        "dim": st.integers(1, 3),
+        "width": st.integers(2, 6),
+        "act": st.sampled_from(["tanh", "softplus", "sin"]),
+        "pool": st.sampled_from(["sum", "mean", "max", "mix"]),
+        "seed": st.integers(0, 2**16),
+    }

@@ -133,7 +133,7 @@ def ops(request) -> Ops:
 @pytest.fixture
 def directions(ops, monkeypatch) -> list[int | str]:
     """The number of directions of each Taylor sweep run, ``"sparse"`` for each exact Laplacian
-    swept with first-order terms stored sparse (JAX)."""
+    swept with first-order terms stored sparse."""
     ops.dj.clear_caches()  # JAX's compiled eager calls would not sweep again
     seen: list[int | str] = []
     original = ops.backend_cls.second_order_sweep
@@ -327,8 +327,8 @@ def test_sparse_sweeps_one_direction_per_color(ops: Ops, directions: list[int | 
     dj.laplacian(u, method="exact")(x)
     dj.laplacian(u, method="sparse")(x)
     dj.laplacian(u, method="auto")(x)
-    # JAX's exact Laplacian stores the per-particle terms sparse (4 of 20 per intermediate).
-    assert directions == (["sparse", 4, 4] if ops.name == "jax" else [20, 4, 4])
+    # The exact Laplacian stores the per-particle terms sparse (4 of 20 per intermediate).
+    assert directions == ["sparse", 4, 4]
     dense = mlp(ops)  # a dense Hessian: auto sweeps the unit basis
     directions.clear()
     dj.laplacian(dense, method="auto")(_x(ops, (2, 5)))

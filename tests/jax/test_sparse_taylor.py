@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
 from jax import lax
 
 from divjac.jax import _sparse_taylor, laplacian
 from divjac.jax._sparse_taylor import sparse_cost, sparse_laplacian
+from tests.reference import block_architectures
 
 
 def _brute(u, x):
@@ -148,14 +149,7 @@ def test_laplacian_takes_the_sparse_sweep_where_it_pays(monkeypatch, method):
 
 
 @settings(max_examples=3, deadline=None, derandomize=True)
-@given(
-    n=st.integers(2, 5),
-    dim=st.integers(1, 3),
-    width=st.integers(2, 6),
-    act=st.sampled_from(["tanh", "softplus", "sin"]),
-    pool=st.sampled_from(["sum", "mean", "max", "mix"]),
-    seed=st.integers(0, 2**16),
-)
+@given(**block_architectures())
 def test_random_block_architectures(n, dim, width, act, pool, seed):
     """Per-block layers, then a pooling or a FermiNet-like mixing, then a dense head."""
     w1, b1, w2, w3 = _params(seed, (dim, width), (width,), (2 * width, width), (width,))

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from .._backend import Backend, Linear, Point
 from .._core.detection import LRU
 from .._errors import CompileError, OptionError
-from . import _ddp, _taylor
+from . import _ddp, _taylor, _taylor_sparse
 from ._ahead import _Ahead, _compiling, _constant, _prepared
 from ._detect import trace
 from ._kernels import _differentiable_kernels
@@ -299,6 +299,11 @@ class TorchBackend(Backend[Traced]):
         collapse: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _taylor.second_order_sweep(f, x, directions, weights=weights, collapse=collapse)
+
+    def sparse_laplacian(
+        self, f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, passes: int, budget: int
+    ) -> torch.Tensor | None:
+        return _taylor_sparse.sparse_laplacian(f, x, passes, budget)
 
     def grad_of_sum(
         self, fn: Callable[[torch.Tensor], Any], x: torch.Tensor, *, has_aux: bool

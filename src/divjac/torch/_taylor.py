@@ -210,8 +210,21 @@ class _Program:
     def run(
         self, x: Tensor, v: Tensor, w: Tensor | None, per_direction: bool
     ) -> tuple[Tensor, Tensor, Tensor]:
-        gm = self.traced.gm
         sweep = _Sweep(int(v.shape[0]), w, per_direction)
+        y, jet = self.evaluate(x, sweep, _Jet(v, None))
+        K, M = int(v.shape[0]), sweep.m
+        if not isinstance(jet, _Jet):
+            zeros = y.new_zeros((K, *y.shape))
+            return y, zeros, zeros[:M]
+        first = jet.first.expand(K, *y.shape)
+        second = jet.second
+        second = y.new_zeros((M, *y.shape)) if second is None else second.expand(M, *y.shape)
+        return y, first, second
+
+    def evaluate(self, x: Tensor, sweep: _Sweep, seed: Any) -> tuple[Tensor, Any]:
+        """The graph's output at ``x`` and its jet, the input's jet being ``seed`` (the jets of
+        the steps are :meth:`_Sweep.apply`'s)."""
+        gm = self.traced.gm
         values: dict[torch.fx.Node, Any] = {}
         jets = sweep.jets
         out: Any = None
@@ -227,7 +240,7 @@ class _Program:
             node, kind = step.node, step.kind
             if kind == "input":
                 values[node] = x
-                jets[node] = _Jet(v, None)
+                jets[node] = seed
             elif kind == "constant":
                 name = str(node.target)
                 found = self.constants.get(name)
@@ -245,21 +258,12 @@ class _Program:
                 elif kind == "plain" or not any(a in jets for a in step.inputs):
                     values[node] = node.target(*args, **kwargs)  # type: ignore[operator]
                 else:
-                    values[node], jet = step.rule(sweep, node, args, kwargs)  # type: ignore[misc]
+                    values[node], jet = sweep.apply(step.rule, node, args, kwargs)  # type: ignore[arg-type]
                     if jet is not None:
                         jets[node] = jet
         if out is None:
             raise InternalError("an ATen graph without output")
-        y = values[out]
-        K, M = int(v.shape[0]), sweep.m
-        jet = jets.get(out)
-        if not isinstance(jet, _Jet):
-            zeros = y.new_zeros((K, *y.shape))
-            return y, zeros, zeros[:M]
-        first = jet.first.expand(K, *y.shape)
-        second = jet.second
-        second = y.new_zeros((M, *y.shape)) if second is None else second.expand(M, *y.shape)
-        return y, first, second
+        return values[out], jets.get(out)
 
 
 def _traced(f: Callable[[Tensor], Tensor], x: Tensor) -> Traced:
@@ -341,9 +345,9 @@ def _captured(traced: Traced, reached: Reached) -> dict[str, Tensor] | None:
     return constants
 
 
-def _plan(traced: Traced) -> _Plan:
-    gm = traced.gm
-    nodes = list(gm.graph.nodes)
+def _plan(traced: Traced, graph: torch.fx.Graph | None = None) -> _Plan:
+    """The plan of ``traced``'s graph (or of ``graph``, a rewriting of it on its constants)."""
+    nodes = list((traced.gm.graph if graph is None else graph).nodes)
     needed: set[torch.fx.Node] = set()
     for node in reversed(nodes):
         if node.op in ("output", "placeholder") or node in needed:

@@ -46,6 +46,12 @@ class _Sweep:
         found = self.jets.get(arg) if isinstance(arg, torch.fx.Node) else None
         return found if isinstance(found, _Jet) else None
 
+    def apply(
+        self, rule: Rule, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> tuple[Any, Any]:
+        """The value of ``node`` and its jet, by ``rule``."""
+        return rule(self, node, args, kwargs)
+
     def needed(self, arg: Any) -> _Jet:
         """The jet of an argument a rule was given as dependent."""
         found = self.jet(arg)

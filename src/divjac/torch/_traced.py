@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +113,14 @@ class Traced(detection.Traced):
             (m := ref()) is not None and module_signature(m) == signature
             for ref, signature in self.unreached
         )
+
+    def record_reads(self, names: Iterable[str]) -> None:
+        """Note that a result kept with the trace read the constants ``names``: the trace
+        holds no longer once one of the caller's among them is modified in place."""
+        for name in set(names) & self.versioned:
+            version = self.readable[name]._version
+            if self.reads.setdefault(name, version) != version:
+                self.reads[name] = -1  # never current again
 
     @functools.cached_property
     def graph_elements(self) -> int:
@@ -267,10 +275,7 @@ class Traced(detection.Traced):
         ]
         with outside_transforms():  # the rules compute on plain tensors, under any transform
             out = interp.run(self.gm, in_deps)
-        for name in interp.read & self.versioned:
-            version = self.readable[name]._version
-            if self.reads.setdefault(name, version) != version:
-                self.reads[name] = -1  # never current again
+        self.record_reads(interp.read)
         interp.warn_fallbacks()
         return Propagated(out, frozenset(interp.fallbacks))
 
