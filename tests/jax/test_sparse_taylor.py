@@ -120,6 +120,7 @@ def test_vector_output_and_linear_function():
     pairs = lambda x: x.reshape(x.shape[0], 4, 2)  # noqa: E731
     _check(lambda x: jnp.tanh(pairs(x)).sum(-1) * pairs(x)[..., 0], x)
     _check(lambda x: 3 * pairs(x)[..., 1], x)  # linear: no second-order term
+    _check(lambda x: jnp.sin(pairs(x)[..., :0]).sum(-1) + jnp.sin(pairs(x)).sum(-1), x)  # empty
 
 
 def test_cost_follows_the_sparsity():

@@ -150,6 +150,7 @@ def test_vector_output_particles_as_an_axis_and_a_linear_function():
     pairs = lambda x: x.reshape(x.shape[0], 4, 2)  # noqa: E731
     _check(lambda x: torch.tanh(pairs(x)).sum(-1) * pairs(x)[..., 0], x)
     _check(lambda x: 3 * pairs(x)[..., 1], x)  # linear: no second-order term
+    _check(lambda x: pairs(x).repeat(1, 1, 0).sin().sum(-1) + pairs(x).sin().sum(-1), x)  # empty
     layer = _particles(5, 3, 6)
     p = torch.randn(2, 5, 3, dtype=D, generator=torch.Generator().manual_seed(9))
     _check(lambda p: layer(p.reshape(p.shape[0], -1)), p)  # particles as an axis of the input

@@ -15,8 +15,11 @@ __all__ = ["compressed", "positions", "union"]
 
 def union(stacked: np.ndarray) -> np.ndarray:
     """``[m, *S]``: per element, the distinct inputs of ``stacked`` ``[M, *S]`` in increasing
-    order, ``-1`` after them (at least one slot)."""
+    order, ``-1`` after them (at least one slot; all ``-1`` where ``M`` is 0, a sum over an
+    empty axis)."""
     core, shape = compressed(stacked)
+    if core.shape[0] == 0:
+        return np.full((1, *shape), -1, np.int64)
     top = np.iinfo(np.int64).max
     a = np.sort(np.where(core < 0, top, core.astype(np.int64)), axis=0)
     a[1:][a[1:] == a[:-1]] = top
