@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from jax import lax
 
-from divjac.jax import _sparse_taylor, laplacian
+from divjac.jax import _sparse_taylor, laplacian, sparsity
 from divjac.jax._sparse_taylor import sparse_cost, sparse_laplacian
 from tests.reference import block_architectures
 
@@ -218,3 +218,55 @@ def test_a_loop_goes_dense_and_the_gradient_in_the_parameters_is_right():
     loss = lambda w: jnp.sum(laplacian(lambda z: net(w, z), method="exact")(x) ** 2)  # noqa: E731
     ref = lambda w: jnp.sum(_brute(lambda z: net(w, z), x) ** 2)  # noqa: E731
     np.testing.assert_allclose(jax.grad(loss)(w), jax.grad(ref)(w), rtol=1e-9, atol=1e-9)
+
+
+def _pairs(n, reach=3):
+    """A pair potential over a chain's neighbours within ``reach``: its terms read two
+    particles each by a gather of constant indices."""
+    i, j = np.array([(a, a + s) for a in range(n) for s in range(1, reach + 1) if a + s < n]).T
+    w1, b1, w2 = _params(17, (8,), (8,), (8,))
+
+    def u(x):
+        p = x.reshape(x.shape[0], n, 3)
+        diff = p[:, i, :] - p[:, j, :]
+        r = jnp.sqrt(jnp.sum(diff * diff, -1) + 0.1)
+        return jnp.sum((jnp.tanh(r[..., None] * w1 + b1) @ w2) * jnp.exp(-r), -1)
+
+    return u
+
+
+def test_a_gather_by_constant_indices_keeps_the_terms_sparse():
+    """The indices of ``p[:, i]`` (computed from constants, inside ``jit``) are known at trace
+    time: the index follows the gather; an element-wise product broadcasting one operand
+    (``r[..., None] * w``) keeps it too."""
+    u = _pairs(12)
+    x = jax.random.normal(jax.random.key(18), (3, 36), jnp.float64)
+    _check(u, x)
+    assert sparse_cost(u, x) * 36 < 6  # 6 inputs per pair term, not 36
+    np.testing.assert_allclose(
+        jax.jit(laplacian(u, method="exact"))(x), _brute(u, x), rtol=1e-10, atol=1e-9
+    )
+
+
+def test_auto_weighs_the_sparse_sweep_against_the_hessian_colors(monkeypatch):
+    """``auto`` takes the sparse sweep where its work is at most half that of the colors'
+    passes (pair terms of 6 inputs, 12 colors), the colors' passes otherwise (particles of 3
+    coordinates: 3 colors; a CNN, whose offset products count 8x)."""
+    taken = []
+    inner = _sparse_taylor.sparse_laplacian
+    monkeypatch.setattr(
+        _sparse_taylor, "sparse_laplacian", lambda f, x: taken.append(x.shape) or inner(f, x)
+    )
+    for u, d, sparse in (
+        (_pairs(12), 36, True),
+        (_particles(6, 3, 8), 18, False),
+        (_cnn, 50, False),
+    ):
+        x = jax.random.normal(jax.random.key(19), (2, d), jnp.float64)
+        colors = sparsity(jax.grad(lambda z, u=u: u(z).sum()))(x).n_diagonal_colors
+        assert (2 * sparse_cost(u, x) * d <= colors) == sparse
+        taken.clear()
+        np.testing.assert_allclose(
+            laplacian(u, method="auto")(x), _brute(u, x), rtol=1e-10, atol=1e-9
+        )
+        assert taken == ([(2, d)] if sparse else [])

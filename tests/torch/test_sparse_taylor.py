@@ -301,3 +301,37 @@ def test_an_index_tensor_changed_in_place_is_read_anew():
     _check(u, x)
     perm[0] = 0  # a particle paired with itself: a square, whose Hessian differs
     _check(u, x)
+
+
+def _pairs(n, reach):
+    """A pair potential over a chain's neighbours within ``reach`` (terms of two particles
+    read by indexing with constant indices)."""
+    pairs = [(a, a + s) for a in range(n) for s in range(1, reach + 1) if a + s < n]
+    i, j = torch.tensor(pairs).T
+    w1, b1, w2 = _params(17, (8,), (8,), (8,))
+
+    def u(x):
+        p = x.reshape(x.shape[0], n, 3)
+        diff = p[:, i, :] - p[:, j, :]
+        r = torch.sqrt((diff * diff).sum(-1) + 0.1)
+        return ((torch.tanh(r[..., None] * w1 + b1) @ w2) * torch.exp(-r)).sum(-1)
+
+    return u
+
+
+@pytest.mark.parametrize("reach, sparse", [(6, True), (1, False)])
+def test_auto_weighs_the_sparse_sweep_against_the_hessian_colors(sparse_calls, reach, sparse):
+    """``auto`` takes the sparse sweep where its cost is at most half that of the colors'
+    passes (pair terms within 6 places: 21 colors), the colors' passes otherwise (nearest
+    neighbours: 6 colors)."""
+    from divjac.torch import sparsity
+
+    u, x = (
+        _pairs(14, reach),
+        torch.randn(2, 42, dtype=D, generator=torch.Generator().manual_seed(20)),
+    )
+    gradient = lambda z: torch.func.vmap(torch.func.grad(lambda q: u(q[None])[0]))(z)  # noqa: E731
+    colors = sparsity(gradient)(x).n_diagonal_colors
+    assert (2 * _share(u, x) * 42 <= colors) == sparse
+    np.testing.assert_allclose(laplacian(u, method="auto")(x), _brute(u, x), rtol=1e-10, atol=1e-9)
+    assert sparse_calls == ([(2, 42)] if sparse else [])

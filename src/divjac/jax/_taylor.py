@@ -165,13 +165,17 @@ class _Sweep:
             ins = [read(v) for v in eqn.invars]
             dep = [i for i, (_, t, _) in enumerate(ins) if t is not None]
             if not dep or not any(_inexact(v.aval) for v in eqn.outvars):
-                out = _bind(eqn, *(p for p, _, _ in ins))
+                out = self.constant(eqn, [p for p, _, _ in ins])
                 outs = [(o, None, None) for o in (out if eqn.primitive.multiple_results else [out])]
             else:
                 outs = self.equation(eqn, ins, dep)
             for var, val in zip(eqn.outvars, outs, strict=True):
                 env[var] = val
         return [read(v) for v in jaxpr.outvars]
+
+    def constant(self, eqn: Any, values: list[Any]) -> Any:
+        """An equation without terms (no dependent operand, or integer outputs)."""
+        return _bind(eqn, *values)
 
     def equation(self, eqn: Any, ins: list[_Value], dep: list[int]) -> list[_Value]:
         name = eqn.primitive.name
