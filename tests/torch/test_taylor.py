@@ -566,3 +566,18 @@ def test_laplacian_of_a_random_function_is_one_draws_laplacian_in_every_chunk(ch
         got = transform(u, chunk_size=chunk_size)(x)
         torch.testing.assert_close(got, want)
         assert torch.equal(torch.get_rng_state(), after_one)
+
+
+@pytest.mark.parametrize("dependent", ["matrix", "vector", "both"])
+def test_matrix_vector_products(dependent):
+    """``mv`` by its own rule (the product with the vector as a column), with the matrix, the
+    vector or both depending on the input; directions per sample and weighted."""
+    m, v = _randn(2, 4, 3), _randn(3)
+
+    def f(x):
+        rows = x.reshape(x.shape[0], -1)[:, :3].sin() if dependent != "vector" else m[0]
+        vec = x.reshape(-1)[:3].cos() if dependent != "matrix" else v
+        return torch.mv(rows.reshape(-1, 3), vec).exp().reshape(x.shape[0], -1)
+
+    x = _randn(2, 5) if dependent == "matrix" else _randn(1, 5)
+    _check(f, x, _randn(4, x.shape[0], 5), weights=_randn(4).abs())

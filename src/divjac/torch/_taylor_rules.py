@@ -427,6 +427,18 @@ def _mm_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[
     return y, _matmul(sw, x, z, sw.jet(node.args[0]), sw.jet(node.args[1]), y)
 
 
+@_rule(aten.mv.default)
+def _mv_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    # x @ z with z a vector: the product with z as a column (pushed by torch.func otherwise,
+    # jvp of jvp per direction: 65% of a pair potential's sparse sweep).
+    x, z = args[0], args[1]
+    y = node.target(x, z)  # type: ignore[operator]
+    b = sw.jet(node.args[1])
+    column = None if b is None else _map(b, lambda t: _lift(t, 1).unsqueeze(-1))
+    jet = _matmul(sw, x, z.unsqueeze(-1), sw.jet(node.args[0]), column, y.unsqueeze(-1))
+    return y, _map(jet, lambda t: t.squeeze(-1))
+
+
 @_rule(aten.addmm.default)
 def _addmm_rule(
     sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
