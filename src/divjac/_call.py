@@ -12,6 +12,7 @@ Imports the backend interface and the core, never a transform (nor a framework).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import numbers
@@ -153,6 +154,16 @@ class Spec:
     fname: str
     prefer_reverse: bool | None = None
     direction: Direction = "auto"
+
+    @functools.cached_property
+    def options(self) -> tuple[Any, ...]:
+        """Its fields but the function and the backend (which a trace of the function
+        implies): what a setup of a call reads of the spec."""
+        return tuple(
+            getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("backend", "fun")
+        )
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from divjac import BatchCouplingError
+from divjac import BatchCouplingError, DetectionMemoryError, _divergence
 from divjac.models import torch as models
 from divjac.torch import _detect, _reach, divergence, jacobian, value_and_divergence
 from tests.reference import torch_diagonal_blocks, traces
@@ -317,6 +317,49 @@ def test_the_memo_keeps_no_model_alive():
     del net, div
     gc.collect()
     assert ref() is None
+
+
+def test_a_steady_state_call_plans_nothing_again(monkeypatch):
+    # The setup of a call (detection, direction, chunks) is kept with the trace per context:
+    # evaluated once for repeated calls, again where the context changes.
+    planned = []
+    stochastic_plan = _divergence._stochastic_plan
+    monkeypatch.setattr(
+        _divergence,
+        "_stochastic_plan",
+        lambda call, ds: planned.append(call.xb.requires_grad) or stochastic_plan(call, ds),
+    )
+    f = models.ConcatSquashODE(3, hidden=(8,)).double().requires_grad_(False)
+    t, x = torch.tensor(0.2, dtype=D), _randn(4, 3)
+    probes = _randn(1, 4, 3, seed=1)
+    vd = value_and_divergence(f, 1, method="hutchinson", num_probes=1)
+    first = [vd(probes, t, x)[1] for _ in range(3)]
+    assert planned == [False]
+    x = x.requires_grad_()  # the same trace; the passes now go on the autograd graph
+    on_graph = [vd(probes, t, x)[1] for _ in range(2)]
+    assert planned == [False, True]
+    with torch.inference_mode():
+        inferred = vd(probes, t, x)[1]
+    assert len(planned) == 3
+    assert on_graph[0].requires_grad
+    for div in (*first[1:], *on_graph, inferred):
+        torch.testing.assert_close(div.detach(), first[0])
+
+
+def test_a_kept_plan_reads_the_memory_settings_again(monkeypatch):
+    # A chunk depends on the environment's memory settings: the plan is made again when they
+    # change (here a limit no pass fits refuses the call).
+    monkeypatch.delenv("DIVJAC_MEMORY_LIMIT_MB", raising=False)
+    f = models.ConcatSquashODE(3, hidden=(8,)).double()
+    t, x = torch.tensor(0.2, dtype=D), _randn(4, 3)
+    div = divergence(f, 1, method="exact")
+    expected = div(t, x)
+    torch.testing.assert_close(div(t, x), expected)
+    monkeypatch.setenv("DIVJAC_MEMORY_LIMIT_MB", "1e-6")
+    with pytest.raises(DetectionMemoryError, match="DIVJAC_MEMORY_LIMIT_MB"):
+        div(t, x)
+    monkeypatch.delenv("DIVJAC_MEMORY_LIMIT_MB")
+    torch.testing.assert_close(div(t, x), expected)
 
 
 def test_a_memo_hit_is_the_cached_trace(traces_made):

@@ -56,6 +56,12 @@ _HOST_MIN_CHUNK = 8
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # of sysfs cache sizes
 
 
+def memory_settings() -> tuple[str | None, str | None]:
+    """The environment's ``DIVJAC_MEMORY_BUDGET_MB`` and ``DIVJAC_MEMORY_LIMIT_MB`` (``None``
+    where unset): what a chunk size depends on besides the device's free memory."""
+    return os.environ.get("DIVJAC_MEMORY_BUDGET_MB"), os.environ.get("DIVJAC_MEMORY_LIMIT_MB")
+
+
 def memory_budget(available: int | None = None) -> int:
     """Bytes the passes of one call may use at once: ``DIVJAC_MEMORY_BUDGET_MB`` if set, else
     half of the device's free memory ``available`` where the framework reports it, else 1024 MB.

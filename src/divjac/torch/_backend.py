@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .._backend import Backend, Linear, Point
+from .._core import plan
 from .._core.detection import LRU
 from .._errors import CompileError, OptionError
 from . import _ddp, _taylor, _taylor_sparse
@@ -104,6 +105,43 @@ def _trace(
     if _Ahead.active:
         _check_compilable(traced)
     return traced
+
+
+def _kept(backend: TorchBackend, setup: Callable[..., R], point: Point[Traced], static: Any) -> R:
+    """``setup(point, *static)``, evaluated once per trace and context, as under
+    ``torch.compile`` (once per compilation, sound under dynamo's guards). A setup reads the
+    trace (structure, detections, measured directions), the spec and its static arguments,
+    and of the call its context alone: the differentiated input's type, shape, dtype and
+    device, whether the passes go on the autograd graph (grad mode, what requires grad),
+    inference mode, a ``torch.func`` transform around, and the memory it may use (the
+    device's free memory, :func:`~divjac._core.plan.memory_settings`). Not the values of the
+    tensors: the trace is the function's at the call's static arguments. A setup that
+    raises is evaluated again at the next call (and raises again)."""
+    call: Any = point  # a Call: its spec
+    xb = point.xb
+    key = (
+        setup,
+        static,
+        call.spec.options,
+        _on_graph(point),
+        torch.is_inference_mode_enabled(),
+        torch._C._functorch.peek_interpreter_stack() is None,
+        type(xb),
+        xb.shape,
+        xb.dtype,
+        xb.device,
+        backend.memory_available(xb),
+        plan.memory_settings(),
+    )
+    plans = point.traced.plans
+    try:
+        found = plans.get(key)
+    except TypeError:  # an unhashable static argument: evaluated at every call
+        return setup(point, *static)
+    if found is None:
+        found = (setup(point, *static),)
+        plans.put(key, found)
+    return cast(R, found[0])
 
 
 def _check_compilable(traced: Traced) -> None:
@@ -212,9 +250,10 @@ class TorchBackend(Backend[Traced]):
 
     def ahead(self, setup: Callable[..., R], point: Point[Traced], *static: Any) -> R:
         """Under ``torch.compile``: evaluated once, when dynamo traces the call, on the call
-        prepared again from its (example) inputs."""
+        prepared again from its (example) inputs. Eagerly: kept with the trace, per context
+        (:func:`_kept`), so that a steady-state call plans nothing again."""
         if not _compiling():
-            return setup(point, *static)
+            return _kept(self, setup, point, static)
         call: Any = point  # a Call: its spec prepares it again
         return _constant(_prepared, setup, call.spec, call.args, call.kwargs, static)
 

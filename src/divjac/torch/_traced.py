@@ -45,6 +45,11 @@ class TensorSpec:
     dtype: torch.dtype
 
 
+# Setups kept per trace (a few per transform and context; a CUDA device's free memory, part of
+# the context, may change from call to call).
+PLANS = 32
+
+
 @dataclass(eq=False)
 class Traced(detection.Traced):
     """The ATen graph of a batched function, batch-first in and out, with cached detections.
@@ -71,6 +76,9 @@ class Traced(detection.Traced):
         dropped: the graph constants replaced by meta tensors (weights), weakly, by name.
         directions: by context, whether rows were measured faster than columns
             (:meth:`~divjac.torch._backend.TorchBackend.prefer_reverse`).
+        plans: the results of the setups of calls of this trace (each in a 1-tuple), by
+            setup, spec and context (:meth:`~divjac.torch._backend.TorchBackend.ahead`), the
+            :data:`PLANS` most recent.
     """
 
     gm: torch.fx.GraphModule
@@ -85,6 +93,7 @@ class Traced(detection.Traced):
     reads: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, weakref.ref[torch.Tensor]] = field(default_factory=dict)
     directions: dict[Hashable, bool] = field(default_factory=dict)
+    plans: detection.LRU[tuple[Any]] = field(default_factory=lambda: detection.LRU(PLANS))
 
     def modules(self) -> list[nn.Module]:
         """The modules the function may run (alive while a call runs it)."""
