@@ -260,20 +260,28 @@ class Backend(abc.ABC, Generic[TracedT]):
         *,
         weights: Array | None,
         collapse: bool,
+        traced: TracedT | None = None,
     ) -> tuple[Array, Array, Array]:
         """``(f(x), J v_k, v_k^T H v_k)`` of a batch-first per-sample ``f`` (the framework's
         ``_taylor.second_order_sweep``): directions ``[K, B, *in]`` or ``[K, 1, *in]``, weights
         ``None``, ``[K]`` or ``[K, B]``; the second-order terms summed with the weights
-        (``[B, *out]``) with ``collapse``, else each ``[K, B, *out]``."""
+        (``[B, *out]``) with ``collapse``, else each ``[K, B, *out]``. ``traced``: the trace of
+        the call whose batch-first function ``f`` is, which the backend may run instead of
+        tracing ``f`` (a function made anew at each call)."""
 
     def sparse_laplacian(
-        self, f: Callable[[Array], Array], x: Array, passes: int, budget: int
+        self,
+        f: Callable[[Array], Array],
+        x: Array,
+        passes: int,
+        budget: int,
+        traced: TracedT | None = None,
     ) -> Array | None:
         """The exact per-sample Laplacian ``[B, *out]`` of the uncoupled batch-first ``f`` by a
         collapsed sweep that stores each intermediate's first-order terms for the inputs it
         depends on only, where its work is at most half that of a dense sweep of ``passes``
         directions and at most ``budget`` passes' worth; ``None`` otherwise, or where the
-        framework has no such sweep."""
+        framework has no such sweep. ``traced`` as in :meth:`second_order_sweep`."""
         return None
 
     @abc.abstractmethod

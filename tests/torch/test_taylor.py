@@ -12,7 +12,7 @@ from torch import nn
 from torch.func import jacrev
 from torch.overrides import TorchFunctionMode
 
-from divjac.torch import _taylor
+from divjac.torch import _taylor, _taylor_generic, laplacian
 from divjac.torch._taylor import reference_sweep, second_order_sweep
 
 D = torch.float64
@@ -242,6 +242,37 @@ def test_inputs_and_constants_changed_between_calls():
     _check(g, x, v)
 
 
+def _hessian_traces(u, x):
+    """Per-sample ``tr(H)`` of the batch-first scalar ``u``, by dense Hessians."""
+    return torch.stack([torch.func.hessian(lambda z: u(z[None])[0])(z).diagonal().sum() for z in x])
+
+
+@pytest.mark.parametrize("method", ["exact", "auto"])
+def test_laplacian_runs_its_calls_own_trace_on_the_current_tensors(method, monkeypatch):
+    """``laplacian`` sweeps the trace its call found (the function it sweeps, bound to the
+    call's arguments, is made anew at every call: tracing it would walk everything it reaches
+    each time), with the current weights (updated in place). A captured tensor that is no
+    module's (replaced between calls) is found by tracing the function, as before."""
+    traced = []
+    trace_again = _taylor._traced
+    monkeypatch.setattr(_taylor, "_traced", lambda f, x: traced.append(1) or trace_again(f, x))
+    net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2)).to(D)
+    state = {"A": _randn(2, 2, seed=20)}
+    x = _randn(5, 3, seed=21)
+    for u, retraced in (
+        (lambda x: net(x)[..., 0] * net(x).square().sum(-1), False),
+        (lambda x: torch.tanh(net(x) @ state["A"]).sum(-1), True),
+    ):
+        lap = laplacian(u, method=method)
+        for step in range(3):
+            traced.clear()
+            torch.testing.assert_close(lap(x), _hessian_traces(u, x))
+            assert bool(traced) == retraced
+            with torch.no_grad():
+                net[0].weight.mul_(1.5)
+            state["A"] = _randn(2, 2, seed=22 + step)
+
+
 def test_linear_and_constant_functions():
     x = _randn(3, 4, seed=22)
     v = _randn(2, 1, 4, seed=23)
@@ -367,6 +398,33 @@ def test_element_wise_rules(g):
         return g(lin(x)) * lin(x).sum(1, keepdim=True)
 
     _check(f, x, _randn(2, 2, 3, seed=28), collapse=False)
+
+
+@pytest.mark.parametrize(
+    "g",
+    [
+        lambda h: h[..., 0],
+        lambda h: h[:, 1:3].sin(),
+        lambda h: h.reshape(-1, 2, 2)[:, 1, 1:].exp(),
+        lambda h: h[:, None, :2].expand(-1, 3, -1)[:, 1].cos(),  # along a broadcast axis
+        lambda h: h[..., None].squeeze(-1).tanh(),
+        lambda h: h[:, :1, None].squeeze((1, 2)) * h[:, -1],
+    ],
+)
+@pytest.mark.parametrize("shared", [True, False])
+def test_elements_taken_along_an_axis(g, shared):
+    """``select``, ``slice`` and ``squeeze`` by their own rules (not the generic one), on
+    directions shared by the samples (broadcast along the batch axis) or per sample."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 4).to(D)
+    x = _randn(2, 3, seed=29)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return g(torch.tanh(lin(x))) * lin(x).sum(1).reshape(-1, *([1] * (g(lin(x)).ndim - 1)))
+
+    _check(f, x, _randn(2, 1 if shared else 2, 3, seed=30), collapse=False)
+    plan = _taylor._PLANS[_taylor._traced(f, x)]
+    assert all(step.rule is not _taylor_generic._generic for step in plan.steps)
 
 
 def test_functional_parameters(monkeypatch):

@@ -225,11 +225,18 @@ class JaxBackend(Backend[Traced]):
         *,
         weights: jax.Array | None,
         collapse: bool,
+        traced: Traced | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``traced`` is not needed: ``f`` is traced anew, as every call's passes are."""
         return _taylor.second_order_sweep(f, x, directions, weights=weights, collapse=collapse)
 
     def sparse_laplacian(
-        self, f: Callable[[jax.Array], jax.Array], x: jax.Array, passes: int, budget: int
+        self,
+        f: Callable[[jax.Array], jax.Array],
+        x: jax.Array,
+        passes: int,
+        budget: int,
+        traced: Traced | None = None,
     ) -> jax.Array | None:
         share = _sparse_taylor.sparse_cost(f, x) * math.prod(x.shape[1:])
         if 2 * share > passes or share > budget:

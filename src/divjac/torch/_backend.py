@@ -336,13 +336,21 @@ class TorchBackend(Backend[Traced]):
         *,
         weights: torch.Tensor | None,
         collapse: bool,
+        traced: Traced | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _taylor.second_order_sweep(f, x, directions, weights=weights, collapse=collapse)
+        return _taylor.second_order_sweep(
+            f, x, directions, weights=weights, collapse=collapse, traced=traced
+        )
 
     def sparse_laplacian(
-        self, f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, passes: int, budget: int
+        self,
+        f: Callable[[torch.Tensor], torch.Tensor],
+        x: torch.Tensor,
+        passes: int,
+        budget: int,
+        traced: Traced | None = None,
     ) -> torch.Tensor | None:
-        return _taylor_sparse.sparse_laplacian(f, x, passes, budget)
+        return _taylor_sparse.sparse_laplacian(f, x, passes, budget, traced)
 
     def grad_of_sum(
         self, fn: Callable[[torch.Tensor], Any], x: torch.Tensor, *, has_aux: bool

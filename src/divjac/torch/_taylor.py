@@ -73,6 +73,7 @@ def second_order_sweep(
     *,
     weights: torch.Tensor | None = None,
     collapse: bool = True,
+    traced: Traced | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``f(x)``, ``J v_k`` and ``v_k^T H v_k`` of a batch-first function.
 
@@ -85,12 +86,14 @@ def second_order_sweep(
             collapsed sum.
         collapse: return the weighted sum over ``k`` of the second-order terms (``[B, *out]``)
             instead of each of them (``[K, B, *out]``, unweighted).
+        traced: the trace of the call whose batch-first function ``f`` is (see
+            :func:`_program`).
 
     Returns:
         ``(y, first, second)`` as in :func:`divjac.jax._taylor.second_order_sweep`.
     """
     v = directions.to(x.dtype)
-    program = _program(f, x)
+    program = _program(f, x, traced)
     if program is None:
         random = not torch.compiler.is_compiling() and _traced(f, x).draws_random
         if random:  # every chunk of directions of the call sees the first chunk's draws
@@ -286,12 +289,24 @@ def _rewind(f: Callable[[Tensor], Tensor], device: torch.device) -> None:
         state.rewind()
 
 
-def _program(f: Callable[[Tensor], Tensor], x: Tensor) -> _Program | None:
+def _program(
+    f: Callable[[Tensor], Tensor], x: Tensor, traced: Traced | None = None
+) -> _Program | None:
     """The trace of ``f`` at ``x``'s shape with the tensors it captured, or ``None`` where the
-    sweep runs the reference (see the module docstring)."""
+    sweep runs the reference (see the module docstring).
+
+    ``traced``: the trace of the call whose batch-first function ``f`` is (``f`` is made anew
+    at each call, so tracing it walks what it reaches each time): run as it is where ``x`` is
+    its only input and its constants are the parameters and buffers of its modules, which the
+    call's own checks found unchanged; else ``f`` is traced."""
     if torch.compiler.is_compiling():
         return None
-    traced = _traced(f, x)
+    given = (
+        traced
+        if traced is not None and len(traced.gm.graph.find_nodes(op="placeholder")) == 1
+        else None
+    )
+    traced = given if given is not None else _traced(f, x)
     if traced.draws_random or tuple(traced.out_shape[:1]) != tuple(x.shape[:1]):
         return None
     plan = _PLANS.get(traced)
@@ -305,6 +320,8 @@ def _program(f: Callable[[Tensor], Tensor], x: Tensor) -> _Program | None:
                 return None
             constants[name] = t
         return _Program(traced, plan, constants)
+    if given is not None:  # other captured tensors: found by the walk of f, on f's own trace
+        return _program(f, x)
     found = _captured(traced, reach(f, []))
     return None if found is None else _Program(traced, plan, found)
 

@@ -362,6 +362,43 @@ def _unsqueeze_rule(
     return y, _map(a, lambda t: _lift(t, x.ndim).unsqueeze(d))
 
 
+@_rule(aten.select.int, aten.slice.Tensor)
+def _along_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    """Elements taken along one axis (``u(x)[..., 0]``, ``h[:, 1:3]``): the same taken from
+    each direction's terms, one axis further. Terms broadcast along that axis (size one) are
+    constant there: taken as they are (``select``: their one element)."""
+    x = args[0]
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.needed(node.args[0])
+    if x.ndim == 0:
+        return y, a
+    dim = int(args[1] if len(args) > 1 else kwargs.get("dim", 0)) % x.ndim
+    rest = {k: v for k, v in kwargs.items() if k != "dim"}
+
+    def take(t: Tensor) -> Tensor:
+        t = _lift(t, x.ndim)
+        if t.shape[dim + 1] == x.shape[dim]:
+            return node.target(t, dim + 1, *args[2:], **rest)  # type: ignore[operator]
+        return t.select(dim + 1, 0) if node.target is aten.select.int else t
+
+    return y, _map(a, take)
+
+
+@_rule(aten.squeeze.dim, aten.squeeze.dims)
+def _squeeze_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    """The axes of one removed from each direction's terms too (one axis further)."""
+    x = args[0]
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.needed(node.args[0])
+    dims = args[1] if isinstance(args[1], list | tuple) else [args[1]]
+    gone = [int(d) % x.ndim + 1 for d in dims if x.ndim and x.shape[int(d)] == 1]
+    return y, _map(a, lambda t: _lift(t, x.ndim).squeeze(gone))
+
+
 @_rule(aten.sum.dim_IntList, aten.mean.dim, aten.sum.default)
 def _sum_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     x = args[0]

@@ -74,12 +74,14 @@ _PRODUCTS = {aten.mm.default: (0, 1), aten.bmm.default: (0, 1), aten.mv.default:
              aten.addmm.default: (1, 2)}  # fmt: skip
 
 
-def sparse_laplacian(f: Any, x: Tensor, passes: int, budget: int) -> Tensor | None:
+def sparse_laplacian(
+    f: Any, x: Tensor, passes: int, budget: int, traced: Traced | None = None
+) -> Tensor | None:
     """The exact per-sample Laplacian ``[B, *out]`` of the uncoupled batch-first ``f`` at ``x``
     by the sparse sweep, where its work is at most half that of ``passes`` dense directions
     and at most ``budget`` directions' worth (``None`` otherwise, and where the graph cannot
-    be run: :func:`~divjac.torch._taylor._program`)."""
-    program = _program(f, x)
+    be run: :func:`~divjac.torch._taylor._program`, which may run ``traced``)."""
+    program = _program(f, x, traced)
     if program is None or x.is_complex():
         return None
     layouts = _layouts(program, x)
