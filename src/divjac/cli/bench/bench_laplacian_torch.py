@@ -12,8 +12,10 @@ of the unit basis, in chunks) vs
 
 measured interleaved (best of), without autograd; the exact Laplacian of two networks whose
 intermediates depend on few inputs (particles, FermiNet-like: first-order terms stored sparse)
-against the dense sweep and the Hessian trace; and one training step (a Laplacian loss and
-its gradient w.r.t. the weights) by divjac vs by forward-over-reverse.
+against the dense sweep and the Hessian trace; one training step (a Laplacian loss and its
+gradient w.r.t. the weights) by divjac vs by forward-over-reverse; and a PINN's step (an
+``nn.Sequential`` 2-64-64-1 tanh MLP, ``u(x)[..., 0]``, B = 1000: per-call costs count)
+against the gradient-of-gradient loop of PINN tutorials, on the autograd tape.
 """
 
 from __future__ import annotations
@@ -35,7 +37,50 @@ def run(quick: bool) -> list[Result]:
     for d in (16, 64) if quick else (16, 64, 256):
         results += _mlp_case(d, repeat=1 if quick else 5, quick=quick)
     results += _blocks_cases(repeat=3 if quick else 7)
+    results += _pinn_case(repeat=5 if quick else 15)
     return results
+
+
+def _pinn_case(repeat: int) -> list[Result]:
+    """A PINN's Laplacian, and a step of its loss (``mean(lap^2)`` backpropagated to the
+    weights), by divjac and by the loop PINN tutorials write: the gradient with
+    ``create_graph``, then one more gradient per input dimension."""
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(2, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+        torch.nn.Linear(64, 1),
+    )  # fmt: skip
+    x = torch.randn(1000, 2, generator=torch.Generator().manual_seed(4))
+    lap = laplacian(lambda x: net(x)[..., 0], method="exact")
+
+    def loop() -> torch.Tensor:
+        z = x.detach().requires_grad_()
+        g = torch.autograd.grad(net(z)[..., 0].sum(), z, create_graph=True)[0]
+        return sum(  # type: ignore[return-value]
+            torch.autograd.grad(g[:, i].sum(), z, create_graph=True)[0][:, i] for i in range(2)
+        )
+
+    def step(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            net.zero_grad()
+            fn().square().mean().backward()
+
+        return run
+
+    fns = {"ours": lambda: lap(x), "loop": loop}
+    fns |= {k + "+bwd": step(fn) for k, fn in list(fns.items())}
+    ref = loop().detach()
+    error = float((lap(x).detach() - ref).abs().max() / ref.abs().max())
+    t = interleaved_best_times(fns, repeat=repeat, min_time=0.02)
+    case = "PINN Laplacian, nn.Sequential 2-64-64-1 tanh, B=1000 (torch)"
+    label = "laplacian(method='exact')"
+    baseline = "gradient-of-gradient loop (autograd.grad, create_graph)"
+    extra = {"max_rel_diff": error}
+    return [
+        Result("-", case, label, baseline, t["ours"], t["loop"], target=None, extra=extra),
+        Result("P9", case + ", loss + backward", label, baseline, t["ours+bwd"],
+               t["loop+bwd"], target=1.0, extra=extra),
+    ]  # fmt: skip
 
 
 def _blocks_cases(repeat: int) -> list[Result]:
