@@ -385,3 +385,27 @@ def test_a_mutable_default_argument_changed_is_seen(monkeypatch):
     np.testing.assert_allclose(div(x), 5 * jnp.sum(jnp.cos(x), axis=1), rtol=1e-12)
     div(x)
     assert len(traced) == 2
+
+
+def test_is_array_known_by_type_agrees_with_jax_and_numpy():
+    """``is_array`` remembers its answer per type: it must be the answer for every object of
+    the type, concrete arrays, NumPy's, and tracers of every kind alike."""
+    from divjac.jax._detect import is_array
+
+    kinds = (jax.Array, np.ndarray, np.generic, jax.core.Tracer)
+    seen = []
+
+    def check(*objects):
+        for obj in objects:
+            seen.append(type(obj))
+            assert is_array(obj) == isinstance(obj, kinds), type(obj)
+            assert is_array(obj) == isinstance(obj, kinds), type(obj)  # the remembered answer
+        return objects[0]
+
+    a = jnp.ones(3)
+    check(a, np.ones(2), np.float32(1.0), 1.5, 2, True, None, "s", [a], (a,), {"a": a})
+    jax.jit(lambda z: check(z, z * 2))(a)
+    jax.grad(lambda z: check(z, z.sum()).sum())(a)
+    jax.vmap(lambda z: check(z, z + 1))(a)
+    jax.jvp(lambda z: check(z, z), (a,), (a,))
+    assert len(set(seen)) >= 12

@@ -289,17 +289,25 @@ class _Trace(NamedTuple):
 
 def _signature(leaves: list[Any], dynamic: list[bool]) -> list[Any]:
     """What a trace depends on of the argument leaves: the static ones' types and values; the
-    arrays' shapes, dtypes, weak types and shardings; the other dynamic leaves' types."""
+    arrays' shapes, dtypes, weak types and shardings (a JAX array's abstract value holds the
+    first three); the other dynamic leaves' types."""
     return [
-        (
-            (a.shape, a.dtype, getattr(a, "weak_type", False), getattr(a, "sharding", None))
-            if is_array(a)
-            else type(a)
-        )
-        if d
-        else (type(a), a)
+        (_array_signature(a) if is_array(a) else type(a)) if d else (type(a), a)
         for a, d in zip(leaves, dynamic, strict=True)
     ]
+
+
+def _array_signature(a: Any) -> Hashable:
+    kind = type(a)
+    concrete = _CONCRETE.get(kind)
+    if concrete is None:  # a JAX array with its values (not a tracer, not NumPy's)
+        concrete = _CONCRETE[kind] = isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
+    if concrete:
+        return a.aval, a.sharding
+    return a.shape, a.dtype, getattr(a, "weak_type", False), getattr(a, "sharding", None)
+
+
+_CONCRETE: dict[type, bool] = {}
 
 
 class _Outputs(NamedTuple):
