@@ -400,6 +400,21 @@ def test_element_wise_rules(g):
     _check(f, x, _randn(2, 2, 3, seed=28), collapse=False)
 
 
+def _check_own_rules(g, shared):
+    """``g`` after a linear layer, by the sweep against dense derivatives, with no step of
+    its program on the generic rule."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 4).to(D)
+    x = _randn(2, 3, seed=29)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return g(torch.tanh(lin(x))) * lin(x).sum(1).reshape(-1, *([1] * (g(lin(x)).ndim - 1)))
+
+    _check(f, x, _randn(2, 1 if shared else 2, 3, seed=30), collapse=False)
+    plan = _taylor._PLANS[_taylor._traced(f, x)]
+    assert all(step.rule is not _taylor_generic._generic for step in plan.steps)
+
+
 @pytest.mark.parametrize(
     "g",
     [
@@ -415,16 +430,15 @@ def test_element_wise_rules(g):
 def test_elements_taken_along_an_axis(g, shared):
     """``select``, ``slice`` and ``squeeze`` by their own rules (not the generic one), on
     directions shared by the samples (broadcast along the batch axis) or per sample."""
-    torch.manual_seed(0)
-    lin = nn.Linear(3, 4).to(D)
-    x = _randn(2, 3, seed=29)
+    _check_own_rules(g, shared)
 
-    def f(x: torch.Tensor) -> torch.Tensor:
-        return g(torch.tanh(lin(x))) * lin(x).sum(1).reshape(-1, *([1] * (g(lin(x)).ndim - 1)))
 
-    _check(f, x, _randn(2, 1 if shared else 2, 3, seed=30), collapse=False)
-    plan = _taylor._PLANS[_taylor._traced(f, x)]
-    assert all(step.rule is not _taylor_generic._generic for step in plan.steps)
+@pytest.mark.parametrize(
+    "g", [lambda h: 1 - h * h, lambda h: torch.rsub(h.sin(), 2.0, alpha=3), lambda h: 2 - h]
+)
+def test_a_number_minus_the_value(g):
+    """``rsub`` (``1 - h``, in the derivative of tanh as a user writes it) by its own rule."""
+    _check_own_rules(g, shared=False)
 
 
 def test_functional_parameters(monkeypatch):

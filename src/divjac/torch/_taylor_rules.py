@@ -259,6 +259,17 @@ def _scalar_rule(
     return y, _map(a, lambda t: node.target(t, *args[1:], **kwargs))  # type: ignore[operator]
 
 
+@_rule(aten.rsub.Scalar)
+def _reflected_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    """A number minus the value (``1 - h``: ``c - alpha h``): the terms times ``-alpha``."""
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.needed(node.args[0])
+    alpha = args[2] if len(args) > 2 else kwargs.get("alpha", 1)
+    return y, _map(a, lambda t: t * -alpha)
+
+
 @_rule(aten.add.Scalar, aten.sub.Scalar, aten.clone.default, aten.alias.default)
 def _shifted_rule(
     sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
