@@ -35,7 +35,9 @@ def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     dims = tuple(range(-len(normalized_shape), 0))
     mean = x.mean(dims, keepdim=True)
     var = x.var(dims, unbiased=False, keepdim=True)
-    return (x - mean) / torch.sqrt(var + eps) * weight + bias
+    y = (x - mean) / torch.sqrt(var + eps)
+    y = y if weight is None else y * weight
+    return y if bias is None else y + bias
 
 
 class _Composed(TorchFunctionMode):
@@ -431,6 +433,129 @@ def test_elements_taken_along_an_axis(g, shared):
     """``select``, ``slice`` and ``squeeze`` by their own rules (not the generic one), on
     directions shared by the samples (broadcast along the batch axis) or per sample."""
     _check_own_rules(g, shared)
+
+
+_ONES = torch.ones(2, 1, dtype=D)
+_PICK = torch.tensor([2, 0, 2])
+_GATHER = torch.tensor([[3, 0, 0], [1, 2, 3]])
+_MASK = torch.tensor([True, False, True, True])
+_ROWS = torch.tensor([[True, False, True, True], [False, False, False, True]])
+
+
+@pytest.mark.parametrize(
+    "g",
+    [
+        lambda h: torch.cat([h, h.sin(), _ONES], 1),
+        lambda h: torch.cat([h[:, None, :2], h[:, None, 2:] ** 2], -1)[:, 0],
+        lambda h: torch.cat([h[:1], h[1:].cos()], 0),
+        lambda h: torch.stack([h, h.cos()], 1),
+        lambda h: torch.stack([h[:, 0], _ONES[:, 0], h[:, 3] ** 2], -1),
+        lambda h: torch.where(h > 0, h.sin(), h * h),
+        lambda h: torch.where(h > 0.2, h, 0.0).exp(),
+        lambda h: torch.where(_ROWS, 1.0, h.sin()),
+        lambda h: h.masked_fill(h > 0.3, -1.0).exp(),
+        lambda h: h.flip(-1) * h,
+        lambda h: h.reshape(-1, 2, 2).flip(1, 2).exp(),
+        lambda h: h.roll(1, -1) * h,
+        lambda h: h.reshape(-1, 2, 2).roll((1, -1), (1, 2)).sin(),
+        lambda h: h.repeat(1, 2) * h.repeat(1, 2).sin(),
+        lambda h: h[:, None].repeat(1, 3, 1).cos(),
+        lambda h: h.repeat(2, 1, 1).transpose(0, 1).exp(),
+        lambda h: h.index_select(1, _PICK).sin(),
+        lambda h: h.gather(1, _GATHER) ** 2,
+        lambda h: h[:, _PICK] * h[:, _MASK].sum(1, keepdim=True),
+        lambda h: h.reshape(-1, 2, 2)[:, _PICK[:2] // 2, _PICK[1:] // 2].exp(),
+        lambda h: torch.cat(h.split(3, 1)[::-1], 1).sin(),
+        lambda h: h.split([1, 3], 1)[1] * h.unbind(1)[0][:, None],
+        lambda h: torch.stack(h.unbind(1)[::-1], 1) ** 2,
+        lambda h: F.pad(h, (1, 2), value=3.0).sin(),
+        lambda h: F.pad(h.reshape(-1, 2, 2), (-1, 1, 1, 0)).exp(),
+    ],
+)
+@pytest.mark.parametrize("shared", [True, False])
+def test_moves_of_elements(g, shared):
+    """Concatenation, stacking, selection by a condition or a mask, flips, rolls, tiling,
+    gathers, advanced indexing, splits and padding by their own rules, on shared and
+    per-sample directions."""
+    _check_own_rules(g, shared)
+
+
+@pytest.mark.parametrize(
+    "g",
+    [
+        lambda h: torch.softmax(h, -1),
+        lambda h: torch.softmax(h.reshape(-1, 2, 2), 1) * h.reshape(-1, 2, 2),
+        lambda h: torch.softmax(h.masked_fill(~_MASK, -torch.inf), -1).sin(),
+        lambda h: F.log_softmax(h, 1) ** 2,
+        lambda h: torch.logsumexp(h, 1),
+        lambda h: torch.logsumexp(h.reshape(-1, 2, 2), (1, 2), keepdim=True).exp(),
+        lambda h: torch.linalg.vector_norm(h, dim=1),
+        lambda h: h.reshape(-1, 2, 2).norm(dim=-1, keepdim=True) * h.reshape(-1, 2, 2),
+        lambda h: torch.linalg.vector_norm(h.reshape(-1, 2, 2), dim=(1, 2)).sin(),
+        lambda h: F.layer_norm(h, (4,)).sin(),
+        lambda h: F.layer_norm(h.reshape(-1, 2, 2), (2, 2), _W, _B).exp(),
+        lambda h: F.layer_norm(h.reshape(-1, 2, 2), (2,), eps=0.1) ** 2,
+    ],
+)
+@pytest.mark.parametrize("shared", [True, False])
+def test_reductions_by_their_own_formulas(g, shared):
+    """Softmax, log-softmax, log-sum-exp, the 2-norm and layer normalization by their own
+    formulas (with masked entries, over several axes, with an affine map)."""
+    _check_own_rules(g, shared)
+
+
+_W = torch.tensor([[0.5, -1.0], [2.0, 1.5]], dtype=D)
+_B = torch.tensor([[0.1, 0.0], [-0.3, 0.2]], dtype=D)
+
+
+@pytest.mark.parametrize(
+    "g",
+    [
+        F.gelu,
+        lambda h: F.gelu(3 * h, approximate="tanh"),
+        torch.erf,
+        lambda h: F.elu(2 * h, 0.7),
+        lambda h: F.selu(2 * h),
+        lambda h: F.celu(2 * h, 0.5),
+        lambda h: F.leaky_relu(h, 0.2) * h,
+    ],
+)
+def test_activations_by_their_own_derivatives(g):
+    _check_own_rules(g, shared=False)
+
+
+@pytest.mark.parametrize(
+    "g",
+    [
+        lambda h: (
+            h.reshape(-1, 2, 1, 2)[:, _PICK[1:] // 2, :, _PICK[:2] // 2].transpose(0, 1).sin()
+        ),
+        lambda h: torch.linalg.vector_norm(h, 3, dim=1),
+    ],
+)
+def test_the_generic_rule_where_the_own_ones_do_not_apply(g):
+    """Indices apart from each other and a norm of another order go to the generic rule,
+    which gets them right."""
+    lin = nn.Linear(3, 4).to(D)
+    x = _randn(2, 3, seed=29)
+    _check(lambda x: g(torch.tanh(lin(x))), x, _randn(2, 2, 3, seed=30), collapse=False)
+
+
+@pytest.mark.parametrize(
+    "u",
+    [
+        lambda x: (torch.tanh(x).roll(2) * x).sin().sum(),  # rolled as flattened
+        lambda x: F.layer_norm(x.tanh(), (2,), x.sum(0).sin(), x[0].cos()).exp().sum(),
+    ],
+)
+def test_across_the_whole_value(u):
+    """``roll`` without axes (of the flattened value) and a layer normalization with a
+    dependent weight and bias (the generic rule), in unbatched functions: the Laplacian
+    against the trace of the Hessian by reverse over reverse (normalizations composed)."""
+    x = _randn(3, 2, seed=31)
+    with _Composed():
+        want = jacrev(jacrev(u))(x).reshape(6, 6).trace()
+    torch.testing.assert_close(laplacian(u, batch_axis=None)(x), want)
 
 
 @pytest.mark.parametrize(

@@ -52,13 +52,14 @@ from torch.func import jvp, vmap
 from torch.utils import _pytree as pytree
 
 from .._errors import InternalError
+from . import _taylor_moves, _taylor_rules
+from ._aten import inexact
 from ._detect import reach, trace
 from ._kernels import PlainLayouts, _ComposedNorms
 from ._passes import _Generators
 from ._reach import Reached
 from ._taylor_generic import _generic
 from ._taylor_jets import Rule, _Jet, _Sweep
-from ._taylor_rules import _RULES
 from ._traced import Traced
 
 __all__ = ["second_order_sweep"]
@@ -198,6 +199,9 @@ class _Plan:
     module_constants: bool
 
 
+# The rules by ATen operation (any other: the generic one).
+_RULES: dict[Any, Rule] = {**_taylor_rules._RULES, **_taylor_moves._RULES}
+
 # The plans of recent traces.
 _PLANS: weakref.WeakKeyDictionary[Traced, _Plan] = weakref.WeakKeyDictionary()
 
@@ -267,6 +271,13 @@ class _Program:
         if out is None:
             raise InternalError("an ATen graph without output")
         return values[out], jets.get(out)
+
+
+def _discrete(node: torch.fx.Node) -> bool:
+    """Whether the node's value is a tensor of integers or booleans (a comparison, an index):
+    no terms, computed as a constant is."""
+    val = node.meta.get("val")
+    return isinstance(val, Tensor) and not inexact(val)
 
 
 def _traced(f: Callable[[Tensor], Tensor], x: Tensor) -> Traced:
@@ -388,7 +399,7 @@ def _plan(traced: Traced, graph: torch.fx.Graph | None = None) -> _Plan:
             steps.append(_Step(node, "getitem", inputs))
             if inputs[0] in dependent:
                 dependent.add(node)
-        elif any(a in dependent for a in inputs):
+        elif any(a in dependent for a in inputs) and not _discrete(node):
             steps.append(_Step(node, "rule", inputs, _RULES.get(node.target, _generic)))
             dependent.add(node)
         else:

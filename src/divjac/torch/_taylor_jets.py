@@ -32,6 +32,20 @@ class _Jet:
 Rule = Callable[["_Sweep", torch.fx.Node, Sequence[Any], dict[str, Any]], tuple[Any, Any]]
 
 
+def registrar(table: dict[Any, Rule]) -> Callable[..., Callable[[Rule], Rule]]:
+    """A decorator that registers a rule in ``table`` for each of its ATen targets."""
+
+    def targets(*ops: Any) -> Callable[[Rule], Rule]:
+        def register(fn: Rule) -> Rule:
+            for op in ops:
+                table[op] = fn
+            return fn
+
+        return register
+
+    return targets
+
+
 class _Sweep:
     """The jets of one run, and the weighted sums over the directions."""
 

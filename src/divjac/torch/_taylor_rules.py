@@ -1,6 +1,8 @@
 """The rules of the second-order sweep of :mod:`divjac.torch._taylor`, by ATen operation
 (:data:`_RULES`): element-wise functions by their exact first and second derivatives, products
-by one contraction over the directions, linear operations on the terms; any other operation by
+by one contraction over the directions, sums and scalings on the terms, softmax, log-sum-exp,
+the 2-norm and layer normalization by their own formulas (moves of elements are in
+:mod:`~divjac.torch._taylor_moves`); any other operation by
 :func:`~divjac.torch._taylor_generic._generic`.
 """
 
@@ -13,11 +15,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from .._errors import OptionError
-from ._aten import inexact, located, storage_positions
-from ._kernels import _without_overlap
+from ._aten import dims, inexact
 from ._taylor_generic import _generic
-from ._taylor_jets import Rule, _add, _full, _Jet, _lift, _map, _scale, _Sweep
+from ._taylor_jets import Rule, _add, _full, _Jet, _lift, _map, _scale, _Sweep, registrar
 
 __all__: list[str] = []
 
@@ -26,15 +26,7 @@ aten = torch.ops.aten
 
 
 _RULES: dict[Any, Rule] = {}
-
-
-def _rule(*targets: Any) -> Callable[[Rule], Rule]:
-    def register(fn: Rule) -> Rule:
-        for t in targets:
-            _RULES[t] = fn
-        return fn
-
-    return register
+_rule = registrar(_RULES)
 
 
 def _unary(derivatives: Callable[..., tuple[Tensor, Tensor | None]]) -> Rule:
@@ -112,6 +104,33 @@ def _reciprocal(x: Tensor, y: Tensor) -> Any:
     return -y2, 2 * y2 * y
 
 
+def _gelu(x: Tensor, y: Tensor, approximate: str = "none") -> Any:
+    if approximate == "tanh":  # x (1 + tanh u) / 2 with u = c (x + k x^3)
+        c, k = math.sqrt(2 / math.pi), 0.044715
+        du = c * (1 + 3 * k * x * x)
+        t = torch.tanh(c * (x + k * x * x * x))
+        s = 1 - t * t
+        return 0.5 * (1 + t) + 0.5 * x * s * du, s * du + 0.5 * x * s * (
+            6 * c * k * x - 2 * t * du * du
+        )
+    density = torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)  # x Phi(x)
+    return 0.5 * (1 + torch.erf(x / math.sqrt(2))) + x * density, density * (2 - x * x)
+
+
+def _erf(x: Tensor, y: Tensor) -> Any:
+    d = 2 / math.sqrt(math.pi) * torch.exp(-x * x)
+    return d, -2 * x * d
+
+
+def _elu(
+    x: Tensor, y: Tensor, alpha: float = 1.0, scale: float = 1.0, input_scale: float = 1.0
+) -> Any:
+    # scale * x for x > 0, scale * alpha * (exp(input_scale x) - 1) otherwise
+    inner = scale * alpha * input_scale * torch.exp(input_scale * x)
+    positive = x > 0
+    return torch.where(positive, scale, inner), torch.where(positive, 0.0, inner * input_scale)
+
+
 _UNARY: dict[Any, Callable[..., Any]] = {
     aten.tanh.default: _tanh,
     aten.sigmoid.default: _sigmoid,
@@ -129,6 +148,14 @@ _UNARY: dict[Any, Callable[..., Any]] = {
     aten.pow.Tensor_Scalar: _pow,
     aten.relu.default: lambda x, y: ((x > 0).to(x.dtype), None),
     aten.abs.default: lambda x, y: (torch.sgn(x), None),
+    aten.leaky_relu.default: lambda x, y, slope=0.01: (
+        (x > 0).to(x.dtype) * (1 - slope) + slope,
+        None,
+    ),
+    aten.gelu.default: _gelu,
+    aten.erf.default: _erf,
+    aten.elu.default: _elu,
+    aten.celu.default: lambda x, y, alpha=1.0: _elu(x, y, alpha, 1.0, 1 / alpha),
 }
 for _op, _d in _UNARY.items():
     _RULES[_op] = _unary(_d)
@@ -306,110 +333,6 @@ def _copy_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dic
     return y, _map(b, lambda t: _lift(t, y.ndim).to(y.dtype))
 
 
-@_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-def _view_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    x = args[0]
-    y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.needed(node.args[0])
-    xs, ys = tuple(x.shape), tuple(y.shape)
-
-    def view(t: Tensor) -> Tensor:
-        # Terms constant along the batch axis stay so when the view keeps that axis.
-        if (
-            xs
-            and t.ndim == len(xs) + 1
-            and tuple(t.shape[2:]) == xs[1:]
-            and t.shape[1] == 1
-            and xs[:1] == ys[:1]
-        ):
-            return t.reshape(t.shape[0], 1, *ys[1:])
-        return _full(t, xs).reshape(t.shape[0], *ys)
-
-    return y, _map(a, view)
-
-
-@_rule(aten.permute.default)
-def _permute_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
-) -> Any:
-    x = args[0]
-    y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.needed(node.args[0])
-    dims = [0, *(int(d) % max(x.ndim, 1) + 1 for d in args[1])]
-    return y, _map(a, lambda t: _lift(t, x.ndim).permute(dims))
-
-
-@_rule(aten.t.default, aten.transpose.int)
-def _transpose_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
-) -> Any:
-    x = args[0]
-    y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.needed(node.args[0])
-    if x.ndim < 2:
-        return y, a
-    d0, d1 = (0, 1) if node.target is aten.t.default else (int(args[1]), int(args[2]))
-    d0, d1 = d0 % x.ndim + 1, d1 % x.ndim + 1
-    return y, _map(a, lambda t: _lift(t, x.ndim).transpose(d0, d1))
-
-
-@_rule(aten.expand.default)
-def _expand_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
-) -> Any:
-    y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.needed(node.args[0])
-    return y, _map(a, lambda t: _lift(t, y.ndim))
-
-
-@_rule(aten.unsqueeze.default)
-def _unsqueeze_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
-) -> Any:
-    x = args[0]
-    y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.needed(node.args[0])
-    d = int(args[1]) % (x.ndim + 1) + 1
-    return y, _map(a, lambda t: _lift(t, x.ndim).unsqueeze(d))
-
-
-@_rule(aten.select.int, aten.slice.Tensor)
-def _along_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
-) -> Any:
-    """Elements taken along one axis (``u(x)[..., 0]``, ``h[:, 1:3]``): the same taken from
-    each direction's terms, one axis further. Terms broadcast along that axis (size one) are
-    constant there: taken as they are (``select``: their one element)."""
-    x = args[0]
-    y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.needed(node.args[0])
-    if x.ndim == 0:
-        return y, a
-    dim = int(args[1] if len(args) > 1 else kwargs.get("dim", 0)) % x.ndim
-    rest = {k: v for k, v in kwargs.items() if k != "dim"}
-
-    def take(t: Tensor) -> Tensor:
-        t = _lift(t, x.ndim)
-        if t.shape[dim + 1] == x.shape[dim]:
-            return node.target(t, dim + 1, *args[2:], **rest)  # type: ignore[operator]
-        return t.select(dim + 1, 0) if node.target is aten.select.int else t
-
-    return y, _map(a, take)
-
-
-@_rule(aten.squeeze.dim, aten.squeeze.dims)
-def _squeeze_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
-) -> Any:
-    """The axes of one removed from each direction's terms too (one axis further)."""
-    x = args[0]
-    y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.needed(node.args[0])
-    dims = args[1] if isinstance(args[1], list | tuple) else [args[1]]
-    gone = [int(d) % x.ndim + 1 for d in dims if x.ndim and x.shape[int(d)] == 1]
-    return y, _map(a, lambda t: _lift(t, x.ndim).squeeze(gone))
-
-
 @_rule(aten.sum.dim_IntList, aten.mean.dim, aten.sum.default)
 def _sum_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     x = args[0]
@@ -524,66 +447,143 @@ def _conv_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dic
     return y, _map(a, conv)
 
 
-def _gathered(t: Tensor, shape: Sequence[int], index: Tensor) -> Tensor:
-    """The terms ``[*, *shape]`` of a value at its flat indices ``index`` (shaped as them)."""
-    flat = _full(t, shape).reshape(t.shape[0], -1)
-    return flat[:, index.reshape(-1)].reshape(t.shape[0], *index.shape)
+# --- reductions with their own formulas -----------------------------------------------------------
 
 
-def _strided_view(args: Sequence[Any], kwargs: dict[str, Any], at: int) -> tuple[Any, Any, int]:
-    """``(size, stride, storage_offset)`` of an ``as_strided`` family call whose size is its
-    argument ``at`` (the offset defaults to that of the first argument)."""
-    size, stride = args[at], args[at + 1]
-    offset = args[at + 2] if len(args) > at + 2 else kwargs.get("storage_offset")
-    return size, stride, int(args[0].storage_offset() if offset is None else offset)
+def _expected(p: Tensor, t: Tensor, axes: Sequence[int]) -> Tensor:
+    """``sum p t`` over ``axes`` of the terms ``t`` (kept as axes of one)."""
+    return (p * t).sum(tuple(axes), keepdim=True)
 
 
-@_rule(aten.as_strided.default, aten.as_strided_copy.default)
-def _as_strided_rule(
+def _log_partition(
+    sw: _Sweep, p: Tensor, a: _Jet, shape: Sequence[int], axes: Sequence[int]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The terms of ``L = log sum exp x`` over ``axes`` (of the terms; kept as axes of one),
+    ``p = exp(x - L)``: ``(L', c, s)`` with ``L' = E[x']``, ``c = x' - L'`` and ``s = x'' +
+    sum_k w_k c_k^2``, whose expectation is ``L''``."""
+    a1 = _full(a.first, shape).to(p.dtype)
+    first = _expected(p, a1, axes)
+    centred = a1 - first
+    spread = sw.quad(centred, centred)
+    if a.second is not None:
+        spread = spread + _full(a.second, shape).to(p.dtype)
+    return first, centred, spread
+
+
+@_rule(aten._softmax.default, aten._safe_softmax.default, aten._log_softmax.default)
+def _softmax_rule(
     sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
-    # The view reads the storage of its input: its terms are those of the input's elements at
-    # the positions it reads (a gather; vmap cannot view a batched tensor so).
+    """``y = exp(x - L)`` along one axis: ``y' = y (x' - L')``, ``y'' = y ((x' - L')^2 + x'' -
+    L'')``; ``log_softmax`` ``x - L`` likewise. Rows of ``-inf`` (masked) have zero weights."""
     x = args[0]
+    if x.is_complex() or x.ndim == 0:
+        return _generic(sw, node, args, kwargs)
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     a = sw.needed(node.args[0])
-    index, found = located(
-        storage_positions(x, *_strided_view(args, kwargs, 1)),
-        storage_positions(x, x.shape, x.stride(), int(x.storage_offset())),
-    )
-    if not bool(found.all()):
-        raise OptionError(
-            f"the second-order sweep (laplacian, hessian_diagonal) differentiates {node.target} "
-            "through its input's elements, but this one reads memory outside its input. Take "
-            "the strided view of the whole tensor the function is given."
-        )
-    return y, _map(a, lambda t: _gathered(t, x.shape, index))
+    axes = [int(args[1]) % x.ndim + 1]
+    if node.target is aten._log_softmax.default:
+        p = torch.exp(y)
+        _, centred, spread = _log_partition(sw, p, a, tuple(x.shape), axes)
+        own = None if a.second is None else _full(a.second, x.shape).to(y.dtype)
+        return y, _Jet(centred, _add(own, -_expected(p, spread, axes)))
+    _, centred, spread = _log_partition(sw, y, a, tuple(x.shape), axes)
+    return y, _Jet(y * centred, y * (spread - _expected(y, spread, axes)))
 
 
-@_rule(aten.as_strided_scatter.default)
-def _as_strided_scatter_rule(
+@_rule(aten.logsumexp.default)
+def _logsumexp_rule(
     sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
-    # The input's values, those its strided view reads replaced by src's: the terms likewise,
-    # by the storage positions of the output (laid out as the input, or contiguous where the
-    # input's elements share memory, as torch's clone_preserve_strides).
-    x, src = args[0], args[1]
+    x = args[0]
+    if x.is_complex() or x.ndim == 0:
+        return _generic(sw, node, args, kwargs)
     y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a, b = sw.jet(node.args[0]), sw.jet(node.args[1])
-    out = _without_overlap(x)
-    index, written = located(
-        storage_positions(x, out.shape, out.stride(), int(out.storage_offset())),
-        storage_positions(x, *_strided_view(args, kwargs, 2)),
-    )
-    n = y.ndim
+    a = sw.needed(node.args[0])
+    reduced = dims(args[1] if len(args) > 1 else kwargs.get("dim"), x.ndim)
+    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    log_z = torch.logsumexp(x, reduced, keepdim=True)
+    p = torch.exp(x - torch.where(torch.isneginf(log_z), 0.0, log_z))  # all -inf: zero weights
+    axes = [d + 1 for d in reduced]
+    first, _, spread = _log_partition(sw, p, a, tuple(x.shape), axes)
+    second = _expected(p, spread, axes)
+    if not keepdim:
+        first, second = first.squeeze(axes), second.squeeze(axes)
+    return y, _Jet(first, second)
 
-    def scatter(self_terms: Tensor | None, src_terms: Tensor | None) -> Tensor | None:
-        if self_terms is None and src_terms is None:
-            return None
-        kept = 0 if self_terms is None else _lift(self_terms, n)
-        put = 0 if src_terms is None else _gathered(src_terms, src.shape, index)
-        return torch.where(written, put, kept).expand(-1, *y.shape)
 
-    first = scatter(None if a is None else a.first, None if b is None else b.first)
-    second = scatter(None if a is None else a.second, None if b is None else b.second)
-    return y, _Jet(first, second)  # type: ignore[arg-type]
+@_rule(aten.linalg_vector_norm.default)
+def _norm_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """The 2-norm ``n`` over axes: ``n' = <x, x'> / n``, ``n'' = (<x, x''> + |x'|^2 - n'^2) / n``;
+    zero terms where ``n = 0`` (torch's convention for its derivative there). Other orders: the
+    generic rule."""
+    x = args[0]
+    order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dtype = kwargs.get("dtype", args[4] if len(args) > 4 else None)
+    if x.is_complex() or order != 2 or x.ndim == 0:
+        return _generic(sw, node, args, kwargs)
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.needed(node.args[0])
+    x = x if dtype is None else x.to(dtype)
+    reduced = dims(args[2] if len(args) > 2 else kwargs.get("dim"), x.ndim)
+    keepdim = bool(args[3] if len(args) > 3 else kwargs.get("keepdim", False))
+    axes = tuple(d + 1 for d in reduced)
+    n = torch.linalg.vector_norm(x, 2, reduced, keepdim=True)
+    inverse = torch.where(n == 0, 0.0, 1 / torch.where(n == 0, 1.0, n))
+    a1 = _full(a.first, x.shape).to(x.dtype)
+    first = (x * a1).sum(axes, keepdim=True) * inverse
+    second = sw.quad(a1, a1).sum(axes, keepdim=True) - sw.quad(first, first)
+    if a.second is not None:
+        second = second + (x * _full(a.second, x.shape).to(x.dtype)).sum(axes, keepdim=True)
+    second = second * inverse
+    if not keepdim:
+        first, second = first.squeeze(axes), second.squeeze(axes)
+    return y, _Jet(first, second)
+
+
+@_rule(aten.native_layer_norm.default)
+def _layer_norm_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    """``(x - m) r`` with ``r = (v + eps)^(-1/2)`` over the normalized axes (``m``, ``v``: mean
+    and biased variance), times the weight, plus the bias, composed of differentiable
+    operations (torch's kernel does not differentiate its statistics, which the terms use);
+    the mean and ``r`` as torch returns them, constants to its autograd (no terms). A
+    dependent weight or bias, or a reduced precision (computed in float32 by torch): the
+    generic rule."""
+    x, shape, weight, bias = args[0], args[1], args[2], args[3]
+    eps = args[4] if len(args) > 4 else kwargs["eps"]
+    if x.dtype not in (torch.float32, torch.float64) or any(
+        sw.jet(n) is not None for n in node.args[2:4]
+    ):
+        return _generic(sw, node, args, kwargs)
+    a = sw.needed(node.args[0])
+    reduced = tuple(range(x.ndim - len(shape), x.ndim))
+    axes = tuple(d + 1 for d in reduced)
+    mean = x.mean(reduced, keepdim=True)
+    c = x - mean
+    rstd = torch.rsqrt((c * c).mean(reduced, keepdim=True) + eps)
+    y = c * rstd
+    y = y if weight is None else y * weight
+    y = y if bias is None else y + bias
+
+    def centred(t: Tensor) -> Tensor:
+        t = _full(t, x.shape)
+        return t - t.mean(axes, keepdim=True)
+
+    c1 = centred(a.first)
+    v1 = 2 * (c * c1).mean(axes, keepdim=True)
+    r3 = rstd * rstd * rstd
+    r1 = -0.5 * r3 * v1
+    n1 = c1 * rstd + c * r1
+    v2 = 2 * sw.quad(c1, c1).mean(axes, keepdim=True)
+    c2 = None
+    if a.second is not None:
+        c2 = centred(a.second)
+        v2 = v2 + 2 * (c * c2).mean(axes, keepdim=True)
+    r2 = -0.5 * r3 * v2 + 0.75 * r3 * rstd * rstd * sw.quad(v1, v1)
+    n2 = _add(c * r2, 2 * sw.quad(c1, r1), None if c2 is None else c2 * rstd)
+    if weight is not None:
+        n1, n2 = n1 * weight, _scale(n2, weight)
+    out = (y, mean.detach(), rstd.detach())
+    return out, [_Jet(n1, n2), None, None]
