@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from torch.func import hessian, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from divjac.torch import _taylor_sparse, laplacian
 from divjac.torch._taylor import _program
@@ -31,7 +32,8 @@ def _brute(u, x):
         n = z.numel()
         return torch.diagonal(h.reshape(*out_shape, n, n), 0, -2, -1).sum(-1)
 
-    return vmap(one)(x)
+    with sdpa_kernel(SDPBackend.MATH):  # the other kernels have no forward derivative
+        return vmap(one)(x)
 
 
 def _check(u, x, rtol=1e-10):
@@ -129,9 +131,33 @@ def _mixed_ops(x):
     )
 
 
+_EMBED = _params(6, (4, 8), (8,))
+
+
+def _electrons(x):
+    """Per-electron distances (a norm over each electron's coordinates) and features, then
+    attention over the electrons (softmax of scaled dot products, as ``sdpa``'s math form)."""
+    w, v = _EMBED
+    r = x.reshape(x.shape[0], 4, 3)
+    distance = torch.linalg.vector_norm(r, dim=-1, keepdim=True)
+    h = torch.tanh(torch.cat([r, distance], -1) @ w)
+    mixed = F.scaled_dot_product_attention(h[:, None], h[:, None], h[:, None])[:, 0]
+    return (mixed @ v).sum(-1) + distance.sum((1, 2))
+
+
+def _distances(x):
+    """A sum over electrons of an MLP of each one's distance and coordinates."""
+    w, v = _EMBED
+    r = x.reshape(x.shape[0], -1, 3)
+    distance = torch.linalg.vector_norm(r, dim=-1, keepdim=True)
+    return (torch.tanh(torch.cat([r, distance], -1) @ w) @ v).sum(-1)
+
+
 @pytest.mark.parametrize(
     "name, u, d",
     [
+        ("electrons", _electrons, 12),
+        ("distances", _distances, 15),
         ("particles", _particles(6, 3, 8), 18),
         ("ferminet", _ferminet(5, 3, 8), 15),
         ("banded", _banded, 13),
@@ -160,6 +186,7 @@ def test_cost_follows_the_sparsity():
     assert _share(_particles(10, 4, 8), torch.ones(2, 40, dtype=D)) < 0.2  # 4 of 40 inputs
     assert _share(_mlp, torch.ones(2, 10, dtype=D)) >= 1.0  # dense from the first product
     assert _share(_banded, torch.ones(2, 31, dtype=D)) < 0.5
+    assert _share(_distances, torch.ones(2, 30, dtype=D)) < 0.3  # through the norms
     # A convolution takes the dense terms (its windows laid by gathers were slower than the
     # dense sweep, which runs the convolution itself).
     assert _share(_cnn, torch.ones(2, 200, dtype=D)) >= 1.0

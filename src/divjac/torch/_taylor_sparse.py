@@ -9,7 +9,7 @@ slot ``j`` is the same input in every term the step combines, and the dense swee
 the step is right as it stands (its curvature summed over the slots, zero terms adding
 nothing). The index follows element-wise operations (PyTorch's ``pointwise`` tag), moves of
 elements (views, permutations, slices, concatenation, padding: the operation itself applied
-to each slot of the index), reductions along axes (sums, means, maxima, softmax) and products
+to each slot of the index), reductions along axes (sums, means, maxima, norms, softmax) and products
 with a constant (``mm``, ``bmm``, ``mv``, ``addmm``; over a concatenation, split by
 :func:`_distributed`); any other step, or one whose output would depend on more than half the
 inputs, takes its operands dense (``d`` slots, by a scatter; a sum or mean summing in it) and
@@ -66,8 +66,10 @@ _MOVES = frozenset(
 
 # Reductions along axes (the output's element depends on the operand's along them), and the
 # operations that normalize along one axis (each output element depends on its whole line).
-_REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "logsumexp", "nansum"})
-_ALONG = frozenset({"_softmax", "_log_softmax", "softmax", "log_softmax"})
+_REDUCTIONS = frozenset(
+    {"sum", "mean", "amax", "amin", "logsumexp", "nansum", "linalg_vector_norm"}
+)
+_ALONG = frozenset({"_softmax", "_safe_softmax", "_log_softmax", "softmax", "log_softmax"})
 
 # Products ``a @ b`` with one dependent operand, and where the operands are among the args.
 _PRODUCTS = {aten.mm.default: (0, 1), aten.bmm.default: (0, 1), aten.mv.default: (0, 1),
