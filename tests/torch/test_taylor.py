@@ -28,7 +28,8 @@ def _group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
     var = g.var(-1, unbiased=False, keepdim=True)
     y = ((g - mean) / torch.sqrt(var + eps)).reshape(x.shape)
     shape = (1, -1) + (1,) * (x.ndim - 2)
-    return y * weight.reshape(shape) + bias.reshape(shape)
+    y = y if weight is None else y * weight.reshape(shape)
+    return y if bias is None else y + bias.reshape(shape)
 
 
 def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
@@ -501,6 +502,32 @@ def test_moves_of_elements(g, shared):
 def test_reductions_by_their_own_formulas(g, shared):
     """Softmax, log-softmax, log-sum-exp, the 2-norm and layer normalization by their own
     formulas (with masked entries, over several axes, with an affine map)."""
+    _check_own_rules(g, shared)
+
+
+@pytest.mark.parametrize(
+    "g",
+    [
+        lambda h: F.group_norm(h.reshape(-1, 2, 2), 2, _W[0], _B[1]).exp(),
+        lambda h: F.group_norm(h.reshape(-1, 2, 1, 2), 1).sin(),
+        lambda h: F.avg_pool1d(h[:, None], 2).exp(),
+        lambda h: F.adaptive_avg_pool2d(h.reshape(-1, 1, 2, 2) ** 2, 1),
+        lambda h: F.pad(h.reshape(-1, 1, 4), (2, 1), mode="reflect").sin(),
+        lambda h: F.pad(h.reshape(-1, 1, 2, 2), (1, 1, 0, 1), mode="replicate").exp(),
+        lambda h: F.interpolate(h.reshape(-1, 1, 2, 2), scale_factor=2).sin(),
+        lambda h: F.interpolate(h.reshape(-1, 1, 4), size=6, mode="linear").exp(),
+        lambda h: F.pixel_shuffle(h.reshape(-1, 4, 1, 1), 2).sin(),
+        lambda h: (
+            F.max_pool2d(h.reshape(-1, 1, 2, 2).exp(), (1, 2)) * h.reshape(-1, 1, 2, 2)[..., :1]
+        ),
+        lambda h: F.max_pool1d(h[:, None], 2, stride=1).sin(),
+    ],
+)
+@pytest.mark.parametrize("shared", [True, False])
+def test_convolutional_blocks(g, shared):
+    """Group normalization (standardized per sample and group, with the jets of its
+    statistics), pooling by averages and maxima, padding by reflection and replication,
+    upsampling and pixel shuffles by their own rules."""
     _check_own_rules(g, shared)
 
 

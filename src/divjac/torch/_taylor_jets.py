@@ -122,6 +122,16 @@ def _full(t: Tensor, shape: Sequence[int]) -> Tensor:
     return t if tuple(t.shape) == target else _lift(t, len(shape)).expand(target).contiguous()
 
 
+def _folded(t: Tensor, shape: Sequence[int], fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """``fn`` of each sample's value applied to the terms ``[K, *shape]`` with the directions
+    folded into the batch axis (an operation on a batch, such as a convolution or a pooling;
+    terms shared by the samples stay so)."""
+    if tuple(t.shape[2:]) != tuple(shape[1:]):
+        t = _full(t, shape)
+    out = fn(t.reshape(-1, *t.shape[2:]))
+    return out.reshape(*t.shape[:2], *out.shape[1:])
+
+
 def _map(jet: _Jet, fn: Callable[[Tensor], Tensor]) -> _Jet:
     """The jet of a linear map of the value (``fn`` maps terms with the leading axis)."""
     return _Jet(fn(jet.first), None if jet.second is None else fn(jet.second))

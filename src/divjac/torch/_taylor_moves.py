@@ -17,7 +17,7 @@ from .._errors import OptionError
 from ._aten import located, storage_positions
 from ._kernels import _without_overlap
 from ._taylor_generic import _generic
-from ._taylor_jets import Rule, _full, _Jet, _lift, _map, _Sweep, registrar
+from ._taylor_jets import Rule, _folded, _full, _Jet, _lift, _map, _Sweep, registrar
 
 __all__: list[str] = []
 
@@ -373,7 +373,7 @@ def _gather_rule(
     return y, _map(a, take)
 
 
-@_rule(aten.index.Tensor)
+@_rule(aten.index.Tensor, aten._unsafe_index.Tensor)
 def _index_rule(
     sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
@@ -443,3 +443,46 @@ def _pad_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict
         return torch.constant_pad_nd(t.expand(-1, *shape), pad, 0.0)
 
     return y, _map(a, fill)
+
+
+@_rule(
+    aten.avg_pool1d.default, aten.avg_pool2d.default, aten.avg_pool3d.default,
+    aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default,
+    aten.reflection_pad1d.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default,
+    aten.replication_pad1d.default, aten.replication_pad2d.default,
+    aten.replication_pad3d.default, aten.upsample_nearest1d.default,
+    aten.upsample_nearest2d.default, aten.upsample_nearest3d.default,
+    aten.upsample_linear1d.default, aten.upsample_bilinear2d.default,
+    aten.upsample_trilinear3d.default, aten.upsample_bicubic2d.default,
+    aten.pixel_shuffle.default, aten.pixel_unshuffle.default,
+)  # fmt: skip
+def _per_sample_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    """A linear operation on each sample of a batch (pooling by averages, padding by
+    reflection or replication, upsampling, pixel shuffles): on the terms with the directions
+    folded into the batch axis."""
+    x = args[0]
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.needed(node.args[0])
+    return y, _map(a, lambda t: _folded(t, x.shape, lambda f: node.target(f, *args[1:], **kwargs)))  # type: ignore[operator]
+
+
+@_rule(aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
+def _max_pool_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    """The maximum of each window: the terms of the element it takes (torch's indices, flat
+    within each channel's plane); a piecewise linear choice (no curvature of its own)."""
+    x = args[0]
+    values, indices = out = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.needed(node.args[0])
+    spatial = 2 if node.target is aten.max_pool2d_with_indices.default else 3
+    lead = tuple(x.shape[: x.ndim - spatial])
+
+    def take(t: Tensor) -> Tensor:
+        flat = _full(t, x.shape).reshape(t.shape[0], *lead, -1)
+        picked = flat.gather(-1, indices.reshape(1, *lead, -1).expand(t.shape[0], *lead, -1))
+        return picked.reshape(t.shape[0], *values.shape)
+
+    return out, [_map(a, take), None]

@@ -17,7 +17,18 @@ import torch.fx
 
 from ._aten import dims, inexact
 from ._taylor_generic import _generic
-from ._taylor_jets import Rule, _add, _full, _Jet, _lift, _map, _scale, _Sweep, registrar
+from ._taylor_jets import (
+    Rule,
+    _add,
+    _folded,
+    _full,
+    _Jet,
+    _lift,
+    _map,
+    _scale,
+    _Sweep,
+    registrar,
+)
 
 __all__: list[str] = []
 
@@ -438,13 +449,9 @@ def _conv_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dic
     a = sw.needed(node.args[0])
 
     def conv(t: Tensor) -> Tensor:
-        if tuple(t.shape[2:]) != tuple(x.shape[1:]):
-            t = _full(t, x.shape)
-        lead = t.shape[:2]
-        out = node.target(t.reshape(-1, *t.shape[2:]), args[1], None, *args[3:])  # type: ignore[operator]
-        return out.reshape(*lead, *out.shape[1:])
+        return node.target(t, args[1], None, *args[3:])  # type: ignore[operator]
 
-    return y, _map(a, conv)
+    return y, _map(a, lambda t: _folded(t, x.shape, conv))
 
 
 # --- reductions with their own formulas -----------------------------------------------------------
@@ -541,49 +548,90 @@ def _norm_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dic
     return y, _Jet(first, second)
 
 
+def _standardized(
+    sw: _Sweep, x: Tensor, a: _Jet, reduced: Sequence[int], eps: float
+) -> tuple[Tensor, Tensor, Tensor, list[_Jet]]:
+    """``x`` standardized over the value axes ``reduced``: ``n = (x - m) r`` with ``m`` the mean
+    and ``r = (v + eps)^(-1/2)`` (``v`` the biased variance), composed of differentiable
+    operations; ``(n, m, r)`` (``m`` and ``r`` kept as axes of one) and their jets."""
+    axes = tuple(d + 1 for d in reduced)
+    mean = x.mean(tuple(reduced), keepdim=True)
+    c = x - mean
+    rstd = torch.rsqrt((c * c).mean(tuple(reduced), keepdim=True) + eps)
+
+    def centred(t: Tensor) -> tuple[Tensor, Tensor]:
+        t = _full(t, x.shape)
+        m = t.mean(axes, keepdim=True)
+        return m, t - m
+
+    m1, c1 = centred(a.first)
+    v1 = 2 * (c * c1).mean(axes, keepdim=True)
+    r3 = rstd * rstd * rstd
+    r1 = -0.5 * r3 * v1
+    v2 = 2 * sw.quad(c1, c1).mean(axes, keepdim=True)
+    m2 = c2 = None
+    if a.second is not None:
+        m2, c2 = centred(a.second)
+        v2 = v2 + 2 * (c * c2).mean(axes, keepdim=True)
+    r2 = -0.5 * r3 * v2 + 0.75 * r3 * rstd * rstd * sw.quad(v1, v1)
+    n2 = _add(c * r2, 2 * sw.quad(c1, r1), None if c2 is None else c2 * rstd)
+    jets = [_Jet(c1 * rstd + c * r1, n2), _Jet(m1, m2), _Jet(r1, r2)]
+    return c * rstd, mean, rstd, jets
+
+
+def _affine(n: Tensor, jet: _Jet, weight: Tensor | None, bias: Tensor | None) -> Any:
+    """``n * weight + bias`` (either ``None``: none) and its jet."""
+    y = n if weight is None else n * weight
+    y = y if bias is None else y + bias
+    if weight is None:
+        return y, jet
+    return y, _Jet(jet.first * weight, _scale(jet.second, weight))
+
+
+def _norm_by_rule(sw: _Sweep, node: torch.fx.Node, x: Tensor) -> bool:
+    """Whether a normalization is swept by its own rule: a weight and bias that do not depend
+    on the input, in single or double precision (torch computes others in float32)."""
+    return x.dtype in (torch.float32, torch.float64) and all(
+        sw.jet(n) is None for n in node.args[1:]
+    )
+
+
 @_rule(aten.native_layer_norm.default)
 def _layer_norm_rule(
     sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
-    """``(x - m) r`` with ``r = (v + eps)^(-1/2)`` over the normalized axes (``m``, ``v``: mean
-    and biased variance), times the weight, plus the bias, composed of differentiable
-    operations (torch's kernel does not differentiate its statistics, which the terms use);
-    the mean and ``r`` as torch returns them, constants to its autograd (no terms). A
-    dependent weight or bias, or a reduced precision (computed in float32 by torch): the
-    generic rule."""
+    """Standardized over the normalized axes, times the weight, plus the bias; the mean and
+    ``r`` as torch returns them, constants to its autograd (its kernel does not differentiate
+    them): no terms."""
     x, shape, weight, bias = args[0], args[1], args[2], args[3]
-    eps = args[4] if len(args) > 4 else kwargs["eps"]
-    if x.dtype not in (torch.float32, torch.float64) or any(
-        sw.jet(n) is not None for n in node.args[2:4]
-    ):
+    if not _norm_by_rule(sw, node, x):
         return _generic(sw, node, args, kwargs)
-    a = sw.needed(node.args[0])
-    reduced = tuple(range(x.ndim - len(shape), x.ndim))
-    axes = tuple(d + 1 for d in reduced)
-    mean = x.mean(reduced, keepdim=True)
-    c = x - mean
-    rstd = torch.rsqrt((c * c).mean(reduced, keepdim=True) + eps)
-    y = c * rstd
-    y = y if weight is None else y * weight
-    y = y if bias is None else y + bias
+    eps = args[4] if len(args) > 4 else kwargs["eps"]
+    reduced = range(x.ndim - len(shape), x.ndim)
+    n, mean, rstd, jets = _standardized(sw, x, sw.needed(node.args[0]), reduced, eps)
+    y, jet = _affine(n, jets[0], weight, bias)
+    return (y, mean.detach(), rstd.detach()), [jet, None, None]
 
-    def centred(t: Tensor) -> Tensor:
-        t = _full(t, x.shape)
-        return t - t.mean(axes, keepdim=True)
 
-    c1 = centred(a.first)
-    v1 = 2 * (c * c1).mean(axes, keepdim=True)
-    r3 = rstd * rstd * rstd
-    r1 = -0.5 * r3 * v1
-    n1 = c1 * rstd + c * r1
-    v2 = 2 * sw.quad(c1, c1).mean(axes, keepdim=True)
-    c2 = None
-    if a.second is not None:
-        c2 = centred(a.second)
-        v2 = v2 + 2 * (c * c2).mean(axes, keepdim=True)
-    r2 = -0.5 * r3 * v2 + 0.75 * r3 * rstd * rstd * sw.quad(v1, v1)
-    n2 = _add(c * r2, 2 * sw.quad(c1, r1), None if c2 is None else c2 * rstd)
-    if weight is not None:
-        n1, n2 = n1 * weight, _scale(n2, weight)
-    out = (y, mean.detach(), rstd.detach())
-    return out, [_Jet(n1, n2), None, None]
+@_rule(aten.native_group_norm.default)
+def _group_norm_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    """Standardized per sample and group of channels, times the weight, plus the bias (per
+    channel); the mean and ``r`` ``[N, groups]`` with their jets (torch differentiates them)."""
+    x, weight, bias, groups, eps = args[0], args[1], args[2], int(args[6]), args[7]
+    if not _norm_by_rule(sw, node, x):
+        return _generic(sw, node, args, kwargs)
+    lead = tuple(x.shape[:1])
+    grouped = (*lead, groups, -1)
+    a = _map(sw.needed(node.args[0]), lambda t: _full(t, x.shape).reshape(t.shape[0], *grouped))
+    n, mean, rstd, jets = _standardized(sw, x.reshape(grouped), a, [2], eps)
+    per_channel = (-1, *([1] * (x.ndim - 2)))
+    y, jet = _affine(
+        n.reshape(x.shape),
+        _map(jets[0], lambda t: t.reshape(t.shape[0], *x.shape)),
+        None if weight is None else weight.reshape(per_channel),
+        None if bias is None else bias.reshape(per_channel),
+    )
+    stats = [_map(j, lambda t: t.reshape(t.shape[:3])) for j in jets[1:]]
+    return (y, mean.reshape(*lead, groups), rstd.reshape(*lead, groups)), [jet, *stats]
