@@ -521,13 +521,30 @@ def test_reductions_by_their_own_formulas(g, shared):
             F.max_pool2d(h.reshape(-1, 1, 2, 2).exp(), (1, 2)) * h.reshape(-1, 1, 2, 2)[..., :1]
         ),
         lambda h: F.max_pool1d(h[:, None], 2, stride=1).sin(),
+        lambda h: h.clamp(-0.3, 0.4).exp() * h,
+        lambda h: torch.clamp_min(h, 0.1).sin() + torch.clamp_max(h, 0.2) ** 2,
+        lambda h: F.hardtanh(2 * h, -0.5, 0.5).exp() + F.relu6(3 * h) * h,
+        lambda h: torch.maximum(h, h.flip(-1).cos()) * torch.minimum(h, _ONES),
+        lambda h: torch.maximum(h, h) * h,  # a tie everywhere: half of each
+        lambda h: h.amax(-1) * h.amin(1, keepdim=True)[:, 0],
+        lambda h: h.reshape(-1, 2, 2).amax((1, 2)).exp() * h[:, 0],
+        lambda h: torch.cat([h, h], 1).amax(-1) ** 2,  # ties shared evenly
+        lambda h: h.max(1).values.sin() * h.min(-1, keepdim=True).values[:, 0],
+        lambda h: h.cumsum(1).sin(),
+        lambda h: torch.tril(h.reshape(-1, 2, 2)).exp() + torch.triu(h.reshape(-1, 2, 2), 1),
+        lambda h: h.reshape(-1, 2, 2).diagonal(0, 1, 2).exp(),
+        lambda h: torch.baddbmm(
+            h.reshape(-1, 2, 2), h.reshape(-1, 2, 2).sin(), h.reshape(-1, 2, 2), beta=0.5, alpha=2.0
+        ),
     ],
 )
 @pytest.mark.parametrize("shared", [True, False])
 def test_convolutional_blocks(g, shared):
     """Group normalization (standardized per sample and group, with the jets of its
     statistics), pooling by averages and maxima, padding by reflection and replication,
-    upsampling and pixel shuffles by their own rules."""
+    upsampling, pixel shuffles, clamps, maxima and minima (ties as torch's derivative
+    shares them), cumulative sums, triangles, diagonals and batched products with an added
+    term by their own rules."""
     _check_own_rules(g, shared)
 
 
@@ -573,12 +590,13 @@ def test_the_generic_rule_where_the_own_ones_do_not_apply(g):
     [
         lambda x: (torch.tanh(x).roll(2) * x).sin().sum(),  # rolled as flattened
         lambda x: F.layer_norm(x.tanh(), (2,), x.sum(0).sin(), x[0].cos()).exp().sum(),
+        lambda x: x.sin().max() * x.cos().min() + (x * x).sum(),  # of all elements
     ],
 )
 def test_across_the_whole_value(u):
-    """``roll`` without axes (of the flattened value) and a layer normalization with a
-    dependent weight and bias (the generic rule), in unbatched functions: the Laplacian
-    against the trace of the Hessian by reverse over reverse (normalizations composed)."""
+    """``roll`` without axes (of the flattened value), a layer normalization with a
+    dependent weight and bias (the generic rule) and the maximum of all elements, in
+    unbatched functions: the Laplacian against the trace of the Hessian by reverse over reverse (normalizations composed)."""
     x = _randn(3, 2, seed=31)
     with _Composed():
         want = jacrev(jacrev(u))(x).reshape(6, 6).trace()

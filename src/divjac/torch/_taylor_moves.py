@@ -14,7 +14,7 @@ import torch
 import torch.fx
 
 from .._errors import OptionError
-from ._aten import located, storage_positions
+from ._aten import dims, located, storage_positions
 from ._kernels import _without_overlap
 from ._taylor_generic import _generic
 from ._taylor_jets import Rule, _folded, _full, _Jet, _lift, _map, _Sweep, registrar
@@ -486,3 +486,111 @@ def _max_pool_rule(
         return picked.reshape(t.shape[0], *values.shape)
 
     return out, [_map(a, take), None]
+
+
+@_rule(aten.cumsum.default)
+def _cumsum_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    x = args[0]
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.needed(node.args[0])
+    if x.ndim == 0:
+        return y, _map(a, lambda t: t.to(y.dtype))
+    axis = int(args[1] if len(args) > 1 else kwargs["dim"]) % x.ndim + 1
+
+    def summed(t: Tensor) -> Tensor:
+        t = _lift(t, x.ndim)
+        return t.expand(*t.shape[:axis], x.shape[axis - 1], *t.shape[axis + 1 :]).cumsum(axis)
+
+    return y, _map(a, lambda t: summed(t).to(y.dtype))
+
+
+@_rule(aten.tril.default, aten.triu.default, aten.diagonal.default)
+def _triangle_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    """A triangle or a diagonal of matrices: the same of the terms' matrices."""
+    x = args[0]
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.needed(node.args[0])
+    if node.target is aten.diagonal.default:
+        names = ("offset", "dim1", "dim2")
+        given = (
+            {"offset": 0, "dim1": 0, "dim2": 1} | dict(zip(names, args[1:], strict=False)) | kwargs
+        )
+        offset, d1, d2 = given["offset"], given["dim1"] % x.ndim + 1, given["dim2"] % x.ndim + 1
+
+        def diagonal(t: Tensor) -> Tensor:
+            return _lift(t, x.ndim).expand(-1, *x.shape).diagonal(offset, d1, d2)
+
+        return y, _map(a, diagonal)
+    return y, _map(a, lambda t: node.target(_full(t, x.shape), *args[1:], **kwargs))  # type: ignore[operator]
+
+
+@_rule(aten.amax.default, aten.amin.default, aten.max.default, aten.min.default)
+def _extremum_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    """The largest (smallest) element along axes: its terms, shared evenly among ties (as
+    torch's derivative)."""
+    x = args[0]
+    y = node.target(*args, **kwargs)  # type: ignore[operator]
+    a = sw.needed(node.args[0])
+    if x.ndim == 0:
+        return y, a
+    every = node.target in (aten.max.default, aten.min.default)
+    reduced = dims(None if every else args[1] if len(args) > 1 else kwargs.get("dim"), x.ndim)
+    keepdim = not every and bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    kept = y if keepdim else y.reshape([1 if i in reduced else s for i, s in enumerate(x.shape)])
+    ties = (x == kept).to(x.dtype)
+    share = ties / ties.sum(reduced, keepdim=True)
+    axes = [d + 1 for d in reduced]
+    return y, _map(a, lambda t: (_lift(t, x.ndim) * share).sum(axes, keepdim=keepdim))
+
+
+@_rule(aten.max.dim, aten.min.dim)
+def _extremum_at_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    """The largest (smallest) element along one axis and its index: the terms at the index."""
+    x = args[0]
+    out = node.target(*args, **kwargs)  # type: ignore[operator]
+    indices = out[1]
+    a = sw.needed(node.args[0])
+    if x.ndim == 0:
+        return out, [a, None]
+    axis = int(args[1] if len(args) > 1 else kwargs["dim"]) % x.ndim
+    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    at = indices if keepdim else indices.unsqueeze(axis)
+
+    def take(t: Tensor) -> Tensor:
+        t = _lift(t, x.ndim).expand(-1, *x.shape)
+        picked = t.gather(axis + 1, at.expand(t.shape[0], *at.shape))
+        return picked if keepdim else picked.squeeze(axis + 1)
+
+    return out, [_map(a, take), None]
+
+
+@_rule(aten.maximum.default, aten.minimum.default)
+def _larger_rule(
+    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    """The larger (smaller) of two values: its terms (at a tie, half of each: torch's)."""
+    x, z = args[0], args[1]
+    y = node.target(x, z)  # type: ignore[operator]
+    n = y.ndim
+    larger = x > z if node.target is aten.maximum.default else x < z
+    w = larger.to(y.dtype) + 0.5 * (x == z).to(y.dtype)
+    a, b = sw.jet(node.args[0]), sw.jet(node.args[1])
+
+    def mix(ta: Tensor | None, tb: Tensor | None) -> Tensor | None:
+        if ta is None and tb is None:
+            return None
+        left = None if ta is None else _lift(ta, n) * w
+        right = None if tb is None else _lift(tb, n) * (1 - w)
+        return right if left is None else left if right is None else left + right
+
+    first = mix(None if a is None else a.first, None if b is None else b.first)
+    second = mix(None if a is None else a.second, None if b is None else b.second)
+    return y, _Jet(first, second)  # type: ignore[arg-type]

@@ -115,6 +115,21 @@ def _reciprocal(x: Tensor, y: Tensor) -> Any:
     return -y2, 2 * y2 * y
 
 
+def _within(x: Tensor, closed: bool, *bounds: Any, **named: Any) -> Tensor:
+    """1 where ``x`` is within the bounds (``clamp``'s ``min``, ``max``; ``hardtanh``'s
+    ``min_val``, ``max_val``: -1 and 1; ``None``: none), else 0: the derivative of a clamp
+    (torch's: the bounds count as within for ``clamp``, not for ``hardtanh``)."""
+    default = (None, None) if closed else (-1.0, 1.0)
+    low = bounds[0] if bounds else named.get("min", named.get("min_val", default[0]))
+    high = bounds[1] if len(bounds) > 1 else named.get("max", named.get("max_val", default[1]))
+    inside = torch.ones_like(x, dtype=torch.bool)
+    if low is not None:
+        inside &= x >= low if closed else x > low
+    if high is not None:
+        inside &= x <= high if closed else x < high
+    return inside.to(x.dtype)
+
+
 def _gelu(x: Tensor, y: Tensor, approximate: str = "none") -> Any:
     if approximate == "tanh":  # x (1 + tanh u) / 2 with u = c (x + k x^3)
         c, k = math.sqrt(2 / math.pi), 0.044715
@@ -167,6 +182,13 @@ _UNARY: dict[Any, Callable[..., Any]] = {
     aten.erf.default: _erf,
     aten.elu.default: _elu,
     aten.celu.default: lambda x, y, alpha=1.0: _elu(x, y, alpha, 1.0, 1 / alpha),
+    aten.clamp.default: lambda x, y, *bounds, **named: (_within(x, True, *bounds, **named), None),
+    aten.clamp_min.default: lambda x, y, low: (_within(x, True, low), None),
+    aten.clamp_max.default: lambda x, y, high: (_within(x, True, None, high), None),
+    aten.hardtanh.default: lambda x, y, *bounds, **named: (
+        _within(x, False, *bounds, **named),
+        None,
+    ),
 }
 for _op, _d in _UNARY.items():
     _RULES[_op] = _unary(_d)
@@ -421,7 +443,7 @@ def _mv_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[
     return y, _map(jet, lambda t: t.squeeze(-1))
 
 
-@_rule(aten.addmm.default)
+@_rule(aten.addmm.default, aten.baddbmm.default)
 def _addmm_rule(
     sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
