@@ -72,6 +72,20 @@ def _version(d: dict[Any, Any]) -> int:
     return int(_dict_version(d))
 
 
+def _is_value(obj: Any) -> bool:
+    """Whether ``obj`` is a value: its class defines both equality and hashing, which
+    Python's data model reserves for immutable objects (``inspect.Signature``, paths, frozen
+    dataclasses), so that an equal one stands for it in a signature."""
+    kind = type(obj)
+    if kind.__eq__ is object.__eq__ or kind.__hash__ in (None, object.__hash__):
+        return False
+    try:
+        hash(obj)
+    except TypeError:  # an unhashable part
+        return False
+    return True
+
+
 def _full(cell: types.CellType) -> bool:
     try:
         cell.cell_contents  # noqa: B018
@@ -419,6 +433,9 @@ class _Walk:
             try:
                 weakref.ref(obj)
             except TypeError:
+                if _is_value(obj):  # a value (inspect.Signature, a path): by its value
+                    sig.append(obj)
+                    return
                 # Neither walked nor identified (a library object with __slots__, e.g. an
                 # OpInfo SampleInput): the signature cannot tell two of them apart.
                 self.checkable = self.keyable = False
