@@ -433,7 +433,9 @@ class _Walk:
             try:
                 weakref.ref(obj)
             except TypeError:
-                if _is_value(obj):  # a value (inspect.Signature, a path): by its value
+                if _is_value(obj) or kind is object:
+                    # A value (inspect.Signature, a path): by its value; a bare object() (a
+                    # sentinel, stateless): by identity, held by the key.
                     sig.append(obj)
                     return
                 # Neither walked nor identified (a library object with __slots__, e.g. an
