@@ -193,6 +193,7 @@ def trace(
     static = [leaf for leaf, d in zip(leaves, dynamic, strict=True) if not d]
     reached = reach(fun, static, record=memo is not _NO_MEMO)
     key = _key(fun, options, leaves, dynamic, treedef, reached)
+    _warn_uncached(fun, reached)
     cached = CACHE.get(key) if key is not None else None
     if isinstance(cached, Traced) and cached.current():
         _remember(fun, call, reached, key, cached)
@@ -397,22 +398,43 @@ def _remember(
         _MEMOS[fun] = memo
 
 
-# Per function: how many of its traces changed what it reaches (warned about at the third).
+# Per function: how many of its traces changed what it reaches, and how many could not be
+# cached (each warned about at the third).
 _OWN_CHANGES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_UNCACHED: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def _third(counts: weakref.WeakKeyDictionary[Any, int], fun: Callable[..., Any]) -> bool:
+    """Count one more for ``fun`` (by its code, for closures made anew); whether it is the
+    third (never for a callable that cannot be weakly referenced)."""
+    owner = getattr(fun, "__code__", None) or getattr(fun, "__func__", fun)
+    try:
+        count = counts.get(owner, 0) + 1
+        counts[owner] = count
+    except TypeError:  # not weakly referenceable
+        return False
+    return count == 3
+
+
+def _warn_uncached(fun: Callable[..., Any], reached: Reached) -> None:
+    """Warn (once per function) when its traces cannot be cached, call after call."""
+    if reached.keyable or not _third(_UNCACHED, fun):
+        return
+    name = getattr(fun, "__qualname__", type(fun).__qualname__)
+    warnings.warn(
+        f"divjac: {name} reaches an object of type {reached.opaque} that divjac can neither "
+        "follow, nor hold by a weak reference, nor compare by value, so it cannot tell whether "
+        "it changed: the function is traced again at every call (slow). Keep such objects out "
+        "of what the transformed function reaches (pass what it reads as arguments).",
+        RetraceWarning,
+        stacklevel=5,
+    )
 
 
 def _check_own_changes(fun: Callable[..., Any], before: Reached, after: Reached) -> None:
     """Warn (once per function) when running ``fun`` changes the state it reaches, trace after
     trace: its next call cannot reuse the trace (the cache key changed), nor any later one."""
-    if after.signature == before.signature:
-        return
-    owner = getattr(fun, "__code__", None) or getattr(fun, "__func__", fun)
-    try:
-        count = _OWN_CHANGES.get(owner, 0) + 1
-        _OWN_CHANGES[owner] = count
-    except TypeError:  # not weakly referenceable
-        return
-    if count != 3:
+    if after.signature == before.signature or not _third(_OWN_CHANGES, fun):
         return
     pairs = zip(before.signature, after.signature, strict=False)
     changed = next((i for i, (a, b) in enumerate(pairs) if a != b), len(before.signature))

@@ -239,8 +239,9 @@ class Reached:
         checks: with ``record``, what tells that nothing the walk read has changed.
         lists: per list met, in the order met, what its items were (numbers and strings
             themselves, other objects by ``id``; ``None`` for a log).
-        keyable: whether the signature holds everything found (``False`` when an object was
-            neither walked nor weakly referenceable: the call cannot be cached).
+        opaque: the type of the first object found that the signature cannot tell apart
+            from another (neither walked, nor weakly referenceable, nor a value): the call
+            cannot be cached (``keyable`` is false); ``None``: none found.
     """
 
     modules: tuple[nn.Module, ...]
@@ -250,7 +251,11 @@ class Reached:
     signature: tuple[Hashable, ...]
     checks: Checks | None = None
     lists: tuple[tuple[Any, ...] | None, ...] = ()
-    keyable: bool = True
+    opaque: str | None = None
+
+    @property
+    def keyable(self) -> bool:
+        return self.opaque is None
 
 
 # Per function (its code, the function of a method, or the callable itself; weakly): the
@@ -321,7 +326,7 @@ def reach(fun: Callable[..., Any], static: Sequence[Any], *, record: bool = Fals
         signature=tuple(walk.sig),
         checks=None if checks is None else Checks(checks),
         lists=tuple(walk.lists),
-        keyable=walk.keyable,
+        opaque=walk.opaque,
     )
 
 
@@ -372,7 +377,7 @@ class _Walk:
         self.lists: list[tuple[Any, ...] | None] = []  # see Reached.lists
         self.checks: list[tuple[Any, ...]] = []
         self.checkable = _dict_version is not None
-        self.keyable = True  # False: the signature misses something the call reaches
+        self.opaque: str | None = None  # a type: the signature misses an object of it
         self.sig: list[Any] = []  # hashable values
         self.modules: list[nn.Module] = []
         self.tensors: dict[int, torch.Tensor] = {}
@@ -440,7 +445,8 @@ class _Walk:
                     return
                 # Neither walked nor identified (a library object with __slots__, e.g. an
                 # OpInfo SampleInput): the signature cannot tell two of them apart.
-                self.checkable = self.keyable = False
+                self.checkable = False
+                self.opaque = self.opaque or f"{kind.__module__}.{kind.__qualname__}"
                 return
             sig.append(id(obj))
             self.identified.append(obj)
