@@ -137,6 +137,26 @@ def test_compiled_module_is_unwrapped() -> None:
     torch.testing.assert_close(dj.jacobian(compiled)(x), dj.jacobian(net)(x))
 
 
+def test_a_compiled_module_inside_the_function() -> None:
+    """A closure that calls a ``torch.compile``d module: divjac's trace failed (dynamo refuses
+    a symbolic trace of it: "Detected that you are using FX to symbolically trace a
+    dynamo-optimized function"); it now traces the module's own code, and every transform
+    gives the eager module's numbers."""
+    net = _mlp()
+    x = _x()
+    compiled = torch.compile(net, backend="aot_eager")
+    torch.testing.assert_close(
+        dj.divergence(lambda z: compiled(z).tanh())(x), dj.divergence(lambda z: net(z).tanh())(x)
+    )
+    for mode in ("fwd", "rev"):
+        got = dj.jacobian(lambda z: 2 * compiled(z), mode=mode)(x)
+        torch.testing.assert_close(got, dj.jacobian(lambda z: 2 * net(z))(x))
+    torch.testing.assert_close(
+        dj.laplacian(lambda z: compiled(z).sin().sum(-1))(x),
+        dj.laplacian(lambda z: net(z).sin().sum(-1))(x),
+    )
+
+
 @pytest.mark.slow
 def test_attention_and_layer_norm_compile() -> None:
     """A transformer block: the math attention kernel and the composed layer norms of the

@@ -572,3 +572,23 @@ def test_a_stale_pattern_is_refused():
         jacobian_from_pattern(f, coupled)(x)
     with pytest.raises(divjac.PatternTypeError, match="SparsityPattern"):
         divergence_from_pattern(f, coupled.csr)(x)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.[a-z_]+` is deprecated")
+@pytest.mark.parametrize("script", ["script", "trace"])
+def test_torchscript_is_refused(script):
+    """A TorchScript module (``torch.jit.script`` or ``trace``) runs its own autograd graph:
+    PyTorch's forward-mode derivatives through it are dropped (``jacfwd`` wrong, second
+    derivatives zero: a Laplacian of 0.0 for -0.20), and the walk's checks crashed on its
+    views of C++ state (``dict_version expects a dict``). Every transform refuses it, naming
+    the way out, in a closure too."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 3)).double().eval()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    module = torch.jit.script(eager) if script == "script" else torch.jit.trace(eager, x)
+    with pytest.raises(divjac.UnsupportedOperationError, match="before scripting"):
+        divergence(module)(x)
+    with pytest.raises(divjac.UnsupportedOperationError, match="TorchScript"):
+        jacobian(lambda z: module(z) * 2, mode="fwd")(x)
+    with pytest.raises(divjac.UnsupportedOperationError, match="TorchScript"):
+        divjac.torch.laplacian(lambda z: module(z).sin().sum(-1))(x)

@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -505,6 +506,7 @@ def _trace_graph(
                     torch.random.fork_rng(rng_devices, device_type=device_type),
                     plain_kernels(),
                     NoFastPaths(),
+                    _compiled_inlined(),
                 ):
                     if mode == "fake":
                         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -521,6 +523,20 @@ def _trace_graph(
             except Exception as err:
                 errors.append(err)
     raise errors[-1] if len(errors) > 2 else errors[0]
+
+
+@contextlib.contextmanager
+def _compiled_inlined() -> Iterator[None]:
+    """``torch.compile``'d modules and functions that ``f`` calls traced through their own code
+    (dynamo refuses a symbolic trace of them by default; loaded only when the caller has),
+    without dynamo's notice about global module hooks (the trace's own, removed after it)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        yield
+        return
+    with dynamo.config.patch(error_on_nested_fx_trace=False), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Using `torch.compile\\(module\\)` when there are global")
+        yield
 
 
 def _functional_trace(

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .._errors import UnsupportedOperationError
+
 __all__ = [
     "Reached",
     "any_dead",
@@ -400,6 +402,16 @@ class _Walk:
         if kind is tuple and _atoms(obj):
             sig.append(obj)  # kernel sizes, paddings: whatever the depth
             return
+        if isinstance(obj, torch.jit.ScriptModule | torch.jit.ScriptFunction):
+            raise UnsupportedOperationError(
+                f"the function reaches a TorchScript {kind.__name__} (torch.jit.script or "
+                "torch.jit.trace). TorchScript runs its own autograd graph: PyTorch's "
+                "forward-mode derivatives through it are silently dropped (torch.func.jacfwd "
+                "of a scripted MLP is wrong, and its second derivatives are zero), so divjac's "
+                "forward passes, Laplacians and sparsity would be wrong. Pass the module or "
+                "function before scripting (TorchScript is deprecated; torch.compile of the "
+                "step that calls divjac is supported)."
+            )
         if isinstance(obj, type | types.ModuleType | types.BuiltinFunctionType) or (
             isinstance(obj, types.FunctionType) and library(obj)
         ):
