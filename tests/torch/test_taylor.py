@@ -496,12 +496,17 @@ def test_moves_of_elements(g, shared):
         lambda h: F.layer_norm(h, (4,)).sin(),
         lambda h: F.layer_norm(h.reshape(-1, 2, 2), (2, 2), _W, _B).exp(),
         lambda h: F.layer_norm(h.reshape(-1, 2, 2), (2,), eps=0.1) ** 2,
+        lambda h: h.var(-1) * h[:, 0],
+        lambda h: h.reshape(-1, 2, 2).std((1, 2), keepdim=True).exp(),
+        lambda h: torch.stack(torch.var_mean(h, 1, correction=0), -1).sin(),
+        lambda h: torch.stack(torch.std_mean(h.reshape(-1, 2, 2), 1, keepdim=True), -1).exp(),
     ],
 )
 @pytest.mark.parametrize("shared", [True, False])
 def test_reductions_by_their_own_formulas(g, shared):
-    """Softmax, log-softmax, log-sum-exp, the 2-norm and layer normalization by their own
-    formulas (with masked entries, over several axes, with an affine map)."""
+    """Softmax, log-softmax, log-sum-exp, the 2-norm, layer normalization, variances and
+    deviations by their own formulas (with masked entries, over several axes, with an
+    affine map)."""
     _check_own_rules(g, shared)
 
 
@@ -562,10 +567,41 @@ _B = torch.tensor([[0.1, 0.0], [-0.3, 0.2]], dtype=D)
         lambda h: F.selu(2 * h),
         lambda h: F.celu(2 * h, 0.5),
         lambda h: F.leaky_relu(h, 0.2) * h,
+        torch.sinh,
+        torch.cosh,
+        torch.tan,
+        torch.atan,
+        torch.atanh,
+        torch.asin,
+        torch.acos,
+        lambda h: torch.asinh(3 * h),
+        lambda h: torch.log2(1.5 + h) + torch.log10(2 + h),
+        torch.exp2,
+        lambda h: F.mish(2 * h),
+        lambda h: F.hardswish(4 * h),
     ],
 )
 def test_activations_by_their_own_derivatives(g):
     _check_own_rules(g, shared=False)
+
+
+def test_hardsigmoid_as_its_composed_form():
+    """``hardsigmoid`` (``relu6(x + 3) / 6``; torch has no second derivative of it, so no
+    brute force) by its own rule equals the sweep of its composed form (whose rules are
+    checked against brute force above)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 4).to(D)
+    x, v = _randn(5, 3, seed=29), _randn(2, 5, 3, seed=30)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return F.hardsigmoid(4 * lin(x)) * lin(x)
+
+    got = second_order_sweep(f, x, v)
+    want = second_order_sweep(lambda x: F.relu6(4 * lin(x) + 3) / 6 * lin(x), x, v)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
+    plan = _taylor._PLANS[_taylor._traced(f, x)]
+    assert all(step.rule is not _taylor_generic._generic for step in plan.steps)
 
 
 @pytest.mark.parametrize(

@@ -52,7 +52,7 @@ from torch.func import jvp, vmap
 from torch.utils import _pytree as pytree
 
 from .._errors import InternalError
-from . import _taylor_moves, _taylor_rules
+from . import _taylor_moves, _taylor_reductions, _taylor_rules
 from ._aten import inexact
 from ._detect import reach, trace
 from ._kernels import PlainLayouts, _ComposedNorms
@@ -200,7 +200,11 @@ class _Plan:
 
 
 # The rules by ATen operation (any other: the generic one).
-_RULES: dict[Any, Rule] = {**_taylor_rules._RULES, **_taylor_moves._RULES}
+_RULES: dict[Any, Rule] = {
+    **_taylor_rules._RULES,
+    **_taylor_moves._RULES,
+    **_taylor_reductions._RULES,
+}
 
 # The plans of recent traces.
 _PLANS: weakref.WeakKeyDictionary[Traced, _Plan] = weakref.WeakKeyDictionary()

@@ -1,8 +1,8 @@
 """The rules of the second-order sweep of :mod:`divjac.torch._taylor`, by ATen operation
 (:data:`_RULES`): element-wise functions by their exact first and second derivatives, products
-by one contraction over the directions, sums and scalings on the terms, softmax, log-sum-exp,
-the 2-norm and layer normalization by their own formulas (moves of elements are in
-:mod:`~divjac.torch._taylor_moves`); any other operation by
+by one contraction over the directions, sums and scalings on the terms (moves of elements are
+in :mod:`~divjac.torch._taylor_moves`, softmax, norms and normalizations in
+:mod:`~divjac.torch._taylor_reductions`); any other operation by
 :func:`~divjac.torch._taylor_generic._generic`.
 """
 
@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 
-from ._aten import dims, inexact
+from ._aten import inexact
 from ._taylor_generic import _generic
 from ._taylor_jets import (
     Rule,
@@ -143,6 +144,22 @@ def _gelu(x: Tensor, y: Tensor, approximate: str = "none") -> Any:
     return 0.5 * (1 + torch.erf(x / math.sqrt(2))) + x * density, density * (2 - x * x)
 
 
+def _mish(x: Tensor, y: Tensor) -> Any:
+    # x tanh(softplus(x)): with t = tanh(softplus(x)), s = sigmoid(x), t' = (1 - t^2) s
+    s = torch.sigmoid(x)
+    t = torch.tanh(F.softplus(x))
+    u = 1 - t * t
+    return t + x * u * s, u * (2 * s + x * s * (1 - s) - 2 * x * t * s * s)
+
+
+def _inverse_trig(x: Tensor, sign: float, plus: bool) -> Any:
+    """``asin``/``acos`` (``1 - x^2``) and ``asinh`` (``1 + x^2``): ``sign / sqrt(q)`` and its
+    derivative ``-sign q' / (2 q^(3/2))``."""
+    q = 1 + x * x if plus else 1 - x * x
+    r = torch.rsqrt(q)
+    return sign * r, (-sign if plus else sign) * x * r * r * r
+
+
 def _erf(x: Tensor, y: Tensor) -> Any:
     d = 2 / math.sqrt(math.pi) * torch.exp(-x * x)
     return d, -2 * x * d
@@ -182,6 +199,19 @@ _UNARY: dict[Any, Callable[..., Any]] = {
     aten.erf.default: _erf,
     aten.elu.default: _elu,
     aten.celu.default: lambda x, y, alpha=1.0: _elu(x, y, alpha, 1.0, 1 / alpha),
+    aten.sinh.default: lambda x, y: (torch.cosh(x), y),
+    aten.cosh.default: lambda x, y: (torch.sinh(x), y),
+    aten.tan.default: lambda x, y: (1 + y * y, 2 * y * (1 + y * y)),
+    aten.atan.default: lambda x, y: (1 / (1 + x * x), -2 * x / ((1 + x * x) * (1 + x * x))),
+    aten.atanh.default: lambda x, y: (1 / (1 - x * x), 2 * x / ((1 - x * x) * (1 - x * x))),
+    aten.asin.default: lambda x, y: _inverse_trig(x, 1.0, plus=False),
+    aten.acos.default: lambda x, y: _inverse_trig(x, -1.0, plus=False),
+    aten.asinh.default: lambda x, y: _inverse_trig(x, 1.0, plus=True),
+    aten.log2.default: lambda x, y: (1 / (x * math.log(2)), -1 / (x * x * math.log(2))),
+    aten.log10.default: lambda x, y: (1 / (x * math.log(10)), -1 / (x * x * math.log(10))),
+    aten.exp2.default: lambda x, y: (math.log(2) * y, math.log(2) ** 2 * y),
+    aten.mish.default: _mish,
+    aten.hardsigmoid.default: lambda x, y: (((x > -3) & (x < 3)).to(x.dtype) / 6, None),
     aten.clamp.default: lambda x, y, *bounds, **named: (_within(x, True, *bounds, **named), None),
     aten.clamp_min.default: lambda x, y, low: (_within(x, True, low), None),
     aten.clamp_max.default: lambda x, y, high: (_within(x, True, None, high), None),
@@ -474,186 +504,3 @@ def _conv_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dic
         return node.target(t, args[1], None, *args[3:])  # type: ignore[operator]
 
     return y, _map(a, lambda t: _folded(t, x.shape, conv))
-
-
-# --- reductions with their own formulas -----------------------------------------------------------
-
-
-def _expected(p: Tensor, t: Tensor, axes: Sequence[int]) -> Tensor:
-    """``sum p t`` over ``axes`` of the terms ``t`` (kept as axes of one)."""
-    return (p * t).sum(tuple(axes), keepdim=True)
-
-
-def _log_partition(
-    sw: _Sweep, p: Tensor, a: _Jet, shape: Sequence[int], axes: Sequence[int]
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The terms of ``L = log sum exp x`` over ``axes`` (of the terms; kept as axes of one),
-    ``p = exp(x - L)``: ``(L', c, s)`` with ``L' = E[x']``, ``c = x' - L'`` and ``s = x'' +
-    sum_k w_k c_k^2``, whose expectation is ``L''``."""
-    a1 = _full(a.first, shape).to(p.dtype)
-    first = _expected(p, a1, axes)
-    centred = a1 - first
-    spread = sw.quad(centred, centred)
-    if a.second is not None:
-        spread = spread + _full(a.second, shape).to(p.dtype)
-    return first, centred, spread
-
-
-@_rule(aten._softmax.default, aten._safe_softmax.default, aten._log_softmax.default)
-def _softmax_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
-) -> Any:
-    """``y = exp(x - L)`` along one axis: ``y' = y (x' - L')``, ``y'' = y ((x' - L')^2 + x'' -
-    L'')``; ``log_softmax`` ``x - L`` likewise. Rows of ``-inf`` (masked) have zero weights."""
-    x = args[0]
-    if x.is_complex() or x.ndim == 0:
-        return _generic(sw, node, args, kwargs)
-    y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.needed(node.args[0])
-    axes = [int(args[1]) % x.ndim + 1]
-    if node.target is aten._log_softmax.default:
-        p = torch.exp(y)
-        _, centred, spread = _log_partition(sw, p, a, tuple(x.shape), axes)
-        own = None if a.second is None else _full(a.second, x.shape).to(y.dtype)
-        return y, _Jet(centred, _add(own, -_expected(p, spread, axes)))
-    _, centred, spread = _log_partition(sw, y, a, tuple(x.shape), axes)
-    return y, _Jet(y * centred, y * (spread - _expected(y, spread, axes)))
-
-
-@_rule(aten.logsumexp.default)
-def _logsumexp_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
-) -> Any:
-    x = args[0]
-    if x.is_complex() or x.ndim == 0:
-        return _generic(sw, node, args, kwargs)
-    y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.needed(node.args[0])
-    reduced = dims(args[1] if len(args) > 1 else kwargs.get("dim"), x.ndim)
-    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
-    log_z = torch.logsumexp(x, reduced, keepdim=True)
-    p = torch.exp(x - torch.where(torch.isneginf(log_z), 0.0, log_z))  # all -inf: zero weights
-    axes = [d + 1 for d in reduced]
-    first, _, spread = _log_partition(sw, p, a, tuple(x.shape), axes)
-    second = _expected(p, spread, axes)
-    if not keepdim:
-        first, second = first.squeeze(axes), second.squeeze(axes)
-    return y, _Jet(first, second)
-
-
-@_rule(aten.linalg_vector_norm.default)
-def _norm_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """The 2-norm ``n`` over axes: ``n' = <x, x'> / n``, ``n'' = (<x, x''> + |x'|^2 - n'^2) / n``;
-    zero terms where ``n = 0`` (torch's convention for its derivative there). Other orders: the
-    generic rule."""
-    x = args[0]
-    order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
-    dtype = kwargs.get("dtype", args[4] if len(args) > 4 else None)
-    if x.is_complex() or order != 2 or x.ndim == 0:
-        return _generic(sw, node, args, kwargs)
-    y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.needed(node.args[0])
-    x = x if dtype is None else x.to(dtype)
-    reduced = dims(args[2] if len(args) > 2 else kwargs.get("dim"), x.ndim)
-    keepdim = bool(args[3] if len(args) > 3 else kwargs.get("keepdim", False))
-    axes = tuple(d + 1 for d in reduced)
-    n = torch.linalg.vector_norm(x, 2, reduced, keepdim=True)
-    inverse = torch.where(n == 0, 0.0, 1 / torch.where(n == 0, 1.0, n))
-    a1 = _full(a.first, x.shape).to(x.dtype)
-    first = (x * a1).sum(axes, keepdim=True) * inverse
-    second = sw.quad(a1, a1).sum(axes, keepdim=True) - sw.quad(first, first)
-    if a.second is not None:
-        second = second + (x * _full(a.second, x.shape).to(x.dtype)).sum(axes, keepdim=True)
-    second = second * inverse
-    if not keepdim:
-        first, second = first.squeeze(axes), second.squeeze(axes)
-    return y, _Jet(first, second)
-
-
-def _standardized(
-    sw: _Sweep, x: Tensor, a: _Jet, reduced: Sequence[int], eps: float
-) -> tuple[Tensor, Tensor, Tensor, list[_Jet]]:
-    """``x`` standardized over the value axes ``reduced``: ``n = (x - m) r`` with ``m`` the mean
-    and ``r = (v + eps)^(-1/2)`` (``v`` the biased variance), composed of differentiable
-    operations; ``(n, m, r)`` (``m`` and ``r`` kept as axes of one) and their jets."""
-    axes = tuple(d + 1 for d in reduced)
-    mean = x.mean(tuple(reduced), keepdim=True)
-    c = x - mean
-    rstd = torch.rsqrt((c * c).mean(tuple(reduced), keepdim=True) + eps)
-
-    def centred(t: Tensor) -> tuple[Tensor, Tensor]:
-        t = _full(t, x.shape)
-        m = t.mean(axes, keepdim=True)
-        return m, t - m
-
-    m1, c1 = centred(a.first)
-    v1 = 2 * (c * c1).mean(axes, keepdim=True)
-    r3 = rstd * rstd * rstd
-    r1 = -0.5 * r3 * v1
-    v2 = 2 * sw.quad(c1, c1).mean(axes, keepdim=True)
-    m2 = c2 = None
-    if a.second is not None:
-        m2, c2 = centred(a.second)
-        v2 = v2 + 2 * (c * c2).mean(axes, keepdim=True)
-    r2 = -0.5 * r3 * v2 + 0.75 * r3 * rstd * rstd * sw.quad(v1, v1)
-    n2 = _add(c * r2, 2 * sw.quad(c1, r1), None if c2 is None else c2 * rstd)
-    jets = [_Jet(c1 * rstd + c * r1, n2), _Jet(m1, m2), _Jet(r1, r2)]
-    return c * rstd, mean, rstd, jets
-
-
-def _affine(n: Tensor, jet: _Jet, weight: Tensor | None, bias: Tensor | None) -> Any:
-    """``n * weight + bias`` (either ``None``: none) and its jet."""
-    y = n if weight is None else n * weight
-    y = y if bias is None else y + bias
-    if weight is None:
-        return y, jet
-    return y, _Jet(jet.first * weight, _scale(jet.second, weight))
-
-
-def _norm_by_rule(sw: _Sweep, node: torch.fx.Node, x: Tensor) -> bool:
-    """Whether a normalization is swept by its own rule: a weight and bias that do not depend
-    on the input, in single or double precision (torch computes others in float32)."""
-    return x.dtype in (torch.float32, torch.float64) and all(
-        sw.jet(n) is None for n in node.args[1:]
-    )
-
-
-@_rule(aten.native_layer_norm.default)
-def _layer_norm_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
-) -> Any:
-    """Standardized over the normalized axes, times the weight, plus the bias; the mean and
-    ``r`` as torch returns them, constants to its autograd (its kernel does not differentiate
-    them): no terms."""
-    x, shape, weight, bias = args[0], args[1], args[2], args[3]
-    if not _norm_by_rule(sw, node, x):
-        return _generic(sw, node, args, kwargs)
-    eps = args[4] if len(args) > 4 else kwargs["eps"]
-    reduced = range(x.ndim - len(shape), x.ndim)
-    n, mean, rstd, jets = _standardized(sw, x, sw.needed(node.args[0]), reduced, eps)
-    y, jet = _affine(n, jets[0], weight, bias)
-    return (y, mean.detach(), rstd.detach()), [jet, None, None]
-
-
-@_rule(aten.native_group_norm.default)
-def _group_norm_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
-) -> Any:
-    """Standardized per sample and group of channels, times the weight, plus the bias (per
-    channel); the mean and ``r`` ``[N, groups]`` with their jets (torch differentiates them)."""
-    x, weight, bias, groups, eps = args[0], args[1], args[2], int(args[6]), args[7]
-    if not _norm_by_rule(sw, node, x):
-        return _generic(sw, node, args, kwargs)
-    lead = tuple(x.shape[:1])
-    grouped = (*lead, groups, -1)
-    a = _map(sw.needed(node.args[0]), lambda t: _full(t, x.shape).reshape(t.shape[0], *grouped))
-    n, mean, rstd, jets = _standardized(sw, x.reshape(grouped), a, [2], eps)
-    per_channel = (-1, *([1] * (x.ndim - 2)))
-    y, jet = _affine(
-        n.reshape(x.shape),
-        _map(jets[0], lambda t: t.reshape(t.shape[0], *x.shape)),
-        None if weight is None else weight.reshape(per_channel),
-        None if bias is None else bias.reshape(per_channel),
-    )
-    stats = [_map(j, lambda t: t.reshape(t.shape[:3])) for j in jets[1:]]
-    return (y, mean.reshape(*lead, groups), rstd.reshape(*lead, groups)), [jet, *stats]
