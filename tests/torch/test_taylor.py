@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
 from torch import nn
 from torch.func import jacrev
 from torch.overrides import TorchFunctionMode
@@ -583,6 +584,54 @@ _B = torch.tensor([[0.1, 0.0], [-0.3, 0.2]], dtype=D)
 )
 def test_activations_by_their_own_derivatives(g):
     _check_own_rules(g, shared=False)
+
+
+# Value-preserving steps ``[B, 4] -> [B, 4]`` swept by their own rules, composed at random.
+_STEPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "softmax": lambda h: torch.softmax(h, -1) * 4,
+    "log_softmax": lambda h: F.log_softmax(h, 1),
+    "layer_norm": lambda h: F.layer_norm(h, (4,), _W.reshape(-1), _B.reshape(-1)),
+    "group_norm": lambda h: F.group_norm(h.reshape(-1, 2, 2), 2).reshape(-1, 4),
+    "gelu": F.gelu,
+    "mish": F.mish,
+    "cat": lambda h: torch.cat([h[:, 2:].sin(), h[:, :2]], 1),
+    "stack": lambda h: torch.stack([h, h.cos()], 1).sum(1),
+    "where": lambda h: torch.where(h > 0, h, h * h),
+    "maximum": lambda h: torch.maximum(h, h.flip(-1).sin()),
+    "cumsum": lambda h: h.cumsum(1) / 2,
+    "norm": lambda h: h * torch.linalg.vector_norm(h, dim=-1, keepdim=True),
+    "logsumexp": lambda h: h - torch.logsumexp(h, -1, keepdim=True),
+    "std": lambda h: h * h.std(-1, keepdim=True),
+    "roll": lambda h: h.roll(1, -1) * h,
+    "gather": lambda h: h.index_select(1, _PICK.flip(0)[:1].repeat(4)) + h,
+    "pad": lambda h: F.pad(h, (1, 1), mode="reflect")[:, 1:-1].exp() / 3,
+    "amax": lambda h: h * h.amax(-1, keepdim=True),
+}
+
+
+@given(
+    steps=st.lists(st.sampled_from(sorted(_STEPS)), min_size=2, max_size=4),
+    shared=st.booleans(),
+    collapse=st.booleans(),
+)
+@settings(max_examples=20)
+def test_random_compositions_of_the_own_rules(steps, shared, collapse):
+    """Random chains of the operations with their own rules (normalizations, softmax, moves,
+    selections), on shared or per-sample directions, collapsed or not, against float64
+    Hessians, with no step of the program on the generic rule."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 4).to(D)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(lin(x))
+        for name in steps:
+            h = _STEPS[name](h)
+        return h
+
+    x = _randn(2, 3, seed=31)
+    _check(f, x, _randn(2, 1 if shared else 2, 3, seed=32), collapse=collapse, atol=1e-9)
+    plan = _taylor._PLANS[_taylor._traced(f, x)]
+    assert all(step.rule is not _taylor_generic._generic for step in plan.steps)
 
 
 def test_hardsigmoid_as_its_composed_form():
