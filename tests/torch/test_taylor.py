@@ -259,7 +259,9 @@ def test_laplacian_runs_its_calls_own_trace_on_the_current_tensors(method, monke
     module's (replaced between calls) is found by tracing the function, as before."""
     traced = []
     trace_again = _taylor._traced
-    monkeypatch.setattr(_taylor, "_traced", lambda f, x: traced.append(1) or trace_again(f, x))
+    monkeypatch.setattr(
+        _taylor, "_traced", lambda f, x, *rest: traced.append(1) or trace_again(f, x, *rest)
+    )
     net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2)).to(D)
     state = {"A": _randn(2, 2, seed=20)}
     x = _randn(5, 3, seed=21)
@@ -275,6 +277,36 @@ def test_laplacian_runs_its_calls_own_trace_on_the_current_tensors(method, monke
             with torch.no_grad():
                 net[0].weight.mul_(1.5)
             state["A"] = _randn(2, 2, seed=22 + step)
+
+
+def test_a_captured_tensor_is_found_by_the_walk_that_found_the_trace(monkeypatch):
+    """A function of weights in a closure (no module: the trace cannot stand for them): the
+    walk that finds the trace of the call's bound function also finds the tensors the sweep
+    runs on (walked again before), and weights replaced between calls are used."""
+    from divjac.torch import _detect
+
+    walks = []
+    for owner in (_detect, _taylor):
+        original = owner.reach
+        monkeypatch.setattr(
+            owner, "reach", lambda *a, _o=original, **k: walks.append(1) or _o(*a, **k)
+        )
+    params = {"w": _randn(3, 5, seed=33), "v": _randn(5, seed=34)}
+
+    def u(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ params["w"]) @ params["v"]
+
+    lap = laplacian(u, method="exact")
+    x = _randn(4, 3, seed=35)
+    lap(x)
+    for step in range(3):
+        params["w"] = _randn(3, 5, seed=36 + step)  # replaced: a new tensor
+        walks.clear()
+        torch.testing.assert_close(lap(x), _hessian_traces(u, x))
+        # The call's walk of u; of its bound function, by the sparse sweep's check (which
+        # finds the trace and the tensors) and by the dense sweep (whose trace the memo finds):
+        # 4 before.
+        assert len(walks) == 3
 
 
 def test_linear_and_constant_functions():

@@ -178,12 +178,15 @@ def trace(
     x_leaf: int,
     batch_axis: int | None,
     has_aux: bool,
+    walked: list[Reached] | None = None,
 ) -> Traced:
     """Trace ``fun`` batch-first in the leaf ``x_leaf`` of its ``(args, kwargs)`` (cached).
 
     ``leaves`` and ``treedef`` are the flattened ``(args, kwargs)``. Tensor leaves are graph
     inputs; everything else is static and part of the cache key (with the signature of what
-    ``fun`` reaches), like ``jax.jit``'s. Results are cached in :data:`CACHE`.
+    ``fun`` reaches), like ``jax.jit``'s. Results are cached in :data:`CACHE`. ``walked``
+    receives the walk of what ``fun`` reaches now where this call found the trace by it (not
+    by the memo), for a caller that needs the tensors it reaches.
     """
     dynamic = [isinstance(leaf, torch.Tensor) for leaf in leaves]
     options = (x_leaf, batch_axis, has_aux)
@@ -198,6 +201,8 @@ def trace(
     cached = CACHE.get(key) if key is not None else None
     if isinstance(cached, Traced) and cached.current():
         _remember(fun, call, reached, key, cached)
+        if walked is not None:
+            walked.append(reached)
         return cached
     x_pos = sum(dynamic[:x_leaf])
     tensors = [leaf for leaf, d in zip(leaves, dynamic, strict=True) if d]

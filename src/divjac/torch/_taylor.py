@@ -284,9 +284,11 @@ def _discrete(node: torch.fx.Node) -> bool:
     return isinstance(val, Tensor) and not inexact(val)
 
 
-def _traced(f: Callable[[Tensor], Tensor], x: Tensor) -> Traced:
+def _traced(
+    f: Callable[[Tensor], Tensor], x: Tensor, walked: list[Reached] | None = None
+) -> Traced:
     leaves, treedef = pytree.tree_flatten(((x,), {}))
-    return trace(f, leaves, treedef, x_leaf=0, batch_axis=0, has_aux=False)
+    return trace(f, leaves, treedef, x_leaf=0, batch_axis=0, has_aux=False, walked=walked)
 
 
 # The generators' state when a call's first sweep of a random function began, by the call's
@@ -321,7 +323,8 @@ def _program(
         if traced is not None and len(traced.gm.graph.find_nodes(op="placeholder")) == 1
         else None
     )
-    traced = given if given is not None else _traced(f, x)
+    walked: list[Reached] = []  # the walk of f that found its trace, if one did
+    traced = given if given is not None else _traced(f, x, walked)
     if traced.draws_random or tuple(traced.out_shape[:1]) != tuple(x.shape[:1]):
         return None
     plan = _PLANS.get(traced)
@@ -337,7 +340,7 @@ def _program(
         return _Program(traced, plan, constants)
     if given is not None:  # other captured tensors: found by the walk of f, on f's own trace
         return _program(f, x)
-    found = _captured(traced, reach(f, []))
+    found = _captured(traced, walked[0] if walked else reach(f, []))
     return None if found is None else _Program(traced, plan, found)
 
 
