@@ -7,7 +7,7 @@ operation keeps that axis constant.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -262,19 +262,22 @@ def _where_rule(
     """Each element's terms from the operand the condition picks (zero: a constant's)."""
     cond = args[0]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
-    n = y.ndim
     a, b = sw.jet(node.args[1]), sw.jet(node.args[2])
+    return y, _paired(a, b, y.ndim, lambda ta, tb: torch.where(cond, ta, tb).to(y.dtype))
 
-    def pick(ta: Tensor | None, tb: Tensor | None) -> Tensor | None:
+
+def _paired(a: _Jet | None, b: _Jet | None, n: int, combine: Callable[[Any, Any], Tensor]) -> _Jet:
+    """The jet of an element-wise choice between two operands of ``n`` axes (at least one
+    dependent): ``combine`` of their terms, order by order (a constant's: ``0.0``)."""
+
+    def part(ta: Tensor | None, tb: Tensor | None) -> Tensor | None:
         if ta is None and tb is None:
             return None
-        left = 0.0 if ta is None else _lift(ta, n)
-        right = 0.0 if tb is None else _lift(tb, n)
-        return torch.where(cond, left, right).to(y.dtype)
+        return combine(0.0 if ta is None else _lift(ta, n), 0.0 if tb is None else _lift(tb, n))
 
-    first = pick(None if a is None else a.first, None if b is None else b.first)
-    second = pick(None if a is None else a.second, None if b is None else b.second)
-    return y, _Jet(first, second)  # type: ignore[arg-type]
+    first = part(None if a is None else a.first, None if b is None else b.first)
+    second = part(None if a is None else a.second, None if b is None else b.second)
+    return _Jet(first, second)  # type: ignore[arg-type]
 
 
 @_rule(aten.masked_fill.Scalar)
@@ -337,10 +340,12 @@ def _repeat_rule(
     return y, _map(a, tile)
 
 
-@_rule(aten.index_select.default)
-def _index_select_rule(
+@_rule(aten.index_select.default, aten.gather.default)
+def _select_rule(
     sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
+    """Elements taken by an index along one axis (``index_select``: whole slices, terms
+    constant along the axis kept as they are; ``gather``: one element per position)."""
     x, index = args[0], args[2]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     a = sw.needed(node.args[0])
@@ -350,25 +355,10 @@ def _index_select_rule(
 
     def take(t: Tensor) -> Tensor:
         t = _lift(t, x.ndim)
+        if node.target is aten.gather.default:
+            t = t.expand(-1, *x.shape)
+            return t.gather(axis, index.expand(t.shape[0], *index.shape))
         return t if t.shape[axis] == 1 else t.index_select(axis, index)
-
-    return y, _map(a, take)
-
-
-@_rule(aten.gather.default)
-def _gather_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
-) -> Any:
-    x, index = args[0], args[2]
-    y = node.target(*args, **kwargs)  # type: ignore[operator]
-    a = sw.needed(node.args[0])
-    if x.ndim == 0:
-        return y, _map(a, lambda t: t.reshape(t.shape[0], *y.shape))
-    axis = int(args[1]) % x.ndim + 1
-
-    def take(t: Tensor) -> Tensor:
-        t = _lift(t, x.ndim).expand(-1, *x.shape)
-        return t.gather(axis, index.expand(t.shape[0], *index.shape))
 
     return y, _map(a, take)
 
@@ -579,18 +569,7 @@ def _larger_rule(
     """The larger (smaller) of two values: its terms (at a tie, half of each: torch's)."""
     x, z = args[0], args[1]
     y = node.target(x, z)  # type: ignore[operator]
-    n = y.ndim
     larger = x > z if node.target is aten.maximum.default else x < z
     w = larger.to(y.dtype) + 0.5 * (x == z).to(y.dtype)
     a, b = sw.jet(node.args[0]), sw.jet(node.args[1])
-
-    def mix(ta: Tensor | None, tb: Tensor | None) -> Tensor | None:
-        if ta is None and tb is None:
-            return None
-        left = None if ta is None else _lift(ta, n) * w
-        right = None if tb is None else _lift(tb, n) * (1 - w)
-        return right if left is None else left if right is None else left + right
-
-    first = mix(None if a is None else a.first, None if b is None else b.first)
-    second = mix(None if a is None else a.second, None if b is None else b.second)
-    return y, _Jet(first, second)  # type: ignore[arg-type]
+    return y, _paired(a, b, y.ndim, lambda ta, tb: ta * w + tb * (1 - w))
