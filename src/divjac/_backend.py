@@ -128,6 +128,11 @@ class Backend(abc.ABC, Generic[TracedT]):
     def is_array(self, x: Any) -> bool:
         """Whether ``x`` is an array the framework differentiates."""
 
+    def differentiable(self, x: Array) -> Array:
+        """The differentiated input as the passes take it: itself (a framework whose arrays
+        can be unfit for differentiation returns a fit copy of the same values)."""
+        return x
+
     @abc.abstractmethod
     def is_array_spec(self, x: Any) -> bool:
         """Whether ``x`` describes an array in a traced function's output tree."""

@@ -285,6 +285,9 @@ def prepare(spec: Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
             f"0 on batch_axis={axis}): there is no sample to differentiate. Skip empty batches "
             "(e.g. drop_last in the data loader), or check batch_axis."
         )
+    fit = backend.differentiable(x)
+    if fit is not x:
+        x, args = fit, (*args[:argnum], fit, *args[argnum + 1 :])
     fun, has_aux = backend.functional(spec.fun), spec.has_aux
     with timing.stage("trace"):
         try:

@@ -97,6 +97,11 @@ class RetraceWarning(UserWarning):
     """A function is traced again at every call (results stay correct, calls are slow)."""
 
 
+class FastPathWarning(UserWarning):
+    """The function takes a path without gradients under ``no_grad``/``inference_mode`` whose
+    results differ from those divjac differentiates (still the derivatives of the other path)."""
+
+
 class DenseFallbackWarning(UserWarning):
     """Sparsity detection met an operation it has no rule for and assumed it dense (still correct)."""
 

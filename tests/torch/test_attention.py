@@ -8,6 +8,8 @@ per-sample; attention across the batch is coupling and is refused.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import divjac.torch as dt
-from divjac import BatchCouplingError
+from divjac import BatchCouplingError, FastPathWarning
 from divjac._core import estimators as est
 
 from ..reference import torch_diagonal_blocks
@@ -330,3 +332,37 @@ def test_unet_parameter_gradients_of_a_divergence_loss_equal_brute_force():
         got = torch.autograd.grad(div.sum(), params, materialize_grads=True)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-8, atol=1e-11)
+
+
+@pytest.mark.filterwarnings(
+    "ignore:enable_nested_tensor:UserWarning",
+    "ignore:The PyTorch API of nested tensors:UserWarning",
+)
+def test_the_nested_tensor_fast_path_of_an_encoder_is_named_where_it_differs():
+    # PyTorch's TransformerEncoder (eval, enable_nested_tensor) runs, without gradients and
+    # with a padding mask, a nested-tensor path that returns zeros at padded positions; the
+    # path with gradients (the one divjac differentiates) does not: that difference is named.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(D, HEADS, 12, dropout=0.0, batch_first=True)
+    x = torch.randn(B, L, D, dtype=torch.float64)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    mask[0, -2:] = True  # the last two tokens of sample 0 are padding
+
+    def f(nested: bool):
+        encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).double().eval()
+        return lambda z: encoder(z, src_key_padding_mask=mask)
+
+    with torch.no_grad():
+        fast = f(True)(x)
+    assert fast[0, -2:].abs().max() == 0  # PyTorch's own fast path, as the warning says
+
+    nested = f(True)
+    want = np.trace(_blocks(nested, 0, x), axis1=1, axis2=2)  # the path with gradients
+    with torch.no_grad(), pytest.warns(FastPathWarning, match="enable_nested_tensor=False"):
+        got = dt.divergence(nested)(x)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FastPathWarning)
+        dt.divergence(nested)(x)  # with gradients: the user's own path, no warning
+        with torch.no_grad():
+            dt.divergence(f(False))(x)  # no nested-tensor path: no warning

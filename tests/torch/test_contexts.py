@@ -1,6 +1,7 @@
 """The context matrix of the torch transforms (issue 22): every transform x method x mode of a
 model zoo (:mod:`tests.torch.zoo`) under ``no_grad``, ``inference_mode`` (with inference-tensor
-inputs, and a model built under it), ``enable_grad`` inside ``no_grad``, an input that requires
+inputs, and a model built under it), ``enable_grad`` inside ``no_grad``, inference-tensor inputs
+with grad on (made under ``inference_mode``, differentiated outside it), an input that requires
 grad, float32 and ``torch.compile``, each against a float64 brute force: per-sample
 ``torch.func.jacrev`` / ``hessian`` loops, and the stochastic methods with fixed probes against
 the same probes applied to the brute-force Jacobian or Hessian.
@@ -243,6 +244,7 @@ class Context:
     grad: str = "grad"  # "grad", "no_grad", "inference", "enable_grad"
     requires_grad: bool = False
     model_in_inference: bool = False  # the model (its parameters) built under inference mode
+    input_in_inference: bool = False  # the input and probes made under inference mode
     compiled: bool = False
 
     def around(self) -> contextlib.AbstractContextManager[Any]:
@@ -269,6 +271,7 @@ CONTEXTS = {
         Context("inference_mode", grad="inference"),
         Context("inference_mode_model", grad="inference", model_in_inference=True),
         Context("enable_grad", grad="enable_grad"),
+        Context("inference_input", input_in_inference=True),  # called outside inference mode
         Context("input_requires_grad", requires_grad=True),
         Context("float32", dtype=torch.float32),
         Context("compile", compiled=True),
@@ -339,7 +342,7 @@ def _model_and_input(name: str, context: Context) -> tuple[Any, torch.Tensor, to
     with torch.inference_mode(context.model_in_inference):
         f = model.make(context.dtype)
     x, probes = model.input(context.dtype), t.probes.to(context.dtype)
-    if context.grad == "inference":  # inputs made under inference mode: inference tensors
+    if context.grad == "inference" or context.input_in_inference:  # inference tensors
         with torch.inference_mode():
             x, probes = x.clone(), probes.clone()
     if context.requires_grad:

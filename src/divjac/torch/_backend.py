@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from .._backend import Backend, Linear, Point
 from .._core import plan
 from .._core.detection import LRU
-from .._errors import CompileError, OptionError
+from .._errors import CompileError, FastPathWarning, OptionError
 from . import _ddp, _taylor, _taylor_sparse
 from ._ahead import _Ahead, _compiling, _constant, _prepared
 from ._detect import trace
@@ -204,6 +204,15 @@ class TorchBackend(Backend[Traced]):
             return x
         return torch.as_tensor(x, dtype=like.dtype, device=like.device)
 
+    def differentiable(self, x: torch.Tensor) -> torch.Tensor:
+        """A tensor made under ``torch.inference_mode`` (an inference tensor), differentiated
+        outside it: a copy, which autograd records (torch refuses to differentiate the tensor
+        itself: no ``requires_grad_``, nothing saved for a backward); what users write by hand,
+        ``x.clone()``. (Under ``torch.compile``, which traces no inference tensor: itself.)"""
+        if not _compiling() and x.is_inference() and not torch.is_inference_mode_enabled():
+            return x.clone()
+        return x
+
     def moveaxis(self, x: torch.Tensor, source: int, destination: int) -> torch.Tensor:
         return x if source == destination else torch.movedim(x, source, destination)
 
@@ -246,7 +255,21 @@ class TorchBackend(Backend[Traced]):
     ) -> Traced:
         if _compiling():
             return _constant(_trace, fun, args, kwargs, argnum, batch_axis, has_aux)
-        return _trace(fun, args, kwargs, argnum, batch_axis, has_aux)
+        traced = _trace(fun, args, kwargs, argnum, batch_axis, has_aux)
+        if not torch.is_grad_enabled() and traced.nests:
+            warnings.warn(
+                "divjac: the function runs an nn.TransformerEncoder with enable_nested_tensor="
+                "True in eval mode; without gradients (no_grad, inference_mode) and with a "
+                "src_key_padding_mask, PyTorch runs its nested-tensor fast path, which returns "
+                "zeros at the padded positions, while divjac differentiates (and returns) the "
+                "path with gradients, whose values there are the layers' own: the value and "
+                "the divergence of a padded sample differ from the fast path's. Build the "
+                "encoder with enable_nested_tensor=False for one behaviour in every context, "
+                "or mask the padded positions of the results.",
+                FastPathWarning,
+                stacklevel=2,
+            )
+        return traced
 
     def ahead(self, setup: Callable[..., R], point: Point[Traced], *static: Any) -> R:
         """Under ``torch.compile``: evaluated once, when dynamo traces the call, on the call
@@ -355,6 +378,7 @@ class TorchBackend(Backend[Traced]):
     def grad_of_sum(
         self, fn: Callable[[torch.Tensor], Any], x: torch.Tensor, *, has_aux: bool
     ) -> Any:
+        x = self.differentiable(x)
         if has_aux:
             tensors_only, rebuild = _split_aux(fn)
 

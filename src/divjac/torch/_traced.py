@@ -187,6 +187,19 @@ class Traced(detection.Traced):
         )
 
     @functools.cached_property
+    def nests(self) -> bool:
+        """Whether an ``nn.TransformerEncoder`` in eval mode may take its nested-tensor fast
+        path, which PyTorch takes without gradients (``no_grad``, ``inference_mode``) and
+        with a padding mask, and which returns zeros at the padded positions where the path
+        with gradients (the one divjac differentiates) returns the layers' values."""
+        return any(
+            isinstance(m, nn.TransformerEncoder)
+            and getattr(m, "use_nested_tensor", False)
+            and not m.training
+            for m in self.modules()
+        )
+
+    @functools.cached_property
     def runs_rnn(self) -> bool:
         """Whether the function runs a recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``)."""
         return any(isinstance(m, nn.RNNBase) for m in self.modules())
