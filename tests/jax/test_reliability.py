@@ -347,6 +347,21 @@ def test_nnx_training_mode_batch_norm_and_dropout():
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_closure_over_an_nnx_module_in_training_mode_names_the_fix():
+    """nnx refuses a module's state update inside a JAX transform (its own TraceContextError);
+    where ``f`` is a closure calling the module, divjac names the two ways out."""
+    model = _TrainMode(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(19), (3, 4), jnp.float32)
+    for transform in (divergence(lambda z: model(z)), laplacian(lambda z: model(z).sum(-1))):
+        with pytest.raises(divjac.StateUpdateError, match=r"Pass the module itself.*eval mode"):
+            transform(x)
+    model.eval()  # no update: the closure is fine
+    blocks = jax_diagonal_blocks(lambda z: model(z), (x,))
+    np.testing.assert_allclose(
+        divergence(lambda z: model(z))(x), traces(blocks, (4,)), rtol=1e-5, atol=1e-6
+    )
+
+
 # --- real layers: no fallback warning, no false coupling -----------------------------------
 
 

@@ -17,6 +17,7 @@ from jax.extend import core as jcore
 
 from .._core import detection, rules as D
 from .._core.detection import LRU, EntryLimit, Propagated
+from .._errors import StateUpdateError
 from ._interpret import Interpreter
 from ._table import TABLE
 
@@ -223,6 +224,21 @@ def fingerprint(closed: Any) -> Hashable:
     return ("closed", program(closed.jaxpr), tuple(aval(c) for c in closed.consts))
 
 
+def _name_nnx_mutation(err: Exception) -> None:
+    """Raise :class:`StateUpdateError` for Flax's refusal of an nnx module's update from inside
+    a JAX transform (BatchNorm's statistics, Dropout's RNG counts in training mode), met where
+    ``f`` calls the module itself (a closure over it) rather than being the module."""
+    if type(err).__name__ != "TraceContextError" or not type(err).__module__.startswith("flax"):
+        return
+    raise StateUpdateError(
+        "divjac (JAX): the function updates the state of a Flax nnx module it calls (BatchNorm's "
+        "running statistics or Dropout's RNG counts, in training mode), which nnx refuses "
+        "inside JAX transforms. Pass the module itself (or its bound method) as the function "
+        "(divergence(model), laplacian(model.energy)): divjac calls it on a copy of its state, "
+        "leaving the module unchanged; or put the module in eval mode (model.eval())."
+    ) from err
+
+
 def trace(
     fun: Callable[..., Any],
     args: tuple[Any, ...],
@@ -266,7 +282,11 @@ def trace(
 
     avals = [jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype) for leaf in dyn]
     avals[x_pos] = xb_aval
-    closed = jax.make_jaxpr(batch_first)(*avals)
+    try:
+        closed = jax.make_jaxpr(batch_first)(*avals)
+    except Exception as err:
+        _name_nnx_mutation(err)
+        raise
     key = (fingerprint(closed), x_pos)
     variants = CACHE.get(key)
     if variants is None:
