@@ -410,6 +410,14 @@ def test_rule_error_names_the_operation():
     op = Op("myop", deps, [(2,)], n)
     with pytest.raises(R.RuleError, match="myop"):
         registry.apply(lambda op: [R.empty((3,), n)], op)
+    # a bare Deps, None, a list of arrays: named, not a TypeError from inside
+    for wrong, said in (
+        (R.empty((2,), n), r"\(2,\) \(not a list\)"),
+        (None, "NoneType"),
+        ([np.zeros(2)], r"\['ndarray'\]"),
+    ):
+        with pytest.raises(R.RuleError, match=rf"myop returned {said}"):
+            registry.apply(lambda op, wrong=wrong: wrong, op)
 
 
 def test_dense_fallback_is_recorded():

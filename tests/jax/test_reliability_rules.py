@@ -356,6 +356,28 @@ def test_registered_rule_makes_the_pattern_exact_and_replaces_cached_ones():
         sparsity(f)(X)  # a rule that returns two results for one output
 
 
+def test_a_rule_registered_after_an_eager_call_is_used_by_the_next_call():
+    """The eager call's compiled program (kept per transform and in the eager cache) holds the
+    pattern of the rules it was made with: a rule registered after it must not be ignored."""
+    from divjac import rules
+    from divjac.jax import register_rule
+
+    prim = _linear_primitive("divjac_test_reregistered_flipadd", _flip_add)
+    f = lambda x: jnp.tanh(prim.bind(x))  # noqa: E731
+    sparse = divergence(f, method="sparse")
+    want = traces(jax_diagonal_blocks(f, (X,)), (N,))
+    # A wrong rule (it misses the flip): wrong numbers, by the caller's own rule.
+    register_rule(prim, lambda op: [rules.elementwise(op.out_shapes[0], op.ins[0])])
+    assert not np.allclose(sparse(X), want)
+    register_rule(
+        prim, lambda op: [rules.union(op.ins[0], rules.rev(op.ins[0], [len(op.ins[0].shape) - 1]))]
+    )
+    np.testing.assert_allclose(sparse(X), want, rtol=1e-6)  # the same transform, the new rule
+    register_rule(prim, lambda op: [op.ins[0], op.ins[0]])
+    with pytest.raises(rules.RuleError, match="divjac_test_reregistered_flipadd"):
+        sparse(X)  # a broken rule is met, not skipped by the program made before it
+
+
 # --- 4. the first call under jax.jit -------------------------------------------------------------
 
 A = 4.0 * jnp.eye(N) + 0.1 * _normal(7, (N, N))

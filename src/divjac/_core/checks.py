@@ -155,8 +155,9 @@ def coupling_error(
     if fallbacks:
         note = (
             f" Note: the operation(s) {', '.join(sorted(fallbacks))} had no sparsity rule and were "
-            "assumed to mix all of their inputs, so this coupling may be an over-approximation; "
-            "coupling='exact' is correct either way."
+            "assumed to mix all of their inputs, so this coupling may be an over-approximation: "
+            "give them a rule with register_rule (docs/rules.md) if they act on each sample "
+            "alone; coupling='exact' is correct either way."
         )
     return BatchCouplingError(
         f"{fname}: the function mixes samples: output sample {coupling.out_sample} depends on "

@@ -6,7 +6,8 @@ linearization, every pass program and the colour and index arrays are built and 
 device at every call (seconds per call for a small LSTM's Hessian under an eager ``grad``). :func:`compiled_when_eager` runs the call as one ``jax.jit`` program
 instead, cached in :data:`CACHE` on everything the program depends on:
 
-- the transform and its options;
+- the transform and its options, and the registered rules (their
+  :func:`~divjac._core.rules.generation`: a rule registered after a call is used by the next);
 - the traced program of the caller's function at these arguments (traced anew at every call, as
   a jitted call would be while tracing: a new closure over updated weights, a module whose flags
   changed, a dict whose arrays were replaced all give the program they make now), its structure
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from .._core import rules
 from .._core.detection import LRU
 from ._detect import GRADIENT, digest, fingerprint, is_array, is_differentiated
 from ._freshness import state
@@ -87,6 +89,8 @@ def compiled_when_eager(
         except TypeError:
             return transformed(*args, **kwargs)  # an unhashable option or argument: not cached
         fresh = state(f)
+        if fresh is not None:  # the program also depends on the registered rules (patterns)
+            fresh = ((rules.generation(), fresh[0]), fresh[1])
         reused = last[0] if last else None
         if fresh is not None and reused is not None and reused.valid(fresh[0], treedef, leaves):
             dyn = [leaf for leaf, d in zip(leaves, reused.dynamic, strict=True) if d]
@@ -112,6 +116,7 @@ def compiled_when_eager(
         fixed = tuple(digest(consts[i]) for i in range(n_captured) if i not in captured)
         program_key = (
             (options, fingerprint(closed), fixed, treedef, _static_key(leaves, dynamic), skip),
+            rules.generation(),
             (tuple(dynamic), out.treedef, out.arrays),
         )
         literals = tuple(_value(c) for c in consts[n_captured:])

@@ -202,13 +202,19 @@ class Registry:
 
     def apply(self, rule: Rule, op: Op) -> list[Deps]:
         """Run a registered rule, checking that it returned one fitting result per output."""
-        out = list(rule(op))
+        result = rule(op)
+        out = list(result) if isinstance(result, list | tuple) else [result]
         shapes = [tuple(s) for s in op.out_shapes]
-        if len(out) != len(shapes) or not all(
-            isinstance(d, Deps) and d.shape == s and d.n_labels == op.n_labels
-            for d, s in zip(out, shapes, strict=False)
+        if (
+            not isinstance(result, list | tuple)
+            or len(out) != len(shapes)
+            or not all(
+                isinstance(d, Deps) and d.shape == s and d.n_labels == op.n_labels
+                for d, s in zip(out, shapes, strict=False)
+            )
         ):
-            got = [getattr(d, "shape", type(d).__name__) for d in out]
+            got = [d.shape if isinstance(d, Deps) else type(d).__name__ for d in out]
+            got = got if isinstance(result, list | tuple) else f"{got[0]} (not a list)"
             raise RuleError(
                 f"the sparsity rule registered for the {self.kind} {op.name} returned {got}; it "
                 f"must return one Deps per output, of the shapes {shapes} (with op.n_labels "
