@@ -129,8 +129,9 @@ class Backend(abc.ABC, Generic[TracedT]):
         """Whether ``x`` is an array the framework differentiates."""
 
     def differentiable(self, x: Array) -> Array:
-        """The differentiated input as the passes take it: itself (a framework whose arrays
-        can be unfit for differentiation returns a fit copy of the same values)."""
+        """An array the passes differentiate or keep for a gradient (the differentiated input,
+        the caller's probes) as they take it: itself (a framework whose arrays can be unfit
+        for differentiation returns a fit copy of the same values)."""
         return x
 
     @abc.abstractmethod

@@ -278,7 +278,7 @@ def _draw(
     B, shape = call.batch_size, call.in_sample if sample is None else sample
     n = math.prod(shape)
     if _is_probes(backend, randomness):
-        probes = backend.asarray(randomness, like=call.xb)
+        probes = backend.differentiable(backend.asarray(randomness, like=call.xb))
         axis = call.spec.batch_axis
         x_shape = stochastic.caller_shape(shape, B, axis)
         if stochastic.check_probes_shape(tuple(probes.shape), x_shape, k, fname=fname):

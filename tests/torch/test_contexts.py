@@ -425,6 +425,25 @@ def test_inference_mode_divergence_of_an_mlp_is_not_zero() -> None:
     assert bool((t.div.abs() > 1e-3).all())  # the zeros would not pass
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_probes_made_under_inference_mode_train_outside_it(k: int) -> None:
+    """Probes sampled under ``inference_mode`` (inference tensors), a training step outside
+    it: the few probes the tape pulls one by one are kept for the backward, which torch
+    refuses of an inference tensor; divjac takes a copy. The step's parameter gradients equal
+    those with ordinary probes."""
+    f, x, probes = _model_and_input("mlp", CONTEXTS["inference_input"])
+    assert probes.is_inference() and x.is_inference()
+    params = [p for p in f.parameters() if p.requires_grad]
+    grads = []
+    for p in (probes[:k], probes[:k].clone()):
+        div = dj.divergence(f, method="hutchinson", num_probes=k)(p, x)
+        grads.append(torch.autograd.grad(div.square().sum(), params, allow_unused=True))
+    for g, want in zip(*grads, strict=True):
+        assert (g is None) == (want is None)
+        if g is not None:
+            torch.testing.assert_close(g, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_call_under_inference_mode_then_with_gradients(case: str) -> None:
     """A CNF evaluated under ``inference_mode`` and then trained: what the first call cached

@@ -202,11 +202,12 @@ class Registry:
 
     def apply(self, rule: Rule, op: Op) -> list[Deps]:
         """Run a registered rule, checking that it returned one fitting result per output."""
-        result = rule(op)
-        out = list(result) if isinstance(result, list | tuple) else [result]
+        result: Any = rule(op)
+        listed = isinstance(result, list | tuple)
+        out: list[Any] = list(result) if listed else [result]
         shapes = [tuple(s) for s in op.out_shapes]
         if (
-            not isinstance(result, list | tuple)
+            not listed
             or len(out) != len(shapes)
             or not all(
                 isinstance(d, Deps) and d.shape == s and d.n_labels == op.n_labels
@@ -214,9 +215,9 @@ class Registry:
             )
         ):
             got = [d.shape if isinstance(d, Deps) else type(d).__name__ for d in out]
-            got = got if isinstance(result, list | tuple) else f"{got[0]} (not a list)"
+            said = str(got) if listed else f"{got[0]} (not a list)"
             raise RuleError(
-                f"the sparsity rule registered for the {self.kind} {op.name} returned {got}; it "
+                f"the sparsity rule registered for the {self.kind} {op.name} returned {said}; it "
                 f"must return one Deps per output, of the shapes {shapes} (with op.n_labels "
                 "labels): build them from op.ins with the functions of divjac.rules."
             )
