@@ -207,9 +207,9 @@ class TorchBackend(Backend[Traced]):
     def differentiable(self, x: torch.Tensor) -> torch.Tensor:
         """A tensor made under ``torch.inference_mode`` (an inference tensor), differentiated
         (or kept for a gradient: probes) outside it: a copy, which autograd records (torch
-        refuses the tensor itself: no ``requires_grad_``, nothing saved for a backward); what
-        users write by hand,
-        ``x.clone()``. (Under ``torch.compile``, which traces no inference tensor: itself.)"""
+        refuses the tensor itself: no ``requires_grad_``, nothing saved for a backward), as
+        users write by hand (``x.clone()``). Under ``torch.compile``, which traces no
+        inference tensor: itself."""
         if not _compiling() and x.is_inference() and not torch.is_inference_mode_enabled():
             return x.clone()
         return x
