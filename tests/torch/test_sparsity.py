@@ -358,6 +358,9 @@ def test_registered_rule_makes_the_pattern_exact_and_replaces_cached_ones():
 
     with pytest.raises(rules.RuleError, match="torch operator"):
         register_rule(3, flip_add)
+    for typo in ("divjac_test::flipp", "flipp"):  # a rule that would never be used
+        with pytest.raises(rules.RuleError, match="no operator named"):
+            register_rule(typo, flip_add)
     register_rule(_flipadd, flip_add)
     pattern = sparsity(f)(x)  # the cached dense pattern is not reused
     assert pattern.dense_fallbacks == frozenset()

@@ -32,8 +32,9 @@ def register_rule(op: object, rule: Rule, /) -> None:
         Nothing; every later detection uses the rule.
 
     Raises:
-        RuleError: ``op`` is not an operator, or ``rule`` is not callable (later: it returned
-            what does not fit).
+        RuleError: ``op`` is not an operator, or names none that torch has registered (a
+            misspelled name would give a rule that is never used), or ``rule`` is not callable
+            (later: it returned what does not fit).
 
     Example:
         >>> import torch
@@ -63,6 +64,13 @@ def register_rule(op: object, rule: Rule, /) -> None:
         raise RuleError(
             f"register_rule: op must be a torch operator (torch.ops.mylib.myop, an overload of "
             f"it, a torch.library.custom_op) or its name 'mylib::myop', got {op!r}"
+        )
+    if not torch._C._jit_get_schemas_for_operator(name):
+        raise RuleError(
+            f"register_rule: torch has no operator named {name!r}, so the rule would never be "
+            "used. Check the spelling (a bare name is an ATen operation: 'sin' is "
+            "'aten::sin'), and register a custom operator's rule after defining it "
+            "(torch.library.custom_op), or pass the operator itself."
         )
     REGISTRY.register(name, rule)
     decompositions.cache_clear()
