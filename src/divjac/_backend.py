@@ -14,6 +14,7 @@ transforms, the framework backends) import it, never the other way round.
 from __future__ import annotations
 
 import abc
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -61,6 +62,12 @@ class Point(Generic[TracedT]):
     has_aux: bool
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+
+    @functools.cached_property
+    def facts(self) -> dict[str, Any]:
+        """What a backend works out once per call and reads again within it, by name (the
+        context a kept setup is looked up by: grad mode, memory settings)."""
+        return {}
 
     @property
     def batch_size(self) -> int:

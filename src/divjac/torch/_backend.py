@@ -111,18 +111,33 @@ def _kept(backend: TorchBackend, setup: Callable[..., R], point: Point[Traced], 
     """``setup(point, *static)``, evaluated once per trace and context, as under
     ``torch.compile`` (once per compilation, sound under dynamo's guards). A setup reads the
     trace (structure, detections, measured directions), the spec and its static arguments,
-    and of the call its context alone: the differentiated input's type, shape, dtype and
-    device, whether the passes go on the autograd graph (grad mode, what requires grad),
-    inference mode, a ``torch.func`` transform around, and the memory it may use (the
-    device's free memory, :func:`~divjac._core.plan.memory_settings`). Not the values of the
-    tensors: the trace is the function's at the call's static arguments. A setup that
-    raises is evaluated again at the next call (and raises again)."""
+    and of the call its context alone (:func:`_context`). Not the values of the tensors: the
+    trace is the function's at the call's static arguments. A setup that raises is evaluated
+    again at the next call (and raises again)."""
     call: Any = point  # a Call: its spec
+    context = point.facts.get("context")
+    if context is None:
+        context = point.facts["context"] = _context(backend, point)
+    key = (setup, static, call.spec.options, context)
+    plans = point.traced.plans
+    try:
+        found = plans.get(key)
+    except TypeError:  # an unhashable static argument: evaluated at every call
+        return setup(point, *static)
+    if found is None:
+        found = (setup(point, *static),)
+        plans.put(key, found)
+    return cast(R, found[0])
+
+
+def _context(backend: TorchBackend, point: Point[Traced]) -> tuple[Any, ...]:
+    """What a kept setup reads of a call, worked out once per call (its setups run in the same
+    context): the differentiated input's type, shape, dtype and device, whether the passes go
+    on the autograd graph (grad mode, what requires grad), inference mode, a ``torch.func``
+    transform around, and the memory the passes may use (the device's free memory,
+    :func:`~divjac._core.plan.memory_settings`)."""
     xb = point.xb
-    key = (
-        setup,
-        static,
-        call.spec.options,
+    return (
         _on_graph(point),
         torch.is_inference_mode_enabled(),
         torch._C._functorch.peek_interpreter_stack() is None,
@@ -133,15 +148,6 @@ def _kept(backend: TorchBackend, setup: Callable[..., R], point: Point[Traced], 
         backend.memory_available(xb),
         plan.memory_settings(),
     )
-    plans = point.traced.plans
-    try:
-        found = plans.get(key)
-    except TypeError:  # an unhashable static argument: evaluated at every call
-        return setup(point, *static)
-    if found is None:
-        found = (setup(point, *static),)
-        plans.put(key, found)
-    return cast(R, found[0])
 
 
 def _check_compilable(traced: Traced) -> None:
