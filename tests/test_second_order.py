@@ -501,6 +501,15 @@ def test_coupled_functions_are_refused_or_exact(ops: Ops) -> None:
         dj.weighted_laplacian(u, ops.asarray(A), coupling="exact")(x),
         np.einsum("ij,bij->b", A, blocks),
     )
+    # The bi-Laplacian of the diagonal blocks: each direction in one sample at a time.
+    want = _fourth(ops, u, x, None, coupled=True)
+    for method in ("exact", "auto"):
+        _close(ops, dj.bilaplacian(u, method=method, coupling="exact")(x), want)
+    with pytest.raises(divjac.BatchCouplingError, match="coupling='exact'"):
+        dj.bilaplacian(u)(x)
+    for stochastic in (dj.laplacian, dj.bilaplacian):
+        with pytest.raises(divjac.BatchCouplingError, match="use an exact method"):
+            stochastic(u, method="hutchinson", coupling="exact")(ops.randomness(0), x)
 
 
 # --- stochastic methods -------------------------------------------------------------------------
@@ -705,25 +714,33 @@ def test_pinn_doc_runs_and_its_residuals_are_the_brute_force_ones() -> None:
 # --- the bi-Laplacian ---------------------------------------------------------------------------
 
 
-def _fourth(o: Ops, u: Callable[..., Any], x: Any, v: np.ndarray | None) -> np.ndarray:
+def _fourth(
+    o: Ops, u: Callable[..., Any], x: Any, v: np.ndarray | None, *, coupled: bool = False
+) -> np.ndarray:
     """Per sample, by nested Hessians in float64: ``sum_ij d^4u/dx_i^2 dx_j^2`` (``v=None``),
-    or ``(v_k . grad)^4 u`` for each probe ``v_k`` (``v``: ``(k, B, n)``), ``(k, B)``."""
+    or ``(v_k . grad)^4 u`` for each probe ``v_k`` (``v``: ``(k, B, n)``), ``(k, B)``.
+    ``coupled``: ``u`` mixes samples; sample ``b``'s output differentiated by its own input,
+    the other samples held (the diagonal blocks)."""
     xs = o.to_numpy(x)
     if o.name == "jax":
         import jax
         import jax.numpy as jnp
 
-        def one(z):
-            return u(z[None])[0]
+        def one(z, b):
+            return u(jnp.asarray(xs).at[b].set(z) if coupled else z[None])[b if coupled else 0]
 
         if v is None:
-            lap = lambda z: jnp.trace(jax.hessian(one)(z))  # noqa: E731
-            return np.asarray(jax.vmap(lambda z: jnp.trace(jax.hessian(lap)(z)))(xs))
+
+            def bilaplacian(z, b):
+                lap = lambda z: jnp.trace(jax.hessian(one)(z, b))  # noqa: E731
+                return jnp.trace(jax.hessian(lap)(z))
+
+            return np.array([bilaplacian(xs[b], b) for b in range(len(xs))])
         d = lambda g: jax.grad(g)  # noqa: E731
         return np.array(
             [
                 [
-                    d(d(d(d(lambda t, z=xs[b], w=vk[b]: one(z + t * w)))))(0.0)
+                    d(d(d(d(lambda t, z=xs[b], w=vk[b], b=b: one(z + t * w, b)))))(0.0)
                     for b in range(len(xs))
                 ]
                 for vk in v
@@ -732,14 +749,17 @@ def _fourth(o: Ops, u: Callable[..., Any], x: Any, v: np.ndarray | None) -> np.n
     import torch
     from torch.func import grad, hessian
 
-    def one_t(z):
-        return u(z[None])[0]
+    def one_t(z, b):
+        if not coupled:
+            return u(z[None])[0]
+        whole = torch.as_tensor(xs)
+        return u(torch.cat([whole[:b], z[None], whole[b + 1 :]]))[b]
 
     rows = []
     for b in range(len(xs)):
         zb = torch.as_tensor(xs[b])
         if v is None:
-            lap = lambda z: torch.trace(hessian(one_t)(z))  # noqa: E731
+            lap = lambda z, b=b: torch.trace(hessian(one_t)(z, b))  # noqa: E731
             rows.append(float(torch.trace(hessian(lap)(zb))))
         else:
             d = lambda g: grad(g)  # noqa: E731
@@ -747,7 +767,17 @@ def _fourth(o: Ops, u: Callable[..., Any], x: Any, v: np.ndarray | None) -> np.n
             rows.append(
                 [
                     float(
-                        d(d(d(d(lambda t, z=zb, w=vk[b]: one_t(z + t * torch.as_tensor(w))))))(t0)
+                        d(
+                            d(
+                                d(
+                                    d(
+                                        lambda t, z=zb, w=vk[b], b=b: one_t(
+                                            z + t * torch.as_tensor(w), b
+                                        )
+                                    )
+                                )
+                            )
+                        )(t0)
                     )
                     for vk in v
                 ]

@@ -106,7 +106,9 @@ def _plan(call: Call, method: str, stochastic_method: bool) -> _Plan:
     found = call.detect(per_sample=False)
     if found.coupling is not None:
         if stochastic_method:
-            raise checks.coupling_error(found.coupling, fname=call.spec.fname, method=method)
+            raise checks.coupling_error(
+                found.coupling, fname=call.spec.fname, method=method, second_order=True
+            )
         return _Plan(True, None)
     if method not in ("sparse", "auto"):
         return _Plan(False, None)

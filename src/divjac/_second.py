@@ -411,20 +411,27 @@ def weighted_laplacian(
 # --- the bi-Laplacian ---------------------------------------------------------------------------
 
 
-def _nested(call: Call, inner: Array, outer: Array, chunk_size: int | None) -> Array:
+def _nested(
+    call: Call, inner: Array, outer: Array, chunk_size: int | None, weights: Array | None = None
+) -> Array:
     """``sum_j d^2/dw_j^2 sum_i d^2u/dv_i^2`` (``v`` the ``inner`` directions, ``w`` the
     ``outer`` ones, ``[K, B or 1, *in]``): a collapsed sweep of a collapsed sweep, batch
-    first ``(B, *out)``."""
+    first ``(B, *out)``. ``weights`` ``[K, B]``: those of both sweeps' directions (the same
+    ones inside and outside)."""
     backend, f = call.backend, _values(call)
 
     def second(xb: Array) -> Array:
-        return backend.second_order_sweep(f, xb, inner, weights=None, collapse=True)[2]
+        return backend.second_order_sweep(f, xb, inner, weights=weights, collapse=True)[2]
 
     K = int(outer.shape[0])
     chunk = backend.ahead(Call.chunk, call, K, chunk_size)  # as _directions._sweep
     parts = [
         backend.second_order_sweep(
-            second, call.xb, outer[i : i + chunk], weights=None, collapse=True
+            second,
+            call.xb,
+            outer[i : i + chunk],
+            weights=None if weights is None else weights[i : i + chunk],
+            collapse=True,
         )[2]
         for i in range(0, K, chunk)
     ]
@@ -438,12 +445,14 @@ def _bilaplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Ar
     the collapsed sweep of the unit basis (``n`` outer directions each carrying the inner
     sweep's ``n`` first-order terms: ``O(n^2)`` terms per value, as ``sum_ij`` needs, against
     ``n`` Hessian-vector products of a function that itself makes ``n`` of them for nested
-    Hessians). ``"hutchinson"``: for ``v ~ N(0, I)``, ``E[v_i v_j v_k v_l] = d_ij d_kl +
-    d_ik d_jl + d_il d_jk``, so ``E[(v . grad)^4 u] = 3 sum_ij d^4u/dx_i^2 dx_j^2``: each probe
-    gives ``(v . grad)^4 u / 3``, the second directional derivative along ``v`` of the second
+    Hessians); for a function that mixes samples (``coupling="exact"``), each direction in one
+    sample at a time, each sample keeping its own directions' terms in both sweeps.
+    ``"hutchinson"``: for ``v ~ N(0, I)``, ``E[v_i v_j v_k v_l] = d_ij d_kl + d_ik d_jl +
+    d_il d_jk``, so ``E[(v . grad)^4 u] = 3 sum_ij d^4u/dx_i^2 dx_j^2``: each probe gives
+    ``(v . grad)^4 u / 3``, the second directional derivative along ``v`` of the second
     directional derivative along ``v``.
     """
-    call.backend.ahead(_uncoupled, call, opts.method)
+    coupled = call.backend.ahead(_coupled, call, opts.method)
     if opts.method == "hutchinson":
         probes = _draw(call, randomness, _num_probes(opts, call.n_in), "gaussian")
         terms = [
@@ -452,16 +461,22 @@ def _bilaplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Ar
         ]
         stacked = call.backend.concatenate([t[None] for t in terms]) / 3
         return _mean_and_stderr(call, stacked, opts.return_stderr)
-    basis = _basis(call, None)
-    result = _nested(call, basis, basis, opts.chunk_size)
+    basis, weights = _basis(call, None), None
+    if coupled:
+        basis, weights = _one_sample_at_a_time(call, basis, None)
+    result = _nested(call, basis, basis, opts.chunk_size, weights)
     return result, (call.backend.zeros_like(result) if opts.return_stderr else None)
 
 
-def _uncoupled(call: Call, method: str) -> None:
-    """Refuse a function that mixes samples (with any ``coupling``)."""
+def _coupled(call: Call, method: str) -> bool:
+    """Whether the function mixes samples (``coupling="exact"``: else refused, as it is for a
+    stochastic ``method``)."""
     found = call.detect(per_sample=False)
-    if found.coupling is not None:
-        raise checks.coupling_error(found.coupling, fname=call.spec.fname, method=method)
+    if found.coupling is not None and method == "hutchinson":
+        raise checks.coupling_error(
+            found.coupling, fname=call.spec.fname, method=method, second_order=True
+        )
+    return found.coupling is not None
 
 
 def bilaplacian(

@@ -140,16 +140,28 @@ def coupling_error(
     fname: str,
     fallbacks: frozenset[str] = frozenset(),
     method: str | None = None,
+    second_order: bool = False,
 ) -> BatchCouplingError:
     """The error for a function that mixes samples; ``method``: a stochastic method that cannot
-    estimate diagonal blocks (so ``coupling="exact"`` was given and is not the fix)."""
+    estimate diagonal blocks (so ``coupling="exact"`` was given and is not the fix): of a
+    divergence (a low-rank sketch) or, ``second_order``, of a second-order operator (random
+    directions over the whole batch)."""
     if method is not None:
+        where = f"output sample {coupling.out_sample} depends on input sample {coupling.in_sample}"
+        if second_order:
+            return BatchCouplingError(
+                f"{fname}: the function mixes samples ({where}), and method={method!r} cannot "
+                "estimate per-sample results of such a function: its random directions span "
+                "the whole batch, so a sample's terms include its second derivatives with "
+                "respect to the other samples' inputs, whose mean is not zero. With "
+                "coupling='exact', use an exact method (method='exact' or 'auto': one "
+                "direction per sample and element)."
+            )
         return BatchCouplingError(
-            f"{fname}: the function mixes samples (output sample {coupling.out_sample} depends "
-            f"on input sample {coupling.in_sample}), and method={method!r} cannot estimate the "
-            "traces of per-sample diagonal blocks: its low-rank sketch spans the whole batch. "
-            "With coupling='exact', use method='hutchinson' or 'probing' (unbiased for the "
-            "diagonal blocks), or an exact method ('exact', 'sparse', 'auto')."
+            f"{fname}: the function mixes samples ({where}), and method={method!r} cannot "
+            "estimate the traces of per-sample diagonal blocks: its low-rank sketch spans the "
+            "whole batch. With coupling='exact', use method='hutchinson' or 'probing' "
+            "(unbiased for the diagonal blocks), or an exact method ('exact', 'sparse', 'auto')."
         )
     note = ""
     if fallbacks:
