@@ -420,8 +420,10 @@ def _nested(
     ones inside and outside)."""
     backend, f = call.backend, _values(call)
 
-    def second(xb: Array) -> Array:
-        return backend.second_order_sweep(f, xb, inner, weights=weights, collapse=True)[2]
+    def second(xb: Array) -> Array:  # (the call's trace: f's branch at the call's values)
+        return backend.second_order_sweep(
+            f, xb, inner, weights=weights, collapse=True, traced=call.traced
+        )[2]
 
     K = int(outer.shape[0])
     chunk = backend.ahead(Call.chunk, call, K, chunk_size)  # as _directions._sweep

@@ -397,6 +397,32 @@ def test_bilaplacian_runs_the_graph_at_every_call(monkeypatch):
         torch.testing.assert_close(fn(x), want, atol=1e-10, rtol=1e-9)
 
 
+def test_bilaplacian_of_a_function_with_a_value_dependent_branch():
+    """The inner sweep of the exact bi-Laplacian runs the call's trace (the branch taken at the
+    call's values), as the Laplacian's sweep does; it traced the function again inside the
+    outer sweep's trace, where a Python branch on a tensor failed with a raw error."""
+    from torch.func import hessian
+
+    from divjac.torch import bilaplacian
+
+    def u(z: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(z)
+        if z.sum() > 0:
+            h = 2 * h
+        return h.pow(3).sum(-1)
+
+    for shift in (0.1, 0.9):  # each branch
+        x = torch.rand(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+        x = x - shift
+
+        def lap(z: torch.Tensor, b: int, x: torch.Tensor = x) -> torch.Tensor:
+            one = lambda s: u(torch.cat([x[:b], s[None], x[b + 1 :]]))[b]  # noqa: E731
+            return torch.trace(hessian(one)(z))
+
+        want = torch.stack([torch.trace(hessian(lap)(x[b], b)) for b in range(3)])
+        torch.testing.assert_close(bilaplacian(u)(x), want, atol=1e-10, rtol=1e-9)
+
+
 def test_reference_sweep_with_layer_norm():
     """The reference composes layer normalization (torch's second forward derivative of its
     kernel is wrong, torch 2.13)."""
