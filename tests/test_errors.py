@@ -105,8 +105,12 @@ def test_output_batch_size_must_match(backend: Backend) -> None:
 
 
 def test_integer_input_is_refused_with_a_cast_hint(backend: Backend) -> None:
+    ints = backend.ones_int32((4, 3))
+    for transform in (backend.dj.divergence, backend.dj.grad_divergence):  # (a gradient first)
+        with pytest.raises(divjac.InputDtypeError, match=backend.cast_hint):
+            transform(lambda x: x * 2)(ints)
     with pytest.raises(divjac.InputDtypeError, match=backend.cast_hint):
-        backend.dj.divergence(lambda x: x * 2)(backend.ones_int32((4, 3)))
+        backend.dj.grad_divergence(lambda x: x * 2, method="hutchinson")(backend.randomness(), ints)
     assert issubclass(divjac.InputDtypeError, TypeError)
 
 
@@ -197,9 +201,26 @@ def test_num_probes_errors(backend: Backend) -> None:
 def test_num_probes_zero_is_refused_not_the_default(backend: Backend) -> None:
     dj = backend.dj
     for num_probes, said in ((0, "got 0"), (-2, "got -2"), (2.0, "of type float")):
-        for transform in (dj.divergence, dj.laplacian, dj.hessian_diagonal, dj.grad_divergence):
+        for transform in (
+            dj.divergence,
+            dj.laplacian,
+            dj.hessian_diagonal,
+            dj.grad_divergence,
+            dj.squared_frobenius_norm,
+            dj.value_divergence_and_frobenius,
+            dj.bilaplacian,
+        ):
             with pytest.raises(divjac.NumProbesError, match=said):
                 transform(lambda x: x, method="hutchinson", num_probes=num_probes)
+        with pytest.raises(divjac.NumProbesError, match=said):
+            dj.log_abs_det(lambda x: x, method="slq", num_probes=num_probes)
+    for steps in (0, -1, 2.0):
+        with pytest.raises(divjac.NumProbesError, match="lanczos_steps must be a positive"):
+            dj.log_abs_det(lambda x: x, method="slq", lanczos_steps=steps)
+    with pytest.raises(divjac.NumProbesError, match=r"lanczos_steps=5 exceeds .* n = 3"):
+        dj.log_abs_det(lambda x: 2 * x, method="slq", lanczos_steps=5)(
+            backend.randomness(), backend.ones((4, 3))
+        )
 
 
 def test_probes_passed_to_method_exact_are_a_divjac_error_not_fs(backend: Backend) -> None:

@@ -48,6 +48,7 @@ __all__ = [
     "Mode",
     "Spec",
     "WeightedMethod",
+    "check_differentiable",
     "check_floating_output",
     "check_num_probes",
     "check_option",
@@ -264,17 +265,7 @@ def prepare(spec: Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         _check_no_randomness(spec, args, kwargs)
     argnum = checks.normalize_argnum(spec.argnums, len(args), fname=fname)
     x = args[argnum]
-    if not backend.is_array(x):
-        noun = backend.array_noun
-        raise ArgnumsError(
-            f"{fname}: argnums={spec.argnums} selects an argument of type {type(x).__name__}; "
-            f"divjac differentiates with respect to one {noun}. Pass the {noun} there (to "
-            f"differentiate w.r.t. parameters, {backend.param_grad_hint})."
-        )
-    if not backend.is_floating_input(x.dtype):
-        raise checks.not_floating(
-            x.dtype, argnum=argnum, fname=fname, cast_hint=backend.input_cast_hint
-        )
+    check_differentiable(backend, x, spec.argnums, argnum, fname)
     x_shape = tuple(x.shape)
     axis = checks.normalize_batch_axis(
         spec.batch_axis, x_shape, what="differentiated input", fname=fname
@@ -309,6 +300,24 @@ def prepare(spec: Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
 
     xb = from_axis(backend, x, axis)
     return Call(g, xb, traced, has_aux, args, kwargs, spec)
+
+
+def check_differentiable(
+    backend: Backend[Any], x: Any, argnums: int, argnum: int, fname: str
+) -> None:
+    """Raise :class:`ArgnumsError` or :class:`InputDtypeError` unless ``x``, the argument
+    ``argnums`` selects (at position ``argnum``), is a floating array."""
+    if not backend.is_array(x):
+        noun = backend.array_noun
+        raise ArgnumsError(
+            f"{fname}: argnums={argnums} selects an argument of type {type(x).__name__}; "
+            f"divjac differentiates with respect to one {noun}. Pass the {noun} there (to "
+            f"differentiate w.r.t. parameters, {backend.param_grad_hint})."
+        )
+    if not backend.is_floating_input(x.dtype):
+        raise checks.not_floating(
+            x.dtype, argnum=argnum, fname=fname, cast_hint=backend.input_cast_hint
+        )
 
 
 def _check_no_randomness(

@@ -25,6 +25,7 @@ from ._call import (
     Distribution,
     Method,
     Spec,
+    check_differentiable,
     check_num_probes,
     check_option,
     prepare,
@@ -496,6 +497,7 @@ def grad_divergence(
         def grad_fn(*args: Any, **kwargs: Any) -> Any:
             randomness, args = _split_randomness(backend, stochastic_method, args, fname)
             at = checks.normalize_argnum(argnum, len(args), fname=fname)
+            check_differentiable(backend, args[at], argnum, at, fname)
 
             def divergences(x: Array) -> Any:
                 _, div, aux = inner(*randomness, *args[:at], x, *args[at + 1 :], **kwargs)

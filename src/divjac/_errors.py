@@ -27,7 +27,8 @@ class BatchCouplingError(DivjacError, ValueError):
 
 
 class NonSquareJacobianError(DivjacError, ValueError):
-    """A divergence (trace) was asked of a per-sample Jacobian that is not square."""
+    """A trace or determinant (divergence, log|det J|) was asked of a per-sample Jacobian that is
+    not square."""
 
 
 class BatchSizeMismatchError(DivjacError, ValueError):

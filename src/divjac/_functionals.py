@@ -33,6 +33,7 @@ from ._call import (
     FrobeniusMethod,
     LogDetMethod,
     Spec,
+    check_num_probes,
     check_option,
     prepare,
 )
@@ -226,6 +227,13 @@ def _check(options: _Options, mode: Direction, methods: Any, fname: str) -> None
     check_option("method", options.method, methods, fname=fname)
     check_option("mode", mode, Direction, fname=fname)
     check_option("distribution", options.distribution, Distribution, fname=fname)
+    check_num_probes(options.num_probes, fname=fname)
+    steps = options.lanczos_steps
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise NumProbesError(
+            f"{fname}: lanczos_steps must be a positive integer (Lanczos steps per probe, at "
+            f"most the input sample's size), or None for min(n, 30); got {steps!r}."
+        )
 
 
 def squared_frobenius_norm(
@@ -312,6 +320,12 @@ def _slq_log_abs_det(
     columns, rows = backend.linearize(call, False), backend.linearize(call, True)
     k = _num_probes(call, options, randomness, shape)
     steps = options.lanczos_steps or est.default_lanczos_steps(n)
+    if steps > n:
+        raise NumProbesError(
+            f"{call.spec.fname}: lanczos_steps={steps} exceeds the input sample's size n = {n} "
+            f"(at most n Lanczos steps per probe, where the quadrature is exact); pass "
+            f"lanczos_steps <= {n}, or None."
+        )
     probes = _draw(call, randomness, k, options.distribution)  # (k, B, *in)
     chunk = backend.ahead(Call.chunk, call, k, options.chunk_size)
 

@@ -44,6 +44,7 @@ from ._call import (
     Method,
     Spec,
     WeightedMethod,
+    check_num_probes,
     check_option,
     prepare,
 )
@@ -499,6 +500,7 @@ def bilaplacian(
     fname = "bilaplacian"
     check_option("method", method, BiLaplacianMethod, fname=fname)
     check_option("coupling", coupling, Coupling, fname=fname)
+    check_num_probes(num_probes, fname=fname)
     opts = _Options(method, num_probes, "gaussian", return_stderr, chunk_size)
     if method == "hutchinson" and return_stderr:
         raise OptionError(

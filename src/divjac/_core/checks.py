@@ -111,8 +111,8 @@ def check_square(in_sample: Sequence[int], out_sample: Sequence[int], *, fname: 
         hint = (
             "reshape the output to the input's per-sample shape"
             if math.prod(in_sample) == math.prod(out_sample)
-            else "the divergence (trace) exists only for functions from a space to itself; use "
-            "`jacobian` for a rectangular Jacobian"
+            else "a trace or determinant of the Jacobian (divergence, log|det J|) exists only "
+            "for functions from a space to itself; use `jacobian` for a rectangular Jacobian"
         )
         raise NonSquareJacobianError(
             f"{fname}: the per-sample Jacobian is not square: the output sample has shape "
