@@ -369,7 +369,9 @@ class Backend(abc.ABC, Generic[TracedT]):
     @abc.abstractmethod
     def sparse_format(self, layout: Any) -> Any:
         """The sparse format of ``sparse_jacobian``'s ``layout`` (``None``: the framework's
-        default), checked: a :class:`~divjac.OptionError` names the layouts it takes."""
+        default), checked: a :class:`~divjac.OptionError` names the layouts it takes, a
+        :class:`~divjac.CompileError` a compiler that cannot trace sparse arrays (asked again
+        at each call)."""
 
     @abc.abstractmethod
     def sparse_matrix(

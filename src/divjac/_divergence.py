@@ -315,19 +315,9 @@ def _split_randomness(
     return (args[0],), args[1:]
 
 
-def _divergence_transform(
-    backend: Backend[Any],
-    f: Callable[..., Any],
-    argnum: int,
-    batch_axis: int | None,
-    has_aux: bool,
-    coupling: Coupling,
-    ds: _DivSpec,
-    fname: str,
-    prefer_reverse: bool | None = None,
-) -> Callable[..., tuple[Array, Any, Any]]:
+def _divergence_transform(spec: Spec, ds: _DivSpec) -> Callable[..., tuple[Array, Any, Any]]:
     """The shared body of the divergence transforms: ``(*args) -> (value, div, aux)``."""
-    spec = Spec(backend, f, argnum, batch_axis, has_aux, coupling, fname, prefer_reverse, ds.mode)
+    backend, fname = spec.backend, spec.fname
     stochastic_method = ds.method in plan.STOCHASTIC_METHODS
 
     def value_and_div(*args: Any, **kwargs: Any) -> tuple[Array, Any, Any]:
@@ -369,7 +359,8 @@ def _divergences(
     _check_options(ds, coupling, fname)
 
     def one(argnum: int) -> Callable[..., tuple[Array, Any, Any]]:
-        return _divergence_transform(backend, f, argnum, batch_axis, has_aux, coupling, ds, fname)
+        spec = Spec(backend, f, argnum, batch_axis, has_aux, coupling, fname, None, ds.mode)
+        return _divergence_transform(spec, ds)
 
     transform = per_argnum(argnums, one, list, fname=fname)
     if isinstance(argnums, Sequence):
@@ -455,7 +446,8 @@ def divergence_from_pattern(
     detection (see ``divjac.jax.divergence_from_pattern``)."""
     ds = _DivSpec("sparse", "auto", None, "rademacher", False, chunk_size, None, pattern)
     fname = "divergence_from_pattern"
-    inner = _divergence_transform(backend, f, argnums, batch_axis, has_aux, "raise", ds, fname)
+    spec = Spec(backend, f, argnums, batch_axis, has_aux, "raise", fname, None, ds.mode)
+    inner = _divergence_transform(spec, ds)
 
     def div_fn(*args: Any, **kwargs: Any) -> Any:
         _, div, aux = inner(*args, **kwargs)
@@ -492,7 +484,8 @@ def grad_divergence(
     stochastic_method = method in plan.STOCHASTIC_METHODS
 
     def one(argnum: int) -> Callable[..., Any]:
-        inner = _divergence_transform(backend, f, argnum, batch_axis, has_aux, coupling, ds, fname)
+        spec = Spec(backend, f, argnum, batch_axis, has_aux, coupling, fname, None, ds.mode)
+        inner = _divergence_transform(spec, ds)
 
         def grad_fn(*args: Any, **kwargs: Any) -> Any:
             randomness, args = _split_randomness(backend, stochastic_method, args, fname)

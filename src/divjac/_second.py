@@ -261,7 +261,7 @@ def _hvp_laplacian(
     )
     gradient = _gradient(backend, u, argnum, has_aux, fname)
     inner = _divergence_transform(
-        backend, gradient, argnum, batch_axis, has_aux, coupling, ds, fname, False
+        Spec(backend, gradient, argnum, batch_axis, has_aux, coupling, fname, False, ds.mode), ds
     )
 
     def lap_fn(*args: Any, **kwargs: Any) -> Any:

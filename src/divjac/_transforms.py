@@ -385,6 +385,7 @@ def sparse_jacobian(
         spec = Spec(backend, f, argnum, batch_axis, has_aux, coupling, "sparse_jacobian")
 
         def sparse_fn(*args: Any, **kwargs: Any) -> Any:
+            backend.sparse_format(layout)  # (a compiler may trace this call)
             call = prepare(spec, args, kwargs)
             found = call.detect(per_sample=True)
             if found.pattern is None:

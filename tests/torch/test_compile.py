@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import divjac
 import divjac.torch as dj
 
 pytestmark = pytest.mark.filterwarnings(
@@ -106,6 +107,29 @@ def test_compiled_transforms_equal_eager() -> None:
 def test_each_compiled_transform_equals_eager(name: str) -> None:
     net = _mlp()
     _check_compiled(_losses(net)[name], net)
+
+
+@pytest.mark.parametrize("name", ["grad_divergence", "exact", "laplacian"])
+def test_first_call_inside_the_compiled_function(name: str) -> None:
+    """No eager call first: the set-up traces the function while dynamo traces the call. Its
+    fake trace failed inside dynamo's tracing context (a parameter is a foreign real tensor to
+    dynamo's fake mode), so the trace was taken for a value-dependent one, which the gradient
+    of a divergence could not use on its transform's inputs (a raw AssertionError)."""
+    from divjac.torch import _detect
+
+    _detect.CACHE.clear()
+    _detect.clear_memos()
+    net = _mlp()
+    loss = _losses(net)[name]
+    got = torch.compile(loss, fullgraph=True, backend="aot_eager")(_x())
+    torch.testing.assert_close(got, loss(_x()), rtol=1e-12, atol=1e-14)
+
+
+def test_sparse_jacobian_names_the_compiler() -> None:
+    sparse = dj.sparse_jacobian(_mlp())
+    with pytest.raises(divjac.CompileError, match=r"jacobian\(f, mode='sparse'\)"):
+        torch.compile(lambda x: sparse(x), backend="aot_eager")(_x())
+    assert sparse(_x()).layout == torch.sparse_coo  # outside it
 
 
 @pytest.mark.slow

@@ -66,7 +66,11 @@ def _evaluate(fn: Callable[..., Any], positions: tuple[Any, ...], *leaves: Any) 
     args = pytree.tree_map(_dataclass, parts, is_leaf=_is_fields)
     _Ahead.active = True
     try:
-        result = fn(*args)
+        # Outside dynamo's tracing context: a trace of the setup makes fake tensors of its own
+        # (with dynamo's, found by make_fx, a parameter was a foreign real tensor: the fake
+        # trace always failed, and the function was taken for one that needs its values).
+        with torch._guards.tracing(None):
+            result = fn(*args)
     finally:
         _Ahead.active = False
 

@@ -485,7 +485,15 @@ class TorchBackend(Backend[Traced]):
         return raw.to(device)
 
     def sparse_format(self, layout: torch.layout | None) -> torch.layout:
-        """``torch.sparse_coo`` (the default) or ``torch.sparse_csr``."""
+        """``torch.sparse_coo`` (the default) or ``torch.sparse_csr``; not under
+        ``torch.compile`` (dynamo traces no sparse tensor, torch 2.13)."""
+        if _compiling():
+            raise CompileError(
+                "sparse_jacobian cannot run under torch.compile (dynamo does not trace "
+                "torch's sparse tensors, torch 2.13). Call it outside the compiled function, "
+                "or compile jacobian(f, mode='sparse'), which computes the same nonzeros in "
+                "as many passes and returns them dense."
+            )
         if layout is None:
             return torch.sparse_coo
         if layout not in (torch.sparse_coo, torch.sparse_csr):
