@@ -966,3 +966,33 @@ def test_matrix_vector_products(dependent):
 
     x = _randn(2, 5) if dependent == "matrix" else _randn(1, 5)
     _check(f, x, _randn(4, x.shape[0], 5), weights=_randn(4).abs())
+
+
+@torch.library.custom_op("divjac_test::rowflip", mutates_args=())
+def _rowflip(x: torch.Tensor) -> torch.Tensor:
+    return torch.flip(x, [-1])
+
+
+@_rowflip.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_rowflip.register_autograd(lambda ctx, g: torch.flip(g, [-1]))
+
+
+def test_a_custom_operation_without_forward_derivative_is_named_with_no_false_fix():
+    """A torch.library operation with a backward only: the Taylor sweep cannot push it, and
+    the message does not send the user to hessian, which torch.func cannot run on it either."""
+    from divjac import OptionError, UnsupportedOperationError, rules
+    from divjac.torch import bilaplacian, hessian, register_rule
+
+    register_rule(_rowflip, lambda op: [rules.rev(op.ins[0], [len(op.ins[0].shape) - 1])])
+    u = lambda z: (torch.tanh(_rowflip(z)) * z).sum(-1)  # noqa: E731
+    x = _randn(3, 4, seed=8)
+    for transform in (laplacian(u, method="exact"), bilaplacian(u)):
+        with pytest.raises(OptionError, match="no second-order result of it can be computed"):
+            transform(x)
+    for refused in (hessian(u), laplacian(u)):  # (auto: screened by the gradient's Hessian)
+        with pytest.raises(UnsupportedOperationError, match=r"divjac_test\.rowflip"):
+            refused(x)

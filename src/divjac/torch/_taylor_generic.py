@@ -99,11 +99,20 @@ def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[
     ]
 
     if lacks_forward_derivative(node, {node_leaves[i] for i in pos}):
+        fix = (
+            "Use divjac.torch.hessian_diagonal or divjac.torch.hessian (reverse passes of the "
+            "gradient) for this function."
+        )
+        if getattr(target, "namespace", "aten") not in ("aten", "prims"):
+            fix = (
+                "Its reverse passes cannot be differentiated by torch.func either (torch.library "
+                "generates an autograd.Function that torch.func refuses, torch 2.13), so no "
+                "second-order result of it can be computed: differentiate a composition of "
+                "differentiable torch operations instead (the operation's reference path)."
+            )
         raise OptionError(
             "the second-order Taylor sweep (laplacian and the like) pushes forward derivatives, "
-            f"but the function runs {target}, which has none in PyTorch. Use "
-            "divjac.torch.hessian_diagonal or divjac.torch.hessian (reverse passes of the gradient) "
-            "for this function."
+            f"but the function runs {target}, which has none in PyTorch. {fix}"
         )
     n = len(primals)
     by_reverse = forward_derivative_wrong(target)
