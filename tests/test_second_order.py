@@ -797,13 +797,21 @@ def test_bilaplacian_matches_nested_hessians(ops: Ops, case: str) -> None:
     assert np.all(ops.to_numpy(err) == 0)
 
 
-def test_bilaplacian_hutchinson_on_the_callers_probes(ops: Ops) -> None:
-    # Each Gaussian probe's term is (v . grad)^4 u / 3; their mean and its standard error.
+def test_bilaplacian_hutchinson_terms(ops: Ops, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each Gaussian probe's term is (v . grad)^4 u / 3 (the probes it draws, set here).
+    import divjac._second
+
     u, x = mlp(ops), _x(ops, (B, 5))
     v = np.random.default_rng(9).normal(size=(3, B, 5))
     terms = _fourth(ops, u, x, v) / 3
-    mean = ops.dj.bilaplacian(u, method="hutchinson", num_probes=3)(ops.asarray(v), x)
+    monkeypatch.setattr(divjac._second, "_draw", lambda *_: ops.asarray(v))
+    mean = ops.dj.bilaplacian(u, method="hutchinson", num_probes=3)(ops.randomness(0), x)
     _close(ops, mean, terms.mean(0))
+    monkeypatch.undo()
+    # The caller's probes are refused: unbiased only for Gaussian ones, which cannot be
+    # checked (Rademacher signs gave a third of sum(x**4)'s bi-Laplacian, silently).
+    with pytest.raises(divjac.NumProbesError, match="draws its Gaussian probes itself"):
+        ops.dj.bilaplacian(u, method="hutchinson", num_probes=3)(ops.asarray(np.sign(v)), x)
     # Heavy-tailed terms: no error bar holds (docs/calibration.md), so none is given.
     with pytest.raises(divjac.OptionError, match="no error bar that holds"):
         ops.dj.bilaplacian(u, method="hutchinson", return_stderr=True)

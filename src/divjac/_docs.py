@@ -336,7 +336,8 @@ _DOCS: dict[str, _Doc] = {
         through the collapsed sweep of the unit basis (``n^2`` second-order terms, no Hessian
         is formed). ``"hutchinson"``: for Gaussian ``v``, ``E[(v . grad)^4 u] = 3 Delta^2 u``;
         each probe gives ``(v . grad)^4 u / 3``; their mean is unbiased, but no error bar
-        holds (the terms are heavy-tailed).""",
+        holds (the terms are heavy-tailed). It draws its probes from a key or generator: the
+        caller's probes are refused (unbiased only if Gaussian, which cannot be checked).""",
         ("u", "argnums", "batch_axis", "return_stderr", "chunk_size", "has_aux", "coupling"),
         """A function with ``u``'s signature returning the per-sample bi-Laplacians, with the
         shape of ``u``'s output.""",

@@ -457,6 +457,13 @@ def _bilaplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Ar
     """
     coupled = call.backend.ahead(_coupled, call, opts.method)
     if opts.method == "hutchinson":
+        if _is_probes(call.backend, randomness):
+            raise NumProbesError(
+                f"{call.spec.fname}: method='hutchinson' draws its Gaussian probes itself: its "
+                "terms are unbiased only for standard normal directions (their fourth moments, "
+                "E[v_i^4] = 3: Rademacher signs count the pure fourth derivatives d^4u/dx_i^4 "
+                "a third), which the caller's probes cannot be checked to be. Pass a source of randomness ({call.backend.randomness_example})."
+            )
         probes = _draw(call, randomness, _num_probes(opts, call.n_in), "gaussian")
         terms = [
             _nested(call, probes[i : i + 1], probes[i : i + 1], opts.chunk_size)
