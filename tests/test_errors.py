@@ -140,6 +140,12 @@ def test_batch_axis_out_of_range(backend: Backend) -> None:
         backend.dj.divergence(lambda x: x)(backend.ones(()))
     with pytest.raises(divjac.BatchAxisError, match="function's output"):
         backend.dj.jacobian(lambda x: x.sum(), batch_axis=0)(x)
+    # A scalar per sample with the batch on axis 1 is (1, B), not (B,): the message says so.
+    column = lambda x: (x**3).sum(0)  # noqa: E731  ((3, 4) -> (4,))
+    with pytest.raises(divjac.BatchAxisError, match=r"shape \(1, B\)"):
+        backend.dj.laplacian(column, batch_axis=1)(backend.ones((3, 4)))
+    laplacians = backend.dj.laplacian(lambda x: column(x)[None], batch_axis=1)(backend.ones((3, 4)))
+    assert tuple(laplacians.shape) == (1, 4)
 
 
 def test_output_must_be_one_array(backend: Backend) -> None:
@@ -276,6 +282,27 @@ def test_coupled_functions_raise_everywhere(backend: Backend) -> None:
     stochastic = dj.divergence(center, method="hutchinson")
     with pytest.raises(divjac.BatchCouplingError, match="output sample 0 depends on input"):
         stochastic(backend.randomness(), x)
+
+
+def test_coupled_functions_of_transforms_without_coupling_name_what_has_it(
+    backend: Backend,
+) -> None:
+    """The transforms without a coupling option do not tell the user to pass one (a
+    TypeError followed): they name the transforms that compute the diagonal blocks."""
+    dj = backend.dj
+    x = backend.array(np.random.default_rng(0).standard_normal((5, 3)))
+    center = lambda x: x - backend.mean(x, 0)  # noqa: E731
+    w = backend.array(np.ones(3))
+    energy = lambda x: (center(x) ** 2) @ w  # noqa: E731
+    for fn, said in [
+        (dj.hessian(energy), "hessian has no coupling option"),
+        (dj.squared_frobenius_norm(center), r"jacobian\(f, coupling='exact'\)"),
+        (dj.value_divergence_and_frobenius(center), r"divergence\(f, coupling='exact'\)"),
+        (dj.log_abs_det(center), "slogdet of its blocks"),
+    ]:
+        with pytest.raises(divjac.BatchCouplingError, match=said) as info:
+            fn(x)
+        assert "or pass coupling='exact'" not in str(info.value)
 
 
 @pytest.mark.parametrize("method", ["exact", "sparse", "auto"])

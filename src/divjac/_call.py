@@ -373,6 +373,14 @@ def _check_output(spec: Spec, out: Any, x_shape: tuple[int, ...], axis: int | No
     check_floating_output(backend, out.dtype, fname)
     if axis is None:
         return
+    given = spec.batch_axis
+    if given is not None and not -len(out.shape) <= given < len(out.shape):
+        raise BatchAxisError(
+            f"{fname}: batch_axis={given} is the batch axis of the input and of the "
+            f"function's output, but the output has shape {tuple(out.shape)}: no axis {given}. "
+            "Return the batch on the same axis as the input (a scalar per sample with the "
+            "batch on axis 1: shape (1, B)), or move the batch to axis 0 of both."
+        )
     out_axis = checks.normalize_batch_axis(
         spec.batch_axis, out.shape, what="function's output", fname=fname
     )

@@ -40,7 +40,7 @@ from ._call import (
 from ._core import checks, estimators as est, plan, stochastic, timing
 from ._core.estimators._common import device, namespace
 from ._divergence import _draw, _itself, _pushed, _split_randomness, caller_count
-from ._errors import ArgnumsError, NumProbesError
+from ._errors import ArgnumsError, NumProbesError, OptionError
 
 __all__ = [
     "STOCHASTIC_METHODS",
@@ -308,7 +308,10 @@ def value_divergence_and_frobenius(
 def _exact_log_abs_det(call: Call, mode: Direction, chunk_size: int | None) -> tuple[Array, Any]:
     """``log|det J_b|`` ``(B,)`` from the per-sample Jacobians, and the aux."""
     flat, aux = T.jacobian_values(call, mode, chunk_size)
-    return namespace(flat).linalg.slogdet(flat)[1], aux
+    xp = namespace(flat)
+    if xp.finfo(flat.dtype).bits < 32:  # (no LU in half precision): in float32, cast back
+        return xp.astype(xp.linalg.slogdet(xp.astype(flat, xp.float32))[1], flat.dtype), aux
+    return xp.linalg.slogdet(flat)[1], aux
 
 
 def _slq_log_abs_det(
@@ -317,6 +320,14 @@ def _slq_log_abs_det(
     """SLQ's ``(estimate, stderr or None, aux)`` with ``J^T J v`` as one JVP and one VJP."""
     backend, B, n, shape = call.backend, call.batch_size, call.n_in, call.in_sample
     backend.ahead(_direction, call)  # samples must not mix
+    missing = backend.ahead(backend.forward_less, call)
+    if missing:
+        raise OptionError(
+            f"{call.spec.fname}: method='slq' multiplies by J^T J, one forward and one reverse "
+            f"pass, but the function runs {', '.join(sorted(missing))}, which has no forward "
+            "derivative in this framework. Use method='exact' (the per-sample Jacobians by "
+            "reverse passes)."
+        )
     columns, rows = backend.linearize(call, False), backend.linearize(call, True)
     k = _num_probes(call, options, randomness, shape)
     steps = options.lanczos_steps or est.default_lanczos_steps(n)

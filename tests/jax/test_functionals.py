@@ -275,8 +275,10 @@ def test_slq_program_holds_one_eigh(differentiate):
     """The estimate with its stderr below ``n`` steps (two Gauss rules) and its gradient call one
     batched ``eigh``: two independent ones run at once on XLA:CPU, and jaxlib's LAPACK kernels
     wait for the thread pool they run on (the end-to-end calibration hung with 2 threads)."""
-    flow, params, x = _flow_case()
-    slq = log_abs_det(flow, 1, method="slq", num_probes=3, lanczos_steps=3, return_stderr=True)
+    W = jax.random.normal(jax.random.key(5), (12, 12))
+    flow = lambda p, x: jnp.tanh(x @ (p * W))  # noqa: E731  (n = 12: 8 steps are below n)
+    params, x = jnp.float32(0.5), jax.random.normal(jax.random.key(6), (3, 12))
+    slq = log_abs_det(flow, 1, method="slq", num_probes=3, lanczos_steps=8, return_stderr=True)
     program = slq if not differentiate else jax.grad(lambda k, p, x: slq(k, p, x)[1].sum(), 1)
     jaxpr = str(jax.make_jaxpr(program)(jax.random.key(0), params, x))
     assert jaxpr.count("eigh[") == 1
@@ -341,3 +343,17 @@ def test_slq_matches_matfree_on_the_same_probes(steps):
         ]
     ).mean(1)
     np.testing.assert_allclose(ours, theirs, rtol=1e-8)
+
+
+def test_log_abs_det_in_bfloat16():
+    """Half precision has no LU nor eigensolver in JAX: the determinant and SLQ's quadrature
+    are taken in float32 (they raised NotImplementedError), the result in bfloat16."""
+    W = jnp.array([[2.0, 1, 0], [0, 3, 1], [1, 0, 2]])
+    x = jax.random.normal(jax.random.key(1), (4, 3)) / 2
+    f = lambda x: jnp.tanh(x @ W.astype(x.dtype).T)  # noqa: E731
+    want = log_abs_det(f)(x)
+    got = log_abs_det(f)(x.astype(jnp.bfloat16))
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0.05, atol=0.1)
+    slq = log_abs_det(f, method="slq", num_probes=64)(jax.random.key(0), x.astype(jnp.bfloat16))
+    assert slq.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(slq, np.float32)))

@@ -260,6 +260,41 @@ def test_diffrax_flow_map_is_per_sample(vmapped):
     check_values(forward, Y, modes=("fwd",), methods=())
 
 
+@jax.custom_vjp
+def _act(v):
+    return 2 * jnp.tanh(v)
+
+
+_act.defvjp(lambda v: (_act(v), v), lambda v, g: (g * 2 * (1 - jnp.tanh(v) ** 2),))
+
+
+def test_custom_vjp_in_every_functional():
+    """A ``jax.custom_vjp`` has no forward derivative: the functionals that chose columns
+    (from a given pattern, the sparse Hessian) push rows, and those that need a forward pass
+    name it (they raised JAX's raw "can't apply forward-mode autodiff")."""
+    import divjac.jax as dj
+
+    W = _normal(7, (4, 4))
+    f = lambda x: _act(x @ W) @ W.T  # noqa: E731
+    twin = lambda x: 2 * jnp.tanh(x @ W) @ W.T  # noqa: E731  (the same function, differentiable)
+    u = lambda x: jnp.sum(f(x) ** 2, axis=1)  # noqa: E731
+    u_twin = lambda x: jnp.sum(twin(x) ** 2, axis=1)  # noqa: E731
+    x = _normal(8, (3, 4))
+    pattern = sparsity(twin)(x)
+    pairs = [
+        (dj.jacobian_from_pattern(f, pattern), dj.jacobian(twin)),
+        (dj.divergence_from_pattern(f, pattern), dj.divergence(twin)),
+        (dj.hessian_diagonal(u, method="sparse"), dj.hessian_diagonal(u_twin)),
+        (dj.hessian(u, mode="sparse"), dj.hessian(u_twin)),
+    ]
+    for got, want in pairs:
+        np.testing.assert_allclose(got(x), want(x), rtol=1e-10, atol=1e-12)
+    with pytest.raises(divjac.OptionError, match=r"mode='fwd' .*custom_vjp"):
+        dj.jacobian(f, mode="fwd")(x)
+    with pytest.raises(divjac.OptionError, match=r"method='slq' .*custom_vjp.*method='exact'"):
+        dj.log_abs_det(f, method="slq")(jax.random.key(0), x)
+
+
 # --- 3. a primitive without a rule, applied per sample ----------------------------------------
 
 

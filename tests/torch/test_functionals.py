@@ -206,3 +206,16 @@ def test_slq_quadratic_form_gradient_and_calibration():
     est, se = est.numpy().reshape(reps, 3), se.numpy().reshape(reps, 3)
     assert np.all(np.abs(est.mean(0) - exact) < 4 * est.std(0) / np.sqrt(reps))
     assert np.all(np.mean(np.abs(est - exact) <= 2 * se, axis=0) >= 0.94)
+
+
+def test_log_abs_det_in_bfloat16():
+    """The determinant and SLQ's quadrature in float32 for a half-precision Jacobian (no LU
+    nor eigensolver there), the result in bfloat16."""
+    W = torch.tensor([[2.0, 1, 0], [0, 3, 1], [1, 0, 2]])
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1)) / 2
+    f = lambda x: torch.tanh(x @ W.to(x.dtype).T)  # noqa: E731
+    got = log_abs_det(f)(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), log_abs_det(f)(x), atol=0.1, rtol=0.05)
+    slq = log_abs_det(f, method="slq", num_probes=64)(torch.Generator(), x.bfloat16())
+    assert slq.dtype == torch.bfloat16 and torch.isfinite(slq).all()

@@ -40,7 +40,8 @@ def normalize_argnum(argnums: object, n_args: int, *, fname: str) -> int:
     if isinstance(argnums, bool) or not isinstance(argnums, int):
         raise ArgnumsError(
             f"{fname}: argnums must be an int selecting one positional argument; got "
-            f"{argnums!r}. Pass e.g. argnums=0 (or a tuple of ints)."
+            f"{argnums!r}. Pass e.g. argnums=0 ({fname} differentiates one argument: for "
+            "several, make one transform per argument)."
         )
     if n_args == 0:
         raise ArgnumsError(
@@ -163,21 +164,38 @@ def coupling_error(
             "whole batch. With coupling='exact', use method='hutchinson' or 'probing' "
             "(unbiased for the diagonal blocks), or an exact method ('exact', 'sparse', 'auto')."
         )
+    instead = _BLOCKS_INSTEAD.get(fname)
+    exact = (
+        "pass coupling='exact' to compute the true per-sample diagonal blocks of the batched "
+        "Jacobian at a higher cost (about batch_size times more passes)"
+        if instead is None
+        else f"compute the true per-sample diagonal blocks with {instead} ({fname} has no "
+        "coupling option; about batch_size times more passes)"
+    )
     note = ""
     if fallbacks:
         note = (
             f" Note: the operation(s) {', '.join(sorted(fallbacks))} had no sparsity rule and were "
             "assumed to mix all of their inputs, so this coupling may be an over-approximation: "
             "give them a rule with register_rule (docs/rules.md) if they act on each sample "
-            "alone; coupling='exact' is correct either way."
+            "alone; the diagonal blocks are correct either way."
         )
     return BatchCouplingError(
         f"{fname}: the function mixes samples: output sample {coupling.out_sample} depends on "
         f"input sample {coupling.in_sample} ({coupling.n_pairs} cross-sample dependencies "
         "found in the traced program), e.g. a mean over the batch or BatchNorm in training "
         "mode. Per-sample results from the batch trick would be wrong. Either make the "
-        "function per-sample (BatchNorm in eval mode, statistics per sample), or pass "
-        "coupling='exact' to compute the true per-sample diagonal blocks of the batched "
-        "Jacobian at a higher cost (about batch_size times more passes). If the input is one "
-        "sample rather than a batch, pass batch_axis=None." + note
+        f"function per-sample (BatchNorm in eval mode, statistics per sample), or {exact}. If "
+        "the input is one sample rather than a batch, pass batch_axis=None." + note
     )
+
+
+# The transforms without a coupling option, and what computes their per-sample blocks instead.
+_BLOCKS_INSTEAD = {
+    "hessian": "jacobian(coupling='exact') of the per-sample gradient (or hessian_diagonal, "
+    "laplacian with coupling='exact' for its diagonal or trace)",
+    "squared_frobenius_norm": "jacobian(f, coupling='exact') and the norms of its blocks",
+    "value_divergence_and_frobenius": "divergence(f, coupling='exact'), and jacobian(f, "
+    "coupling='exact') for the norms of its blocks",
+    "log_abs_det": "jacobian(f, coupling='exact') and slogdet of its blocks",
+}

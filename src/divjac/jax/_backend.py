@@ -196,6 +196,15 @@ class JaxBackend(Backend[Traced]):
     def linearize(self, point: Point[Traced], reverse: bool) -> Linear:
         return _Linearized(point, reverse)
 
+    def forward_less(self, point: Point[Traced]) -> frozenset[str]:
+        """A ``jax.custom_vjp`` function: JAX has no forward derivative of it."""
+        found = point.traced.detect(per_sample=False)
+        return (
+            frozenset({"a jax.custom_vjp function"})
+            if found and found.has_custom_vjp
+            else frozenset()
+        )
+
     def pass_elements(self, point: Point[Traced]) -> int:
         """Where a gradient flows through the passes (``jax.grad`` of a loss on the result,
         traced under ``jit`` or not), what a pass keeps for the backward, which recomputes it

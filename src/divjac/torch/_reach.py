@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .._core import detection
 from .._errors import UnsupportedOperationError
 
 __all__ = [
@@ -444,6 +445,9 @@ class _Walk:
         elif isinstance(obj, functools.partial):
             for value in (obj.func, *obj.args, *obj.keywords.items()):
                 self.visit(value, depth - 1)
+        elif isinstance(obj, detection.Traced):  # divjac's own trace (of a call): by identity
+            sig.append(id(obj))
+            self.identified.append(obj)
         elif hasattr(obj, "__dict__") and not library(kind):
             self.plain_object(obj, depth)
         else:  # not walked (a NumPy array, an optimizer): by identity when it can be

@@ -75,6 +75,7 @@ from .hutchinson import hutchinson as hutchinson, hutchinson_from_terms as hutch
 from .meyer2020hutchpp import hutch_plus_plus as hutch_plus_plus
 from .tang2012probing import probe_matrix as probe_matrix, probing as probing
 from .ubaru2017slq import (
+    MIN_GAUGED_STEPS as MIN_GAUGED_STEPS,
     default_lanczos_steps as default_lanczos_steps,
     slq_log_abs_det as slq_log_abs_det,
 )
@@ -82,6 +83,7 @@ from .ubaru2017slq import (
 __all__ = [
     "DISTRIBUTIONS",
     "METHODS",
+    "MIN_GAUGED_STEPS",
     "check_stderr_budget",
     "column_dots",
     "default_lanczos_steps",
