@@ -44,12 +44,14 @@ ARGS: dict[str, str] = {
         per color of a diagonal coloring of the detected pattern), ``"auto"`` (exact: sparse
         when it saves passes, never stochastic), or a stochastic estimate: ``"hutchinson"``,
         ``"hutch++"``, ``"xtrace"``, ``"probing"``.""",
-    "num_probes": """matvec budget per sample of a stochastic method (default 16; Hutch++ needs
-        a multiple of 3, XTrace an even number).""",
+    "num_probes": """matvec budget per sample of a stochastic method (default 16, Hutch++ 15;
+        Hutch++ needs a multiple of 3, XTrace an even number).""",
     "distribution": """probe distribution: ``"rademacher"``, ``"gaussian"`` or
-        ``"sphere"``.""",
-    "return_stderr": """return ``(result, stderr)``: an error bar (estimate +- 2 stderr covers
-        the truth at least 94 % of the time, never NaN); 0 for exact methods.""",
+        ``"sphere"`` (not read by ``"probing"``, whose probes are signs per color, nor by
+        ``"stde"``, which samples coordinates).""",
+    "return_stderr": """return ``(result, stderr)``: an error bar (estimate +- 2 stderr covered
+        the truth at least 94 % of the time on the calibration set, never NaN; each method's
+        limits in docs/calibration.md); 0 for exact methods.""",
     "chunk_size": "passes computed at once (bounds memory); ``None`` picks from the sizes.",
     "has_aux": """``f`` returns ``(output, aux)``; the returned function then gives
         ``(result, aux)``.""",
@@ -72,6 +74,7 @@ _ARG_RAISES = """ArgnumsError, BatchAxisError, BatchSizeMismatchError, InputDtyp
 _COUPLED = """BatchCouplingError: ``f`` mixes samples (with ``coupling="raise"``)."""
 _OPTION = """OptionError: an option (``mode``, ``method``, ``coupling``, ...) has a value it
         does not take."""
+_OPTION_NO_COUPLING = _OPTION.replace("``coupling``, ", "")
 _PATTERN = """PatternError: ``pattern`` is not of this function at these shapes (detect it
         again), or of a function that mixes samples."""
 _DIV_RAISES = (
@@ -163,11 +166,17 @@ _FROBENIUS_MODE = (
 )
 _FROBENIUS_RAISES = (
     _COUPLED_ALWAYS.replace("``u``", "``f``"),
-    _OPTION,
+    _OPTION_NO_COUPLING,
     _ARG_RAISES,
     """MissingKeyError: a stochastic method's function was called without its randomness
         first.""",
 )
+_FROBENIUS_PROBES = (
+    "num_probes",
+    """probes per sample of ``"hutchinson"`` (default 16; at least 2 for a standard error).""",
+)
+_STDERR_PROBES = """NumProbesError: ``num_probes`` is not a positive integer, or a standard error
+        with one probe."""
 _LOGDET_METHOD = (
     "method",
     """``"exact"`` or ``"auto"`` (the per-sample Jacobians, as :func:`jacobian` computes them,
@@ -182,8 +191,9 @@ _LOGDET_PROBES = (
 _LANCZOS_STEPS = (
     "lanczos_steps",
     """Lanczos steps per probe of ``"slq"`` (default ``min(n, 30)``): the quadrature is exact
-        for polynomials of degree ``2 * lanczos_steps - 1`` of ``J^T J``'s eigenvalues, and its
-        error falls geometrically with the steps (faster for well-conditioned ``J``).""",
+        for polynomials of degree ``2 * lanczos_steps - 1`` of ``J^T J``'s eigenvalues; its
+        error falls geometrically for a well-conditioned ``J``, about like ``1 /
+        lanczos_steps`` on networks' ill-conditioned ones (docs/calibration.md).""",
 )
 
 
@@ -396,9 +406,9 @@ _DOCS: dict[str, _Doc] = {
         _FROBENIUS_ARGS,
         """A function with ``f``'s signature returning ``||J_b||_F^2``, shape ``(B,)`` (with
         ``return_stderr``, ``(norms, stderr)``).""",
-        _FROBENIUS_RAISES,
+        (*_FROBENIUS_RAISES, _STDERR_PROBES),
         stochastic=True,
-        own_args=(_FROBENIUS_METHOD, _FROBENIUS_MODE),
+        own_args=(_FROBENIUS_METHOD, _FROBENIUS_MODE, _FROBENIUS_PROBES),
     ),
     "value_divergence_and_frobenius": _Doc(
         """``f``'s output, its per-sample divergence and squared Frobenius norm from the same
@@ -416,12 +426,14 @@ _DOCS: dict[str, _Doc] = {
         (
             *_FROBENIUS_RAISES,
             """NonSquareJacobianError: output and input samples differ in shape.""",
+            _STDERR_PROBES,
         ),
         stochastic=True,
         own_args=(
             ("argnums", "position of the differentiated array argument (one)."),
             _FROBENIUS_METHOD,
             _FROBENIUS_MODE,
+            _FROBENIUS_PROBES,
         ),
     ),
     "log_abs_det": _Doc(
@@ -448,7 +460,10 @@ _DOCS: dict[str, _Doc] = {
         randomness and, below ``n`` Lanczos steps, the quadrature's bias, gauged by the gap to
         the rule of half the steps, which assumes that bias falls steadily with the steps (from
         8 steps: fewer are refused; it can still fall short where ``J`` is very ill-conditioned,
-        0.25 at 8 steps for condition 1e6; ``lanczos_steps = n`` is exact; docs/calibration.md).""",
+        0.25 at 8 steps for condition 1e6; ``lanczos_steps = n`` is exact). In float32,
+        ``J^T J`` resolves no singular value of ``J`` below about ``3e-4`` of the largest: at
+        condition 1e4 the bar covered 0.87-0.89 at the default steps (1.00 in float64); SLQ
+        wants float64 there (docs/calibration.md).""",
         (
             *_FROBENIUS_RAISES,
             """NonSquareJacobianError: output and input samples differ in shape.""",
