@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import time
 import warnings
@@ -325,7 +326,7 @@ def inspect_function(
         jacobian=_jacobian_plan(pattern, jacobian_verdict),
         divergence=_divergence_plan(pattern, divergence_verdict),
         dense_fallbacks=sorted(pattern.dense_fallbacks),
-        warnings=sorted({str(w.message) for w in [*caught, *timed]}),
+        warnings=sorted({str(w.message) for w in [*caught, *timed] if not _framework_notice(w)}),
         detect_seconds=seconds,
         first_call=first_call,
     )
@@ -472,3 +473,11 @@ def write_spy(pattern: SparsityPattern, path: Path, title: str) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     _plots.spy(pattern.csr, path, title)
     return str(path)
+
+
+def _framework_notice(w: warnings.WarningMessage) -> bool:
+    """A deprecation notice of the framework's own internals (torch scripting its forward-AD
+    decompositions on first use): not about the user's function."""
+    return issubclass(w.category, DeprecationWarning) and any(
+        f"{os.sep}{name}{os.sep}" in w.filename for name in ("torch", "jax", "jaxlib")
+    )
