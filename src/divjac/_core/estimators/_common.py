@@ -59,6 +59,12 @@ def namespace(x: Array) -> Any:
     own = getattr(x, "__array_namespace__", None)
     if own is not None:
         return own()
+    if type(x).__module__.partition(".")[0] == "torch":
+        # (array_api_compat's own lookup calls lru_cache'd helpers, about which torch.compile
+        # warns at every call it traces)
+        from array_api_compat import torch as compat_torch
+
+        return compat_torch
     import array_api_compat
 
     return array_api_compat.array_namespace(x)
@@ -66,11 +72,11 @@ def namespace(x: Array) -> Any:
 
 def device(x: Array) -> Any:
     """The device of ``x``, for creating arrays beside it (``None`` for a traced JAX array)."""
-    if getattr(x, "__array_namespace__", None) is None:
+    own = getattr(x, "device", None)
+    if own is None:  # (a NumPy 1.x array)
         import array_api_compat
 
         return array_api_compat.device(x)
-    own = getattr(x, "device", None)
     return own() if callable(own) else own  # a method in older JAX releases
 
 
