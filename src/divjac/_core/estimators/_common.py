@@ -73,7 +73,7 @@ def namespace(x: Array) -> Any:
 def device(x: Array) -> Any:
     """The device of ``x``, for creating arrays beside it (``None`` for a traced JAX array)."""
     own = getattr(x, "device", None)
-    if own is None:  # (a NumPy 1.x array)
+    if own is None and getattr(x, "__array_namespace__", None) is None:  # (a NumPy 1.x array)
         import array_api_compat
 
         return array_api_compat.device(x)
