@@ -91,6 +91,9 @@ def worker(steps: int, batch: int, out: str | None) -> None:
         if rank == 0 and out is not None:
             gap = max(float((t - mine).abs().max()) for t in everyone)
             torch.save({"params": mine, "losses": losses, "rank_gap": gap}, out)
+        # no rank tears gloo down while another still talks to it (that aborted a worker with
+        # "terminate called without an active exception", rarely, on a loaded machine)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
