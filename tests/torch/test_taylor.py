@@ -369,16 +369,24 @@ def test_a_captured_tensor_reached_at_another_place_is_not_reused_there():
     _check(make(history[::-1]), x, v)  # the same tensors, roles swapped (an error of 157)
 
 
-def test_bilaplacian_runs_the_graph_at_every_call(monkeypatch):
+@pytest.mark.parametrize("nested", [False, True])
+def test_bilaplacian_runs_the_graph_at_every_call(monkeypatch, nested):
     """The exact bi-Laplacian's outer sweep runs the graph of the inner sweep at every call, not
-    only the first (its inner directions are new tensors each time); against nested Hessians."""
+    only the first (its inner directions are new tensors each time), also where the weights lie
+    deeper in what ``u`` reaches (``nested``: a list of layers, as the benchmark's MLP; the
+    outer sweep's function once reached the call itself, and its walk did not find them);
+    against nested Hessians."""
     from torch.func import hessian
 
+    from divjac.models import torch as models
     from divjac.torch import bilaplacian
 
     W, b, w = _randn(4, 6, seed=50), _randn(6, seed=51), _randn(6, seed=52)
+    params = models.init_mlp(50, (4, 6, 1), dtype=D)
 
     def u(x: torch.Tensor) -> torch.Tensor:
+        if nested:
+            return models.mlp(params, x)[:, 0]
         return torch.tanh(x @ W + b) @ w
 
     def lap(z: torch.Tensor) -> torch.Tensor:
