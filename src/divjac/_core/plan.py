@@ -245,14 +245,16 @@ def choose_chunk_size(
     available: int | None = None,
     in_cache: bool = False,
 ) -> int:
-    """Passes computed at once: ``chunk_size`` if given, else as many as fit the budget.
+    """Passes computed at once: ``chunk_size`` if given, else as many as fit the budget, the
+    chunks that takes made even (64 passes of which 56 fit: two chunks of 32, not 56 and 8).
 
     ``bytes_per_pass`` is what one pass holds on one device (its share of a sharded batch);
     ``available``: the free bytes of that device, where the framework reports them
     (:func:`memory_budget`, :func:`memory_limit`). ``in_cache``: on the host (``available``
     unknown) and without ``DIVJAC_MEMORY_BUDGET_MB``, a chunk also holds no more than the CPU's
-    last-level cache (:func:`host_cache_bytes`), and at least ``8`` passes: for speed, where
-    more chunks cost nothing else (not where each chunk is recomputed for a gradient).
+    last-level cache (:func:`host_cache_bytes`), in no more chunks than of ``8`` passes each: for
+    speed, where more chunks cost nothing else (not where each chunk is recomputed for a
+    gradient).
 
     Raises:
         OptionError: ``chunk_size`` is not a positive int or ``None``.
@@ -274,6 +276,7 @@ def choose_chunk_size(
             cached = max(_HOST_MIN_CHUNK, host_cache_bytes() // max(bytes_per_pass, 1))
             fit = min(fit, cached)
         chunk = int(min(max(fit, 1), n_passes))
+        chunk = -(-n_passes // -(-n_passes // chunk))  # as many chunks, of even sizes
     limit = memory_limit(available)
     if chunk * bytes_per_pass > limit:
         fits = limit // max(bytes_per_pass, 1)

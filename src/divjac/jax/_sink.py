@@ -51,25 +51,48 @@ _CALLS = {"jit", "pjit", "closed_call", "core_call"}
 
 @dataclass(frozen=True)
 class _Passes:
-    """A value of every pass: ``value`` has the passes on its leading axis."""
+    """A value of every pass: ``value`` holds the passes on its axis ``axis``, the leading one
+    (``0``) or, ``behind``, the second (``1``: behind the samples of a batch-first value;
+    behind nothing, the leading one, where one pass's value is a scalar)."""
 
     value: Any
+    axis: int = 0
+
+    @staticmethod
+    def behind(leading: Any) -> _Passes:
+        """The passes ``leading`` (passes first) laid out behind the first axis of a pass."""
+        if jnp.ndim(leading) < 2:
+            return _Passes(leading)
+        return _Passes(jnp.moveaxis(leading, 0, 1), 1)
+
+    def front(self) -> Any:
+        """The value with the passes on its leading axis."""
+        return self.value if self.axis == 0 else jnp.moveaxis(self.value, self.axis, 0)
+
+    def like(self, leading: Any) -> _Passes:
+        """``leading`` (passes first) laid out as this value's passes are."""
+        return _Passes.behind(leading) if self.axis else _Passes(leading)
 
 
 def _lift(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn`` of per-pass values, batched over the pass axis of the :class:`_Passes` arguments
-    (a tuple result for a tuple ``fn``)."""
-    if not any(isinstance(a, _Passes) for a in args):
+    (a tuple result for a tuple ``fn``), its passes laid out behind where any argument's are."""
+    passes = [a for a in args if isinstance(a, _Passes)]
+    if not passes:
         return fn(*args)
-    axes = [0 if isinstance(a, _Passes) else None for a in args]
+    axes = [a.axis if isinstance(a, _Passes) else None for a in args]
     values = [a.value if isinstance(a, _Passes) else a for a in args]
     out = jax.vmap(fn, in_axes=axes)(*values)
-    return [_Passes(o) for o in out] if isinstance(out, list | tuple) else _Passes(out)
+    lay = _Passes.behind if any(a.axis for a in passes) else _Passes
+    return [lay(o) for o in out] if isinstance(out, list | tuple) else lay(out)
 
 
 def _shape(v: Any) -> tuple[int, ...]:
     """The shape of one pass's value."""
-    return tuple(jnp.shape(v.value))[1:] if isinstance(v, _Passes) else tuple(jnp.shape(v))
+    if isinstance(v, _Passes):
+        shape = tuple(jnp.shape(v.value))
+        return shape[: v.axis] + shape[v.axis + 1 :]
+    return tuple(jnp.shape(v))
 
 
 @dataclass(frozen=True)
@@ -132,7 +155,7 @@ def pushes(
         (out,) = _eval(closed.jaxpr, closed.consts, [_Passes(ts)])
         out = _real(out)
         if isinstance(out, _Passes):
-            return out.value
+            return out.front()
         return jnp.broadcast_to(out, (ts.shape[0], *jnp.shape(out)))  # no tangent reached it
 
     return pushed
@@ -193,13 +216,13 @@ def _conv_passes(eqn: Any, lhs: Any, rhs: Any) -> _Passes | None:
         return None
     dn = eqn.params["dimension_numbers"]
     v = lhs.value
-    k, n_axis = v.shape[0], dn.lhs_spec[0]
-    v = jnp.moveaxis(v, 0, n_axis + 1)
+    k, n_axis = v.shape[lhs.axis], dn.lhs_spec[0]
+    v = jnp.moveaxis(v, lhs.axis, n_axis + 1)
     merged = (*v.shape[:n_axis], v.shape[n_axis] * k, *v.shape[n_axis + 2 :])
     out = _bind(eqn, v.reshape(merged), rhs)
     o = dn.out_spec[0]
     out = out.reshape((*out.shape[:o], out.shape[o] // k, k, *out.shape[o + 1 :]))
-    return _Passes(jnp.moveaxis(out, o + 1, 0))
+    return _Passes(jnp.moveaxis(out, o + 1, lhs.axis), lhs.axis)
 
 
 def _eqn(eqn: Any, ins: list[Any]) -> list[Any] | None:

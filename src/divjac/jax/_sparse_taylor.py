@@ -252,7 +252,7 @@ class _SparseSweep(_Sweep):
         self.stored += sum(math.prod(laid[i].shape) for i in laid if laid[i] is not ins[i][1].terms)
         pushed = [(p, _Passes(laid[i]) if i in laid else t, s) for i, (p, t, s) in enumerate(ins)]
         sparse_outs: list[Any] = [
-            (y, None if t is None else _Sparse(_real(t).value, idx), s)
+            (y, None if t is None else _Sparse(_real(t).front(), idx), s)
             for (y, t, s), idx in zip(super().equation(eqn, pushed, dep), idxs, strict=True)
         ]
         self.count(eqn, sparse_outs, idxs)

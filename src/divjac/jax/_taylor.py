@@ -74,10 +74,13 @@ def second_order_sweep(
     """
     k = int(directions.shape[0])
     v = directions.astype(x.dtype)
+    # Every first-order term lies behind its sample (_Passes.behind): the sums over the passes
+    # then reduce blocks that stay in cache, fused with their operands (a tanh MLP of width
+    # 256, d = 64, B = 256: 1.4x faster than with the passes in front, as folx lays them out).
     if v.shape[1] == x.shape[0]:
-        seed: Any = _Passes(varying_like(v, x))
+        seed: Any = _Passes.behind(varying_like(v, x))
     else:  # shared by the samples: kept unbroadcast until an operation needs the batch
-        seed = _Bcast(_Passes(varying_like(v[:, 0], x)), tuple(x.shape), (0,))
+        seed = _Bcast(_Passes.behind(varying_like(v[:, 0], x)), tuple(x.shape), (0,))
     apart = not collapse or (weights is not None and weights.ndim == 2)
     w = None if weights is None or apart else weights.astype(x.dtype)
     closed = jax.make_jaxpr(f)(x)
@@ -86,9 +89,9 @@ def second_order_sweep(
     sweep = _Sweep(w, apart)
     ((y, t, s),) = sweep.eval(closed.jaxpr, closed.consts, [(x, seed, None)])
     t = _real(t)
-    first = t.value if isinstance(t, _Passes) else jnp.zeros((k, *jnp.shape(y)), y.dtype)
+    first = t.front() if isinstance(t, _Passes) else jnp.zeros((k, *jnp.shape(y)), y.dtype)
     if apart:
-        second = s.value if isinstance(s, _Passes) else jnp.zeros((k, *jnp.shape(y)), y.dtype)
+        second = s.front() if isinstance(s, _Passes) else jnp.zeros((k, *jnp.shape(y)), y.dtype)
         return y, first, second if not collapse else _weighted_sum(second, weights)
     return y, first, jnp.zeros_like(y) if s is None else jnp.broadcast_to(s, jnp.shape(y))
 
@@ -252,17 +255,20 @@ class _Sweep:
             and not self.apart
         ):  # on the unbroadcast bases
             return _Bcast(
-                self.reduce(ta.base.value * tb.base.value), ta.shape, ta.new_axes
+                self.reduce(*_product(ta.base, tb.base)), ta.shape, ta.new_axes
             ).materialize()
-        a, b = _real(ta).value, _real(tb).value
-        rank = max(a.ndim, b.ndim)
-        a = a.reshape(a.shape + (1,) * (rank - a.ndim))  # a rank-0 operand of a binary operation
-        b = b.reshape(b.shape + (1,) * (rank - b.ndim))
-        return self.reduce(a * b)
+        return self.reduce(*_product(_real(ta), _real(tb)))
 
-    def reduce(self, terms: jax.Array) -> Any:
+    def reduce(self, terms: jax.Array, axis: int = 0) -> Any:
+        """``sum_k w_k terms_k`` over the passes, on ``terms``' axis ``axis`` (kept apart:
+        the terms themselves)."""
         if self.apart:
-            return _Passes(terms)
+            return _Passes(terms, axis)
+        if axis:  # a reduction XLA fuses with the product that made the terms
+            if self.w is None:
+                return terms.sum(axis)
+            w = self.w.astype(terms.dtype).reshape((-1,) + (1,) * (terms.ndim - axis - 1))
+            return (terms * w).sum(axis)
         k = terms.shape[0]
         w = jnp.ones((1, k), terms.dtype) if self.w is None else self.w.astype(terms.dtype)[None]
         # A product, not a reduce_sum: XLA:CPU's YNNPACK fusion runs a leading-axis reduction
@@ -274,19 +280,24 @@ class _Sweep:
 
     def dot_curvature(self, eqn: Any, ta: Any, tb: Any) -> Any:
         """``2 sum_k w_k dot_general(ta_k, tb_k)``: one product with the passes contracted."""
-        a, b = _real(ta).value, _real(tb).value
+        pa, pb = _real(ta), _real(tb)
+        a, b = pa.value, pb.value
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
         pref = eqn.params.get("preferred_element_type")
         if self.apart:
             dims = ((lc, rc), (lb, rb))
             products = jax.vmap(
-                partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=pref)
+                partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=pref),
+                in_axes=(pa.axis, pb.axis),
             )
             return _Passes(2 * products(a, b))
         if self.w is not None:
-            a = a * self.w.astype(a.dtype).reshape((-1,) + (1,) * (a.ndim - 1))
-        up = lambda axes: tuple(i + 1 for i in axes)  # noqa: E731
-        dims = (((*up(lc), 0), (*up(rc), 0)), (up(lb), up(rb)))
+            w = self.w.astype(a.dtype)
+            a = a * w.reshape((-1,) + (1,) * (a.ndim - pa.axis - 1))
+        # One pass's axis i is the value's axis i, or i + 1 behind the pass axis.
+        ua = lambda axes: tuple(i + (i >= pa.axis) for i in axes)  # noqa: E731
+        ub = lambda axes: tuple(i + (i >= pb.axis) for i in axes)  # noqa: E731
+        dims = (((*ua(lc), pa.axis), (*ub(rc), pb.axis)), (ua(lb), ub(rb)))
         return 2 * lax.dot_general(a, b, dims, preferred_element_type=pref)
 
     def fallback(self, eqn: Any, ins: list[_Value], dep: list[int]) -> list[_Value]:
@@ -303,11 +314,11 @@ class _Sweep:
         def h(a: tuple[Any, ...], t: tuple[Any, ...]) -> tuple[Any, ...]:
             return jax.jvp(g, a, t)[1]
 
-        tangents = tuple(_real(ins[i][1]).value for i in dep)
+        tangents = tuple(_real(ins[i][1]).front() for i in dep)
         seconds = [ins[i][2] for i in dep]
         if self.apart:
             s_in = tuple(
-                jnp.zeros_like(t) if s is None else s.value
+                jnp.zeros_like(t) if s is None else s.front()
                 for t, s in zip(tangents, seconds, strict=True)
             )
             d1, d2 = jax.vmap(lambda t, s: jax.jvp(h, (at, t), (t, s)))(tangents, s_in)
@@ -325,6 +336,18 @@ class _Sweep:
         for j, i in enumerate(floats):
             outs[i] = (ys[i], _Passes(d1[j]), second[j])
         return outs
+
+
+def _product(a: _Passes, b: _Passes) -> tuple[jax.Array, int]:
+    """The element-wise product of every pass of ``a`` and ``b`` (one of them possibly of a
+    rank-0 operand of a binary operation), and the axis of its passes."""
+    if a.axis == b.axis and a.value.ndim == b.value.ndim:
+        return a.value * b.value, a.axis
+    va, vb = a.front(), b.front()
+    rank = max(va.ndim, vb.ndim)
+    va = va.reshape(va.shape + (1,) * (rank - va.ndim))
+    vb = vb.reshape(vb.shape + (1,) * (rank - vb.ndim))
+    return va * vb, 0
 
 
 def _partial(eqn: Any, primals: list[Any], dep: list[int]) -> Callable[..., list[Any]]:
