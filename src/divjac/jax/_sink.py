@@ -69,10 +69,6 @@ class _Passes:
         """The value with the passes on its leading axis."""
         return self.value if self.axis == 0 else jnp.moveaxis(self.value, self.axis, 0)
 
-    def like(self, leading: Any) -> _Passes:
-        """``leading`` (passes first) laid out as this value's passes are."""
-        return _Passes.behind(leading) if self.axis else _Passes(leading)
-
 
 def _lift(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn`` of per-pass values, batched over the pass axis of the :class:`_Passes` arguments
