@@ -94,18 +94,29 @@ def _shape(v: Any) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class _Bcast:
     """``broadcast`` of ``base`` to ``shape`` with new axes ``new_axes`` (base fills the others);
-    ``base`` may carry the passes (:class:`_Passes`), ``shape`` is that of one pass."""
+    ``base`` may carry the passes (:class:`_Passes`), ``shape`` is that of one pass.
+    ``behind``: materialized with the passes behind its first axis (:meth:`_Passes.behind`),
+    wherever the base holds them (in front, where the samples are a new axis: the broadcast
+    then lays them out behind the samples as it copies, with no transpose of its own)."""
 
     base: Any
     shape: tuple[int, ...]
     new_axes: tuple[int, ...]
+    behind: bool = False
 
     def kept(self) -> list[int]:
         return [a for a in range(len(self.shape)) if a not in self.new_axes]
 
+    def derive(self, base: Any, shape: tuple[int, ...], new_axes: tuple[int, ...]) -> _Bcast:
+        """A broadcast computed from this one, laid out as it is."""
+        return _Bcast(base, shape, new_axes, self.behind)
+
     def materialize(self) -> Any:
         kept = tuple(self.kept())
-        return _lift(lambda b: lax.broadcast_in_dim(b, self.shape, kept), self.base)
+        out = _lift(lambda b: lax.broadcast_in_dim(b, self.shape, kept), self.base)
+        if self.behind and isinstance(out, _Passes) and out.axis == 0:
+            return _Passes.behind(out.value)
+        return out
 
 
 def _real(v: Any) -> Any:
@@ -193,9 +204,34 @@ def _vbind(eqn: Any, *args: Any) -> list[Any]:
     out: Any = None
     if eqn.primitive.name == "conv_general_dilated":
         out = _conv_passes(eqn, *args)
+    elif eqn.primitive.name in _UNARY | _BINARY | {"select_n"}:
+        out = _elementwise(eqn, args)
     if out is None:
         out = _lift(lambda *a: _bind(eqn, *a), *args)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _elementwise(eqn: Any, args: Sequence[Any]) -> _Passes | None:
+    """An element-wise operation on passes laid out behind the samples, its other operands
+    broadcast over them (``None``: left to ``jax.vmap``, whose rule moves the passes to the
+    front and back around the operation, copies XLA does not always fuse away)."""
+    passes = [a for a in args if isinstance(a, _Passes)]
+    if not passes:
+        return None
+    shape = tuple(jnp.shape(passes[0].value))
+    if passes[0].axis != 1 or any((a.axis, jnp.shape(a.value)) != (1, shape) for a in passes):
+        return None
+    one = shape[:1] + shape[2:]  # one pass's shape
+    if any(not isinstance(a, _Passes) and jnp.ndim(a) and jnp.shape(a) != one for a in args):
+        return None
+    kept = (0, *range(2, len(shape)))
+    values = [
+        a.value
+        if isinstance(a, _Passes)
+        else lax.broadcast_in_dim(a, shape, kept if jnp.ndim(a) else ())
+        for a in args
+    ]
+    return _Passes(_bind(eqn, *values), 1)
 
 
 def _one(eqn: Any, *args: Any) -> Any:
@@ -228,17 +264,17 @@ def _eqn(eqn: Any, ins: list[Any]) -> list[Any] | None:
     out_shape = tuple(eqn.outvars[0].aval.shape) if eqn.outvars else ()
     if name in _UNARY:
         (x,) = ins
-        return [_Bcast(_one(eqn, x.base), out_shape, x.new_axes)]
+        return [x.derive(_one(eqn, x.base), out_shape, x.new_axes)]
     if name in _BINARY and len(ins) == 2:
         a, b = ins
         if isinstance(a, _Bcast) and isinstance(b, _Bcast):
             if a.shape == b.shape and a.new_axes == b.new_axes:
-                return [_Bcast(_one(eqn, a.base, b.base), out_shape, a.new_axes)]
+                return [a.derive(_one(eqn, a.base, b.base), out_shape, a.new_axes)]
             return None
         x, other, first = (a, b, True) if isinstance(a, _Bcast) else (b, a, False)
         if not _shape(other):
             args = (x.base, other) if first else (other, x.base)
-            return [_Bcast(_one(eqn, *args), out_shape, x.new_axes)]
+            return [x.derive(_one(eqn, *args), out_shape, x.new_axes)]
         return None
     if name == "transpose":
         (x,) = ins
@@ -246,7 +282,7 @@ def _eqn(eqn: Any, ins: list[Any]) -> list[Any] | None:
         new = tuple(i for i, a in enumerate(perm) if a in x.new_axes)
         kept = x.kept()
         base_perm = [kept.index(a) for a in perm if a not in x.new_axes]
-        return [_Bcast(_lift(lambda b: jnp.transpose(b, base_perm), x.base), out_shape, new)]
+        return [x.derive(_lift(lambda b: jnp.transpose(b, base_perm), x.base), out_shape, new)]
     if name == "slice":
         return _slice(p, ins[0], out_shape)
     if name == "reduce_sum":
@@ -259,7 +295,7 @@ def _eqn(eqn: Any, ins: list[Any]) -> list[Any] | None:
         base = _lift(lambda b: jnp.sum(b, axis=summed), x.base)
         remaining = [a for a in range(len(x.shape)) if a not in axes]
         new = tuple(remaining.index(a) for a in x.new_axes)
-        return [_Bcast(base, out_shape, new)]
+        return [x.derive(base, out_shape, new)]
     if name == "concatenate":
         dim = p["dimension"]
         first = ins[0]
@@ -270,7 +306,7 @@ def _eqn(eqn: Any, ins: list[Any]) -> list[Any] | None:
             return None
         at = first.kept().index(dim)
         base = _lift(lambda *bs: jnp.concatenate(bs, axis=at), *(v.base for v in ins))
-        return [_Bcast(base, out_shape, first.new_axes)]
+        return [first.derive(base, out_shape, first.new_axes)]
     if name == "dot_general":
         return _dot_general(p, ins, out_shape)
     if name == "conv_general_dilated":
@@ -298,20 +334,21 @@ def _slice(p: dict[str, Any], x: _Bcast, out_shape: tuple[int, ...]) -> list[Any
         ),
         x.base,
     )
-    return [_Bcast(base, out_shape, x.new_axes)]
+    return [x.derive(base, out_shape, x.new_axes)]
 
 
 def _broadcast_in_dim(eqn: Any, x: Any) -> list[Any] | None:
     """A pure broadcast (new axes only) becomes symbolic; size-1 expansion is left to XLA."""
     shape = tuple(eqn.params["shape"])
     dims = tuple(eqn.params["broadcast_dimensions"])
+    behind = isinstance(x, _Passes) and x.axis != 0
     if isinstance(x, _Bcast):
         kept = x.kept()
         dims = tuple(dims[a] for a in kept)  # where the base axes land
-        x = x.base
+        x, behind = x.base, x.behind
     if _shape(x) != tuple(shape[d] for d in dims) or list(dims) != sorted(dims):
         return None
-    return [_Bcast(x, shape, tuple(a for a in range(len(shape)) if a not in dims))]
+    return [_Bcast(x, shape, tuple(a for a in range(len(shape)) if a not in dims), behind)]
 
 
 def _dot_general(p: dict[str, Any], ins: list[Any], out_shape: tuple[int, ...]) -> list[Any] | None:
@@ -346,7 +383,7 @@ def _dot_general(p: dict[str, Any], ins: list[Any], out_shape: tuple[int, ...]) 
         n_lhs_free = len(_shape(lhs)) - len(lc) - len(lb)
         offset = len(lb) + n_lhs_free
     new = tuple(offset + free.index(a) for a in x.new_axes)
-    return [_Bcast(base, out_shape, tuple(sorted(new)))]
+    return [x.derive(base, out_shape, tuple(sorted(new)))]
 
 
 def _conv(eqn: Any, ins: list[Any], out_shape: tuple[int, ...]) -> list[Any] | None:
@@ -360,4 +397,5 @@ def _conv(eqn: Any, ins: list[Any], out_shape: tuple[int, ...]) -> list[Any] | N
     base = _lift(lambda b: jnp.expand_dims(b, batch_axis), lhs.base)
     out = _one(eqn, base, rhs)
     out_batch = dn.out_spec[0]
-    return [_Bcast(_lift(lambda o: jnp.squeeze(o, out_batch), out), out_shape, (out_batch,))]
+    squeezed = _lift(lambda o: jnp.squeeze(o, out_batch), out)
+    return [lhs.derive(squeezed, out_shape, (out_batch,))]

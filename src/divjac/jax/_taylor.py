@@ -80,7 +80,7 @@ def second_order_sweep(
     if v.shape[1] == x.shape[0]:
         seed: Any = _Passes.behind(varying_like(v, x))
     else:  # shared by the samples: kept unbroadcast until an operation needs the batch
-        seed = _Bcast(_Passes.behind(varying_like(v[:, 0], x)), tuple(x.shape), (0,))
+        seed = _Bcast(_Passes(varying_like(v[:, 0], x)), tuple(x.shape), (0,), behind=True)
     apart = not collapse or (weights is not None and weights.ndim == 2)
     w = None if weights is None or apart else weights.astype(x.dtype)
     closed = jax.make_jaxpr(f)(x)
