@@ -121,6 +121,8 @@ class Backend(abc.ABC, Generic[TracedT]):
         input_cast_hint: how to cast an integer input to floats (in messages).
         output_cast_hint: how to cast an integer output to floats (in messages).
         randomness_example: a source of randomness of the framework (in messages).
+        sweep_cache_share: a second-order sweep's directions hold ``1 / sweep_cache_share`` of
+            a pass's bytes in the CPU's cache at once (what chunks them on the host).
     """
 
     array_noun: str
@@ -128,6 +130,7 @@ class Backend(abc.ABC, Generic[TracedT]):
     input_cast_hint: str
     output_cast_hint: str
     randomness_example: str
+    sweep_cache_share: int = 1
 
     # --- arrays and dtypes --------------------------------------------------------------------
 

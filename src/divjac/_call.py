@@ -189,16 +189,24 @@ class Call(Point[Traced]):
         elements = math.prod(xb.shape) + math.prod(traced.out_shape) + passed
         return self.backend.itemsize(xb) * elements // self.backend.batch_shards(xb)
 
-    def chunk(self, n_passes: int, chunk_size: int | None, in_cache: bool = True) -> int:
+    def chunk(
+        self, n_passes: int, chunk_size: int | None, in_cache: bool = True, share: int = 1
+    ) -> int:
         """Passes run at once: ``chunk_size``, or as many as fit the memory budget (of the
         device, where the framework reports its free memory). ``in_cache``: passes (or the
         directions of a second-order sweep) that on the host run fastest in chunks that stay
         in the CPU's cache, unless the backward of a gradient recomputes every chunk
-        (:func:`plan.choose_chunk_size`); ``False`` for a bound by memory alone."""
+        (:func:`plan.choose_chunk_size`); ``False`` for a bound by memory alone. ``share``:
+        passes hold ``1 / share`` of their bytes in the cache at once."""
         available = self.backend.memory_available(self.xb)
         in_cache = in_cache and not self.backend.recomputes_chunks(self)
         return plan.choose_chunk_size(
-            n_passes, self.bytes_per_pass(), chunk_size, available=available, in_cache=in_cache
+            n_passes,
+            self.bytes_per_pass(),
+            chunk_size,
+            available=available,
+            in_cache=in_cache,
+            cache_share=share,
         )
 
     def detect(self, *, per_sample: bool, auto: bool = False) -> Detection:

@@ -431,7 +431,9 @@ def _nested(
         )[2]
 
     K = int(outer.shape[0])
-    chunk = backend.ahead(Call.chunk, call, K, chunk_size)  # as _directions._sweep
+    chunk = backend.ahead(  # as _directions._sweep
+        Call.chunk, call, K, chunk_size, True, backend.sweep_cache_share
+    )
     parts = [
         backend.second_order_sweep(
             second,

@@ -244,6 +244,7 @@ def choose_chunk_size(
     *,
     available: int | None = None,
     in_cache: bool = False,
+    cache_share: int = 1,
 ) -> int:
     """Passes computed at once: ``chunk_size`` if given, else as many as fit the budget, the
     chunks that takes made even (64 passes of which 56 fit: two chunks of 32, not 56 and 8).
@@ -254,7 +255,8 @@ def choose_chunk_size(
     unknown) and without ``DIVJAC_MEMORY_BUDGET_MB``, a chunk also holds no more than the CPU's
     last-level cache (:func:`host_cache_bytes`), in no more chunks than of ``8`` passes each: for
     speed, where more chunks cost nothing else (not where each chunk is recomputed for a
-    gradient).
+    gradient). ``cache_share``: a pass holds ``1 / cache_share`` of its bytes in the cache at
+    once (a fused sweep).
 
     Raises:
         OptionError: ``chunk_size`` is not a positive int or ``None``.
@@ -273,7 +275,8 @@ def choose_chunk_size(
     else:
         fit = memory_budget(available) // max(bytes_per_pass, 1)
         if in_cache and available is None and "DIVJAC_MEMORY_BUDGET_MB" not in os.environ:
-            cached = max(_HOST_MIN_CHUNK, host_cache_bytes() // max(bytes_per_pass, 1))
+            held = max(bytes_per_pass // cache_share, 1)  # of a pass, in the cache at once
+            cached = max(_HOST_MIN_CHUNK, host_cache_bytes() // held)
             fit = min(fit, cached)
         chunk = int(min(max(fit, 1), n_passes))
         chunk = -(-n_passes // -(-n_passes // chunk))  # as many chunks, of even sizes

@@ -18,6 +18,9 @@ and a CNN: ``laplacian(method="auto")`` (the sparse sweep or the indicator direc
 diagonal coloring of the per-sample Hessian, whichever it counts cheaper) against folx with its
 sparsity, and the colored sweep itself (the pattern of ``grad(sum u)`` from
 :func:`divjac.jax.sparsity`).
+
+P9-auto, on every case: ``laplacian(method="auto")`` against the best explicit method timed
+with it (``"exact"``; the colors' sweep, and ``"exact"`` on the pairs): within 1.2x.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def run(quick: bool) -> list[Result]:
     results: list[Result] = []
     for d in (16, 64) if quick else (16, 64, 256):
         results += _dense(d, batch=64 if quick else 256, repeat=2 if quick else 5)
-    results += [_blocks(block, quick) for block in _block_models(quick).values()]
+    for block in _block_models(quick).values():
+        results += _blocks(block, quick)
     results += _sparse(
         _pair_energy(32 if quick else 64), 96 if quick else 192, 16, "pairs", 2 if quick else 5
     )
@@ -70,6 +74,7 @@ def _dense(d: int, batch: int, repeat: int) -> list[Result]:
     u = lambda z: models.mlp(params, z)[..., 0]  # noqa: E731  (per sample and batched alike)
     basis = jnp.eye(d, dtype=x.dtype)
     ours = jax.jit(laplacian(u, method="exact"))
+    auto = jax.jit(laplacian(u, method="auto"))
     folx_lap = jax.jit(lambda x: _folx(u)(x).laplacian)
     hess = jax.jit(jax.vmap(lambda z: jnp.trace(jax.hessian(u)(z))))
 
@@ -81,11 +86,12 @@ def _dense(d: int, batch: int, repeat: int) -> list[Result]:
     ref = hess(x)
     errors = {
         name: float(jnp.max(jnp.abs(fn(x) - ref)) / jnp.max(jnp.abs(ref)))
-        for name, fn in (("ours", ours), ("folx", folx_lap), ("fwd_rev", fwd_rev))
+        for name, fn in (("ours", ours), ("auto", auto), ("folx", folx_lap), ("fwd_rev", fwd_rev))
     }
     t = interleaved_best_times(
         {
             "ours": lambda: ours(x),
+            "auto": lambda: auto(x),
             "folx": lambda: folx_lap(x),
             "hess": lambda: hess(x),
             "fwd_rev": lambda: fwd_rev(x),
@@ -125,7 +131,15 @@ def _dense(d: int, batch: int, repeat: int) -> list[Result]:
             t["fwd_rev"],
             kind="gain",
         ),
+        _auto_row(case, t["auto"], t["ours"], "laplacian(method='exact')"),
     ]
+
+
+def _auto_row(case: str, auto: float, best: float, explicit: str, **extra: Any) -> Result:
+    """``laplacian(method="auto")`` against the best explicit method: within 1.2x."""
+    return Result(
+        "P9-auto", case, "laplacian(method='auto')", explicit, auto, best, target=1.2, extra=extra
+    )
 
 
 _Block = tuple[Callable[[jax.Array], jax.Array], tuple[int, ...], int, tuple[int, ...], str]
@@ -178,24 +192,29 @@ def _block_models(quick: bool) -> dict[str, _Block]:
     }
 
 
-def _blocks(block: _Block, quick: bool) -> Result:
+def _blocks(block: _Block, quick: bool) -> list[Result]:
     u, shape, batch, thresholds, case = block
     x = jax.random.normal(jax.random.key(5), (batch, *shape))
     ours = jax.jit(laplacian(u, method="exact"))
-    fns: dict[str, Callable[[jax.Array], Any]] = {"ours": ours}
+    fns: dict[str, Callable[[jax.Array], Any]] = {
+        "ours": ours,
+        "auto": jax.jit(laplacian(u, method="auto")),
+    }
     for th in thresholds:
         fns[f"folx_{th}"] = jax.jit(lambda x, th=th: _folx(u, th)(x).laplacian)
     d = int(np.prod(shape))
     trace = lambda z: jnp.trace(jax.hessian(u)(z).reshape(d, d))  # noqa: E731
     ref = jax.jit(jax.vmap(trace))(x)
-    err = float(jnp.max(jnp.abs(ours(x) - ref)) / jnp.max(jnp.abs(ref)))
+    err = max(
+        float(jnp.max(jnp.abs(fns[k](x) - ref)) / jnp.max(jnp.abs(ref))) for k in ("ours", "auto")
+    )
     times = interleaved_times(
         {k: partial(fn, x) for k, fn in fns.items()}, repeat=9 if quick else 15
     )
     best = {k: min(ts) for k, ts in times.items()}
     median = {k: statistics.median(ts) for k, ts in times.items()}
-    folx_best = min((k for k in fns if k != "ours"), key=best.__getitem__)
-    return Result(
+    folx_best = min((k for k in fns if k.startswith("folx")), key=best.__getitem__)
+    row = Result(
         "P9-blocks",
         case,
         "laplacian(method='exact') (sparse first-order terms)",
@@ -211,6 +230,9 @@ def _blocks(block: _Block, quick: bool) -> Result:
             "load_average_1min": os.getloadavg()[0],
         },
     )
+    explicit = "laplacian(method='exact') (sparse first-order terms)"
+    ratio = median["auto"] / median["ours"]
+    return [row, _auto_row(case, best["auto"], best["ours"], explicit, median_ratio=ratio)]
 
 
 def _pair_energy(n: int, reach: int = 3) -> Callable[[jax.Array], jax.Array]:
@@ -261,6 +283,7 @@ def _sparse(
     folx_sparse = jax.jit(lambda x: _folx(u, threshold)(x).laplacian)
     fns = {"ours": ours, "colors": jax.jit(_sweep(u, indicators)), "folx_sparse": folx_sparse}
     if name == "pairs":  # the dense methods, and the Hessian as reference, at this size only
+        fns["exact"] = jax.jit(laplacian(u, method="exact"))  # the sparse sweep, here
         fns["dense"] = jax.jit(_sweep(u, jnp.eye(d, dtype=x.dtype).reshape(d, 1, *shape)))
         fns["folx_dense"] = jax.jit(lambda x: _folx(u)(x).laplacian)
         ref = jax.jit(jax.vmap(lambda z: jnp.trace(jax.hessian(u)(z))))(x)
@@ -288,18 +311,11 @@ def _sparse(
             target=3.0,
             extra=extra,
         ),
-        Result(
-            "-",
-            case,
-            label,
-            f"second_order_sweep ({pattern.n_diagonal_colors} colours)",
-            t["ours"],
-            t["colors"],
-            kind="gain",
-        ),
+        _auto_row(case, t["ours"], t["colors"], f"{pattern.n_diagonal_colors} colours' sweep"),
     ]
     if name == "pairs":
         rows += [
+            _auto_row(case, t["ours"], t["exact"], "laplacian(method='exact')"),
             Result(
                 "-",
                 case,
