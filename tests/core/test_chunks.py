@@ -21,6 +21,9 @@ def test_on_the_host_a_chunk_of_first_order_passes_fits_the_cache():
     # 32 fit: 5 chunks, made even (30, not 4 of 32 and one of 19)
     assert plan.choose_chunk_size(147, MIB, None, in_cache=True) == 30
     assert plan.choose_chunk_size(64, 32 * MIB // 56, None, in_cache=True) == 32  # 56 fit
+    # 40 passes fit, or 80 where a pass holds half its bytes in the cache at once (a fused sweep)
+    assert plan.choose_chunk_size(64, 32 * MIB // 40, None, in_cache=True) == 32
+    assert plan.choose_chunk_size(64, 32 * MIB // 40, None, in_cache=True, cache_share=2) == 64
     assert plan.choose_chunk_size(147, MIB, None) == 147  # by the memory budget alone
     assert plan.choose_chunk_size(20, MIB, None, in_cache=True) == 20  # all fit
     assert plan.choose_chunk_size(147, 16 * MIB, None, in_cache=True) == 8  # at least 8
