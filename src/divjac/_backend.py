@@ -242,6 +242,11 @@ class Backend(abc.ABC, Generic[TracedT]):
         some, only rows (VJPs) can be pushed. Asked only of programs about to push columns."""
         return frozenset()
 
+    def reverse_less(self, point: Point[TracedT]) -> frozenset[str]:
+        """The operations of the program at ``point`` without a reverse derivative: its
+        per-sample gradient (the Hessian's pattern and products) cannot be formed."""
+        return frozenset()
+
     def pass_elements(self, point: Point[TracedT]) -> int:
         """Elements one pass holds at once at ``point`` (memory planning; an upper bound):
         the traced program's estimate, unless a backend keeps more where a gradient will flow

@@ -18,7 +18,7 @@ from ._backend import Array, Backend
 from ._call import Call, Coupling, Distribution, Spec, check_num_probes, check_option, prepare
 from ._core import checks, estimators as est, stochastic
 from ._divergence import _is_probes
-from ._errors import NumProbesError, OutputError
+from ._errors import NumProbesError, OptionError, OutputError
 from ._transforms import auto_detects
 
 __all__: list[str] = []
@@ -112,6 +112,16 @@ def _plan(call: Call, method: str, stochastic_method: bool) -> _Plan:
         return _Plan(True, None)
     if method not in ("sparse", "auto"):
         return _Plan(False, None)
+    missing = call.backend.reverse_less(call)
+    if missing and method == "auto":
+        return _Plan(False, None)  # no per-sample gradient, no Hessian pattern: the unit basis
+    if missing:
+        raise OptionError(
+            f"{call.spec.fname}: method='sparse' colors the Hessian's pattern, found through the "
+            f"per-sample gradient, but the function runs {', '.join(sorted(missing))}, which "
+            "has no reverse derivative. Use method='exact' (forward Taylor mode), or write the "
+            "loop with lax.scan (or lax.fori_loop with static bounds)."
+        )
     # The gradient's spec made here: under torch.compile this runs ahead of dynamo's trace,
     # which cannot take the gradient's closure as an argument.
     grad_call = prepare(_grad_spec(call.spec), call.args, call.kwargs)

@@ -270,3 +270,26 @@ def test_laplacian_through_abs_of_a_complex_intermediate(case):
         np.testing.assert_allclose(truth, 1 / jnp.linalg.norm(x, axis=1), rtol=1e-12)
     for method in ("exact", "sparse", "auto"):
         np.testing.assert_allclose(laplacian(u, method=method)(x), truth, rtol=1e-10)
+
+
+def test_a_while_loop_has_no_hessian_pattern():
+    """A ``lax.while_loop`` has no reverse derivative, so no per-sample gradient gives the
+    Hessian's pattern: ``"auto"`` sweeps the unit basis (it raised JAX's reverse-mode error),
+    ``"sparse"`` names the loop and the fix; against ``jacfwd`` of ``jacfwd``."""
+    import divjac
+    from divjac.jax import hessian_diagonal, laplacian
+
+    W = jnp.array([[0.5, -0.2, 0.1], [0.3, 0.4, -0.6], [0.2, 0.1, 0.7]])
+
+    def u(x):
+        body = lambda c: (c[0] + 1, jnp.sin(c[1] @ W) * c[1])  # noqa: E731
+        return jnp.sum(lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1], -1)
+
+    x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+    hess = jax.vmap(jax.jacfwd(jax.jacfwd(lambda s: u(s[None])[0])))(x)
+    diag = jnp.diagonal(hess, axis1=1, axis2=2)
+    for fn in (laplacian(u), jax.jit(laplacian(u, method="auto"))):
+        np.testing.assert_allclose(fn(x), diag.sum(1), rtol=1e-12)
+    np.testing.assert_allclose(hessian_diagonal(u)(x), diag, rtol=1e-12)
+    with pytest.raises(divjac.OptionError, match="lax.while_loop, which has no reverse"):
+        laplacian(u, method="sparse")(x)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import sparse as jsparse
+from jax.extend import core as jcore
 
 from .._backend import Array, Backend, Finish, Linear, Point, Seed
 from .._core import plan
@@ -90,6 +91,13 @@ class _Linearized(Linear):
         if full == k:
             return head
         return jnp.concatenate([head, run(inputs[full:])])
+
+
+def _has_while(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` or a program inside it runs a ``while`` loop."""
+    return any(eqn.primitive.name == "while" for eqn in jaxpr.eqns) or any(
+        _has_while(sub) for sub in jcore.subjaxprs(jaxpr)
+    )
 
 
 class JaxBackend(Backend[Traced]):
@@ -207,6 +215,15 @@ class JaxBackend(Backend[Traced]):
         return (
             frozenset({"a jax.custom_vjp function"})
             if found and found.has_custom_vjp
+            else frozenset()
+        )
+
+    def reverse_less(self, point: Point[Traced]) -> frozenset[str]:
+        """A ``lax.while_loop`` (or a ``fori_loop`` of traced bounds): JAX has no reverse
+        derivative of it."""
+        return (
+            frozenset({"a lax.while_loop"})
+            if _has_while(point.traced.closed.jaxpr)
             else frozenset()
         )
 
