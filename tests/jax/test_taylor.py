@@ -291,5 +291,5 @@ def test_a_while_loop_has_no_hessian_pattern():
     for fn in (laplacian(u), jax.jit(laplacian(u, method="auto"))):
         np.testing.assert_allclose(fn(x), diag.sum(1), rtol=1e-12)
     np.testing.assert_allclose(hessian_diagonal(u)(x), diag, rtol=1e-12)
-    with pytest.raises(divjac.OptionError, match="lax.while_loop, which has no reverse"):
+    with pytest.raises(divjac.OptionError, match=r"lax\.while_loop, which has no reverse"):
         laplacian(u, method="sparse")(x)
