@@ -66,6 +66,7 @@ from ._directions import (
     _sweep,
     _unbatch,
     _values,
+    sweep_chunk,
 )
 from ._divergence import (
     _divergence_transform,
@@ -431,9 +432,7 @@ def _nested(
         )[2]
 
     K = int(outer.shape[0])
-    chunk = backend.ahead(  # as _directions._sweep
-        Call.chunk, call, K, chunk_size, True, backend.sweep_cache_share
-    )
+    chunk = sweep_chunk(call, K, chunk_size)
     parts = [
         backend.second_order_sweep(
             second,
