@@ -293,3 +293,33 @@ def test_a_while_loop_has_no_hessian_pattern():
     np.testing.assert_allclose(hessian_diagonal(u)(x), diag, rtol=1e-12)
     with pytest.raises(divjac.OptionError, match=r"lax\.while_loop, which has no reverse"):
         laplacian(u, method="sparse")(x)
+
+
+@jax.custom_jvp
+def _looped_cube(x):
+    """``x ** 3`` by a ``lax.while_loop``; reverse mode differentiates the rule, not the loop."""
+    return lax.while_loop(
+        lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * x), (0, jnp.ones_like(x))
+    )[1]
+
+
+@_looped_cube.defjvp
+def _looped_cube_rule(primals, tangents):
+    ((x,), (t,)) = primals, tangents
+    return _looped_cube(x), 3 * x**2 * t
+
+
+def test_a_while_loop_inside_a_custom_jvp_keeps_the_sparse_path():
+    """A loop in a ``custom_jvp`` function's body does not block reverse mode (as in
+    ``jax.scipy.special.exp1``): ``"sparse"`` colors the Hessian's pattern (one color for a
+    diagonal Hessian) and matches ``jacfwd`` of ``jacfwd``."""
+    from divjac.jax import laplacian
+
+    def u(x):
+        return jnp.sum(_looped_cube(x), -1)
+
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    hess = jax.vmap(jax.jacfwd(jax.jacfwd(lambda s: u(s[None])[0])))(x)
+    want = jnp.trace(hess, axis1=1, axis2=2)
+    for method in ("sparse", "auto"):
+        np.testing.assert_allclose(laplacian(u, method=method)(x), want, rtol=1e-12)

@@ -94,10 +94,19 @@ class _Linearized(Linear):
 
 
 def _has_while(jaxpr: Any) -> bool:
-    """Whether ``jaxpr`` or a program inside it runs a ``while`` loop."""
-    return any(eqn.primitive.name == "while" for eqn in jaxpr.eqns) or any(
-        _has_while(sub) for sub in jcore.subjaxprs(jaxpr)
-    )
+    """Whether ``jaxpr`` or a program inside it runs a ``while`` loop that reverse mode must
+    differentiate: one inside a ``custom_jvp`` / ``custom_vjp`` function does not count (JAX
+    differentiates its rule, not its body: ``jax.scipy.special.exp1`` loops and has a
+    gradient)."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "while":
+            return True
+        if name.startswith(("custom_jvp_call", "custom_vjp_call")):
+            continue
+        if any(_has_while(sub) for sub in jcore.jaxprs_in_params(eqn.params)):
+            return True
+    return False
 
 
 class JaxBackend(Backend[Traced]):
