@@ -608,6 +608,39 @@ def test_stochastic_methods_on_the_callers_probes(ops: Ops) -> None:
     _close(ops, zero, np.zeros(B))
 
 
+def test_the_callers_probes_set_the_budget(ops: Ops) -> None:
+    """The caller's probes are used, however many: with ``num_probes`` left out the budget is
+    their count (the default of 16 >= n = 4 had returned the exact value, discarding them),
+    also at K = n probes; a ``num_probes`` that does not match them is refused."""
+    u, x, dj = elementary(ops), _x(ops, (B, 4)), ops.dj
+    H = ops.hessians(u, x, ())
+    A = np.random.default_rng(5).normal(size=(4, 4))
+    for k in (1, 4):
+        v = np.random.default_rng(12 + k).choice([-1.0, 1.0], size=(k, B, 4))
+        V = ops.asarray(v)
+        _close(
+            ops,
+            dj.laplacian(u, method="hutchinson")(V, x),
+            np.einsum("kbi,bij,kbj->b", v, H, v) / k,
+        )
+        _close(
+            ops,
+            dj.hessian_diagonal(u, method="hutchinson")(V, x),
+            np.einsum("kbi,bij,kbj->bi", v, H, v) / k,
+        )
+        weighted = dj.weighted_laplacian(u, ops.asarray(A), method="hutchinson")
+        _close(
+            ops,
+            weighted(V, x),
+            ops.to_numpy(
+                dj.weighted_laplacian(u, ops.asarray(A), method="hutchinson", num_probes=k)(V, x)
+            ),
+        )
+        assert not np.allclose(ops.to_numpy(weighted(V, x)), np.einsum("ij,bij->b", A, H))
+    with pytest.raises(divjac.NumProbesError, match="num_probes"):
+        dj.laplacian(u, method="hutchinson", num_probes=4)(ops.asarray(v[:1]), x)
+
+
 # --- errors -------------------------------------------------------------------------------------
 
 

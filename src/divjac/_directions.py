@@ -16,8 +16,8 @@ import numpy as np
 
 from ._backend import Array, Backend
 from ._call import Call, Coupling, Distribution, Spec, check_num_probes, check_option, prepare
-from ._core import checks, estimators as est, stochastic
-from ._divergence import _is_probes
+from ._core import checks, estimators as est
+from ._divergence import _is_probes, caller_count, probe_count
 from ._errors import NumProbesError, OptionError, OutputError
 from ._transforms import auto_detects
 
@@ -241,8 +241,18 @@ def _mean_and_stderr(call: Call, terms: Array, stderr: bool) -> tuple[Array, Arr
     return mean.reshape(shape), None if err is None else err.reshape(shape)
 
 
-def _num_probes(opts: _Options, n: int) -> int:
-    return opts.num_probes or stochastic.default_num_probes("hutchinson", n)
+def _num_probes(call: Call, opts: _Options, randomness: Any) -> int:
+    return probe_count(call, opts.num_probes, randomness)
+
+
+def _sampled(call: Call, opts: _Options, randomness: Any, exact_directions: int) -> int | None:
+    """Hutchinson's probes per sample, ``None`` where a budget of ``exact_directions`` or
+    more pays for the exact sum (no error). The caller's own probes are always used: their
+    estimate is what the caller asked for (as the divergence's)."""
+    k = _num_probes(call, opts, randomness)
+    if k >= exact_directions and caller_count(call, randomness) is None:
+        return None
+    return k
 
 
 def _coordinates(call: Call, randomness: Any, k: int) -> Array:

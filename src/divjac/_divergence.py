@@ -253,6 +253,18 @@ def caller_count(call: Call, randomness: Any, sample: tuple[int, ...] | None = N
     return 1 if tuple(randomness.shape) == one else int(randomness.shape[0])
 
 
+def probe_count(
+    call: Call, num_probes: int | None, randomness: Any, sample: tuple[int, ...] | None = None
+) -> int:
+    """Hutchinson probes per sample: ``num_probes``, else as many as the caller's probes hold,
+    else the default budget (``sample``: the probes' shape, the input's by default)."""
+    if num_probes is not None:
+        return num_probes
+    shape = call.in_sample if sample is None else sample
+    given = caller_count(call, randomness, shape)
+    return given or stochastic.default_num_probes("hutchinson", math.prod(shape))
+
+
 def _caller_budget(call: Call, randomness: Any, method: str) -> int | None:
     """The budget ``num_probes`` that the caller's probes pay for (``None`` for a key)."""
     k = caller_count(call, randomness)

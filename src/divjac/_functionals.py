@@ -37,9 +37,9 @@ from ._call import (
     check_option,
     prepare,
 )
-from ._core import checks, estimators as est, plan, stochastic, timing
+from ._core import checks, estimators as est, plan, timing
 from ._core.estimators._common import device, namespace
-from ._divergence import _draw, _itself, _pushed, _split_randomness, caller_count
+from ._divergence import _draw, _itself, _pushed, _split_randomness, probe_count
 from ._errors import ArgnumsError, NumProbesError, OptionError
 
 __all__ = [
@@ -129,7 +129,7 @@ def _stochastic_norms(
     reverse = backend.ahead(_direction, call)
     sample = call.out_sample if reverse else call.in_sample
     linear = backend.linearize(call, reverse)
-    k = _num_probes(call, options, randomness, sample)
+    k = probe_count(call, options.num_probes, randomness, sample)
     if options.return_stderr and k < 2:
         raise NumProbesError(
             f"{call.spec.fname}: return_stderr=True with method='hutchinson' needs num_probes "
@@ -169,15 +169,6 @@ def _coordinates(call: Call, sample: tuple[int, ...]) -> Array:
     n = math.prod(sample)
     eye = xp.eye(n, dtype=call.xb.dtype, device=device(call.xb)) * math.sqrt(n)
     return xp.broadcast_to(xp.reshape(eye, (n, 1, *sample)), (n, call.batch_size, *sample))
-
-
-def _num_probes(call: Call, options: _Options, randomness: Any, sample: tuple[int, ...]) -> int:
-    """Probes per sample: ``num_probes``, else as many as the caller's probes hold, else the
-    default budget."""
-    if options.num_probes is not None:
-        return options.num_probes
-    given = caller_count(call, randomness, sample)
-    return given or stochastic.default_num_probes("hutchinson", math.prod(sample))
 
 
 def _direction(call: Call) -> bool:
@@ -329,7 +320,7 @@ def _slq_log_abs_det(
             "reverse passes)."
         )
     columns, rows = backend.linearize(call, False), backend.linearize(call, True)
-    k = _num_probes(call, options, randomness, shape)
+    k = probe_count(call, options.num_probes, randomness, shape)
     steps = options.lanczos_steps or est.default_lanczos_steps(n)
     if steps > n:
         raise NumProbesError(

@@ -23,12 +23,12 @@ from ._directions import (
     _checked_stderr_budget,
     _grad_spec,
     _gradient,
-    _num_probes,
     _one_sample_at_a_time,
     _Options,
     _own_terms,
     _plan,
     _require_scalar,
+    _sampled,
     _sweep,
 )
 from ._divergence import _draw, _itself, _split_randomness
@@ -134,8 +134,8 @@ def _diagonal_values(
     backend.ahead(_require_scalar, call)
     # Bekas, Kokiopoulou & Saad: E[v * H v] = diag(H) when E[v v^T] = I; a budget of n
     # probes or more pays for the exact diagonal (n directions, no error).
-    if hutchinson and _num_probes(opts, n) < n:
-        k = _num_probes(opts, n)
+    k = _sampled(call, opts, randomness, n) if hutchinson else None
+    if k is not None:
         probes = _draw(call, randomness, k, opts.distribution)
         images = _own_products(call, grad_spec, probes, _itself, k, opts.chunk_size, False, False)
         v = probes.reshape(k, B, n)

@@ -63,6 +63,7 @@ from ._directions import (
     _Options,
     _plan,
     _require_scalar,
+    _sampled,
     _sweep,
     _unbatch,
     _values,
@@ -105,15 +106,15 @@ def _laplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Arra
     stochastic_method = opts.method in SWEEP_STOCHASTIC
     planned = call.backend.ahead(_plan, call, opts.method, stochastic_method)
     # A budget of n directions or more pays for the exact sweep (n directions, no error).
-    if opts.method == "hutchinson" and _num_probes(opts, call.n_in) < call.n_in:
-        k = _num_probes(opts, call.n_in)
+    k = _sampled(call, opts, randomness, call.n_in) if opts.method == "hutchinson" else None
+    if k is not None:
         probes = _draw(call, randomness, k, opts.distribution)
         if opts.return_stderr:
             return _calibrated_laplacian(call, probes, opts)
         return _sweep(call, probes, None, True, opts.chunk_size) / k, None
     if opts.method == "stde":
         n = call.n_in
-        k = min(_num_probes(opts, n), n)
+        k = min(_num_probes(call, opts, randomness), n)
         if opts.return_stderr and k < n:
             raise NumProbesError(
                 f"{call.spec.fname}: method='stde' has no error bar that holds below n = {n} "
@@ -325,8 +326,8 @@ def _weighted_values(
     shape = call.in_sample
     # A budget of as many directions as the exact sum (n, or the factor's r) computes it.
     exact_directions = int(M.shape[-1]) if is_factor else n
-    if opts.method == "hutchinson" and _num_probes(opts, n) < exact_directions:
-        k = _num_probes(opts, n)
+    k = _sampled(call, opts, randomness, exact_directions) if opts.method == "hutchinson" else None
+    if k is not None:
         if is_factor:
             if _is_probes(backend, randomness):
                 raise NumProbesError(
@@ -469,7 +470,7 @@ def _bilaplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Ar
                 "E[v_i^4] = 3: Rademacher signs count the pure fourth derivatives d^4u/dx_i^4 "
                 "a third), which the caller's probes cannot be checked to be. Pass a source of randomness ({call.backend.randomness_example})."
             )
-        probes = _draw(call, randomness, _num_probes(opts, call.n_in), "gaussian")
+        probes = _draw(call, randomness, _num_probes(call, opts, randomness), "gaussian")
         terms = [
             _nested(call, probes[i : i + 1], probes[i : i + 1], opts.chunk_size)
             for i in range(int(probes.shape[0]))
