@@ -53,10 +53,11 @@ def leaked_tracer(err: BaseException) -> bool:
 def check_differentiable_twice(eqn: Any) -> None:
     """Raise :class:`UnsupportedOperationError` naming the ``custom_jvp`` function of ``eqn``
     (a ``custom_jvp_call`` equation) if JAX cannot differentiate its rule: tracing the
-    ``jvp`` of its ``jvp`` (at abstract operands) fails with a leaked tracer, or leaves a
+    ``jvp`` of its ``jvp`` (at the operands' abstract values, with the mesh axes they vary
+    over inside ``shard_map``) fails with a leaked tracer, or leaves a
     tracer among the constants of a nested program, which no backend can compile (under the
     caller's ``jax.jit`` the compiler would fail only after divjac returned)."""
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    avals = [v.aval for v in eqn.invars]
     floats = [i for i, v in enumerate(eqn.invars) if jnp.issubdtype(v.aval.dtype, jnp.inexact)]
 
     def twice(*operands: Any) -> Any:
