@@ -105,6 +105,34 @@ def test_captured_index_and_mask_modified_in_place_are_seen(traces_made):
     assert traces_made[0] == traced + 2
 
 
+def test_captured_index_changed_without_a_new_version_is_seen(traces_made):
+    """The pattern read an index's values: a new ``.data``, a write through ``.data`` and a
+    write through a NumPy array sharing its memory change them without bumping the tensor's
+    version counter (the sparse divergence returned the old pattern's wrong numbers); an
+    in-place write of the same values keeps the trace."""
+    shared = np.array([1, 0, 3, 2])
+    perm = torch.from_numpy(shared)
+
+    def f(x):
+        return torch.sin(x[:, perm]) * x
+
+    x = _randn(3, 4)
+    want = lambda: traces(torch_diagonal_blocks(f, (x,)), (4,))  # noqa: E731
+    np.testing.assert_allclose(divergence(f, method="sparse")(x), want())
+    traced = traces_made[0]
+    perm.copy_(torch.tensor([1, 0, 3, 2]))  # a new version, the same values
+    np.testing.assert_allclose(divergence(f, method="sparse")(x), want())
+    assert traces_made[0] == traced
+    for change in (  # the NumPy array first: a new .data no longer shares its memory
+        lambda: shared.__setitem__(slice(None), [2, 3, 0, 1]),
+        lambda: perm.data.copy_(torch.tensor([3, 2, 1, 0])),
+        lambda: setattr(perm, "data", torch.tensor([0, 1, 2, 3])),
+    ):
+        change()
+        np.testing.assert_allclose(divergence(f, method="sparse")(x), want())
+    assert traces_made[0] == traced + 3
+
+
 def test_readable_constants_are_the_callers_own_integer_tensors():
     perm = torch.tensor([2, 0, 1])
     W = _randn(3, 3)
@@ -114,7 +142,7 @@ def test_readable_constants_are_the_callers_own_integer_tensors():
 
     traced = BACKEND.trace(f, (_randn(2, 3),), {}, argnum=0, batch_axis=0, has_aux=False)
     readable = list(traced.readable.values())
-    assert any(c is perm for c in readable)  # the caller's tensor, whose version is guarded
+    assert any(c is perm for c in readable)  # the caller's tensor, whose values are guarded
     assert all(c is not W for c in readable)
     assert {name for name, c in traced.readable.items() if c is perm} == set(traced.versioned)
 

@@ -72,7 +72,8 @@ class Traced(detection.Traced):
         batch_norms: the batch normalization modules the trace ran (their running statistics
             are kept still during passes).
         captured: the floating-point tensors the graph captured (parameters, buffers), weakly.
-        reads: version counter of every ``versioned`` constant a detection read, when it read.
+        reads: a copy of every ``versioned`` constant a detection read, as it read it
+            (``None``: it read two different values, the trace never holds again).
         dropped: the graph constants replaced by meta tensors (weights), weakly, by name.
         directions: by context, whether rows were measured faster than columns
             (:meth:`~divjac.torch._backend.TorchBackend.prefer_reverse`).
@@ -90,7 +91,7 @@ class Traced(detection.Traced):
     unreached: tuple[tuple[weakref.ref[nn.Module], Hashable], ...]
     batch_norms: tuple[weakref.ref[nn.Module], ...]
     captured: tuple[weakref.ref[torch.Tensor], ...]
-    reads: dict[str, int] = field(default_factory=dict)
+    reads: dict[str, torch.Tensor | None] = field(default_factory=dict)
     dropped: dict[str, weakref.ref[torch.Tensor]] = field(default_factory=dict)
     directions: dict[Hashable, bool] = field(default_factory=dict)
     plans: detection.LRU[tuple[Any]] = field(default_factory=lambda: detection.LRU(PLANS))
@@ -112,11 +113,14 @@ class Traced(detection.Traced):
 
     def current(self) -> bool:
         """Whether the trace still holds for a call whose cache key is its own: the objects the
-        key identifies are alive (their ``id`` is theirs), the constants detection read were
-        not modified in place, and the modules that only the trace found are as they were."""
+        key identifies are alive (their ``id`` is theirs), the constants detection read hold
+        the values it read, and the modules that only the trace found are as they were.
+
+        Values, not version counters: writes through ``.data``, a new ``.data`` or a shared
+        NumPy array change an index tensor without a new version."""
         if any_dead(self.identified):
             return False
-        if any(self.readable[name]._version != v for name, v in self.reads.items()):
+        if not all(_same(self.readable[name], v) for name, v in self.reads.items()):
             return False
         return all(
             (m := ref()) is not None and module_signature(m) == signature
@@ -127,9 +131,11 @@ class Traced(detection.Traced):
         """Note that a result kept with the trace read the constants ``names``: the trace
         holds no longer once one of the caller's among them is modified in place."""
         for name in set(names) & self.versioned:
-            version = self.readable[name]._version
-            if self.reads.setdefault(name, version) != version:
-                self.reads[name] = -1  # never current again
+            now = self.readable[name]
+            if name not in self.reads:
+                self.reads[name] = now.detach().clone()
+            elif not _same(now, self.reads[name]):
+                self.reads[name] = None  # never current again
 
     @functools.cached_property
     def graph_elements(self) -> int:
@@ -340,3 +346,13 @@ _SOLVES_EX = (torch.ops.aten._linalg_solve_ex.default, torch.ops.aten.linalg_sol
 
 DECOMPOSED = "divjac_decomposed"
 """The key of a traced graph's ``meta`` to the :class:`Decomposed` calls of its trace."""
+
+
+def _same(now: torch.Tensor, then: torch.Tensor | None) -> bool:
+    """Whether a constant holds the values ``then`` read of it (a copy; ``None``: never)."""
+    return (
+        then is not None
+        and now.shape == then.shape
+        and now.dtype == then.dtype
+        and bool(torch.equal(now, then))
+    )
