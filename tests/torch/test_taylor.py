@@ -1004,3 +1004,32 @@ def test_a_custom_operation_without_forward_derivative_is_named_with_no_false_fi
     for refused in (hessian(u), laplacian(u)):  # (auto: screened by the gradient's Hessian)
         with pytest.raises(UnsupportedOperationError, match=r"divjac_test\.rowflip"):
             refused(x)
+
+
+def test_inputs_of_any_memory_layout():
+    """The sweep replays a graph traced at a contiguous input, whose views hold for that
+    layout only: a transposed view and a channels_last input raised torch's "view size is
+    not compatible"; against ``torch.func.hessian`` (the bi-Laplacian: its contiguous value)."""
+    from divjac.torch import bilaplacian, hessian_diagonal
+
+    conv = nn.Conv2d(2, 2, 3, padding=1).double()
+    W = _randn(18, 3, seed=2)
+
+    def u(x):
+        return torch.tanh(conv(x).reshape(x.shape[0], -1) @ W).pow(2).sum(1)
+
+    x = _randn(2, 2, 3, 3, seed=1)
+    hess = torch.stack([torch.func.hessian(lambda s: u(s[None])[0])(s) for s in x])
+    hess = hess.reshape(2, 18, 18)
+    diag = torch.diagonal(hess, dim1=1, dim2=2).reshape(x.shape)
+    for laid in (
+        x.transpose(2, 3).contiguous().transpose(2, 3),
+        x.to(memory_format=torch.channels_last),
+    ):
+        assert not laid.is_contiguous()
+        for method in ("exact", "sparse", "auto"):
+            torch.testing.assert_close(
+                laplacian(u, method=method)(laid), hess.diagonal(0, 1, 2).sum(1)
+            )
+            torch.testing.assert_close(hessian_diagonal(u, method=method)(laid), diag)
+        torch.testing.assert_close(bilaplacian(u)(laid), bilaplacian(u)(x))
