@@ -609,36 +609,27 @@ def test_stochastic_methods_on_the_callers_probes(ops: Ops) -> None:
 
 
 def test_the_callers_probes_set_the_budget(ops: Ops) -> None:
-    """The caller's probes are used, however many: with ``num_probes`` left out the budget is
-    their count (the default of 16 >= n = 4 had returned the exact value, discarding them),
-    also at K = n probes; a ``num_probes`` that does not match them is refused."""
+    """With ``num_probes`` left out, the budget is the caller's probes' count (the default of
+    16 >= n = 4 had returned the exact value, discarding K < n probes); K = n probes pay for
+    the exact sum, as for the divergence; a ``num_probes`` that does not match is refused."""
     u, x, dj = elementary(ops), _x(ops, (B, 4)), ops.dj
     H = ops.hessians(u, x, ())
     A = np.random.default_rng(5).normal(size=(4, 4))
-    for k in (1, 4):
+    for k in (1, 3, 4):
         v = np.random.default_rng(12 + k).choice([-1.0, 1.0], size=(k, B, 4))
         V = ops.asarray(v)
-        _close(
-            ops,
-            dj.laplacian(u, method="hutchinson")(V, x),
-            np.einsum("kbi,bij,kbj->b", v, H, v) / k,
-        )
-        _close(
-            ops,
-            dj.hessian_diagonal(u, method="hutchinson")(V, x),
-            np.einsum("kbi,bij,kbj->bi", v, H, v) / k,
-        )
+        terms = np.einsum("kbi,bij,kbj->kbi", v, H, v)
+        if k == 4:  # exact
+            terms = np.broadcast_to(np.diagonal(H, axis1=1, axis2=2), terms.shape)
+        _close(ops, dj.laplacian(u, method="hutchinson")(V, x), terms.sum(-1).mean(0))
+        _close(ops, dj.hessian_diagonal(u, method="hutchinson")(V, x), terms.mean(0))
         weighted = dj.weighted_laplacian(u, ops.asarray(A), method="hutchinson")
-        _close(
-            ops,
-            weighted(V, x),
-            ops.to_numpy(
-                dj.weighted_laplacian(u, ops.asarray(A), method="hutchinson", num_probes=k)(V, x)
-            ),
-        )
-        assert not np.allclose(ops.to_numpy(weighted(V, x)), np.einsum("ij,bij->b", A, H))
+        given = dj.weighted_laplacian(u, ops.asarray(A), method="hutchinson", num_probes=k)
+        _close(ops, weighted(V, x), ops.to_numpy(given(V, x)))
+        exact = np.einsum("ij,bij->b", A, H)
+        assert np.allclose(ops.to_numpy(weighted(V, x)), exact) == (k == 4), k
     with pytest.raises(divjac.NumProbesError, match="num_probes"):
-        dj.laplacian(u, method="hutchinson", num_probes=4)(ops.asarray(v[:1]), x)
+        dj.laplacian(u, method="hutchinson", num_probes=3)(ops.asarray(v[:1]), x)
 
 
 # --- errors -------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import numpy as np
 from ._backend import Array, Backend
 from ._call import Call, Coupling, Distribution, Spec, check_num_probes, check_option, prepare
 from ._core import checks, estimators as est
-from ._divergence import _is_probes, caller_count, probe_count
+from ._divergence import _is_probes, probe_count
 from ._errors import NumProbesError, OptionError, OutputError
 from ._transforms import auto_detects
 
@@ -247,12 +247,10 @@ def _num_probes(call: Call, opts: _Options, randomness: Any) -> int:
 
 def _sampled(call: Call, opts: _Options, randomness: Any, exact_directions: int) -> int | None:
     """Hutchinson's probes per sample, ``None`` where a budget of ``exact_directions`` or
-    more pays for the exact sum (no error). The caller's own probes are always used: their
-    estimate is what the caller asked for (as the divergence's)."""
+    more pays for the exact sum (no error), as the divergence's: the budget is the caller's
+    probes' count when ``num_probes`` is not given."""
     k = _num_probes(call, opts, randomness)
-    if k >= exact_directions and caller_count(call, randomness) is None:
-        return None
-    return k
+    return None if k >= exact_directions else k
 
 
 def _coordinates(call: Call, randomness: Any, k: int) -> Array:

@@ -103,7 +103,7 @@ _COEFFICIENT = """CoefficientError: neither or both of ``A`` and ``factor``, or 
 _U_ANY = """batched function ``[B, *in] -> [B, *out]`` (in PyTorch also an ``nn.Module``); the
         operator applies to each output component."""
 _SECOND_PROBES = """probes per sample of a stochastic method (default: as many as the caller's
-        probes, else 16; a budget of ``n`` or more drawn from a key is the exact sum); each is
+        probes, else 16; a budget of ``n`` or more is the exact sum, as the divergence's); each is
         one Taylor direction (two for ``weighted_laplacian`` with ``A``)."""
 _LAPLACIAN_METHOD = """``"exact"`` (one Taylor sweep of the ``n`` unit directions),
         ``"sparse"`` (exact, one direction per color of a diagonal coloring of the detected
