@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from divjac import (
     DenseFallbackWarning,
@@ -537,6 +538,37 @@ def test_second_order_sweep_scatters_into_an_as_strided_view(dependent):
     _second_order_matches(
         lambda x: scattered(x).square().sum(), x, lambda x: by_index(x).square().sum()
     )
+
+
+def test_a_channels_last_batch_through_group_norm():
+    """A ``channels_last`` (or transposed) batch through a convolution and GroupNorm: torch's
+    forward derivative of the group norm views its (then channels_last) input and fails, so
+    the passes copy it contiguous where the graph, traced at the call's own layout, shows it
+    (traced contiguous, forward passes raised torch's "view size is not compatible")."""
+    net = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU(), nn.Conv2d(4, 2, 3, padding=1)
+    ).double()
+    x = torch.randn(3, 2, 4, 4, dtype=D, generator=_gen(2))
+    want = torch.func.vmap(torch.func.jacrev(lambda s: net(s[None])[0]))(x)
+    trace = want.reshape(3, 32, 32).diagonal(dim1=1, dim2=2).sum(-1)
+    probes = torch.randn(2, *x.shape, dtype=D, generator=_gen(3))
+    estimate = (
+        torch.einsum(
+            "kbi,bij,kbj->b", probes.flatten(2), want.reshape(3, 32, 32), probes.flatten(2)
+        )
+        / 2
+    )
+    for laid in (
+        x.contiguous(memory_format=torch.channels_last),
+        x.transpose(2, 3).contiguous().transpose(2, 3),
+    ):
+        for mode in ("fwd", "rev", "sparse"):
+            torch.testing.assert_close(jacobian(net, mode=mode)(laid), want)
+        for mode in ("fwd", "rev"):
+            torch.testing.assert_close(divergence(net, mode=mode)(laid), trace)
+            torch.testing.assert_close(divergence(net, method="sparse", mode=mode)(laid), trace)
+        hutchinson = divergence(net, method="hutchinson", num_probes=2)
+        torch.testing.assert_close(hutchinson(probes, laid), estimate)
 
 
 @pytest.mark.parametrize(

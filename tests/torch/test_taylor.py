@@ -1007,9 +1007,10 @@ def test_a_custom_operation_without_forward_derivative_is_named_with_no_false_fi
 
 
 def test_inputs_of_any_memory_layout():
-    """The sweep replays a graph traced at a contiguous input, whose views hold for that
-    layout only: a transposed view and a channels_last input raised torch's "view size is
-    not compatible"; against ``torch.func.hessian`` (the bi-Laplacian: its contiguous value)."""
+    """The sweep replays the graph, whose views hold for the layout it was traced at: traced
+    contiguous, a transposed view and a channels_last input raised torch's "view size is not
+    compatible"; now traced at the call's own layout. Against ``torch.func.hessian`` (the
+    bi-Laplacian: against its contiguous input's)."""
     from divjac.torch import bilaplacian, hessian_diagonal
 
     conv = nn.Conv2d(2, 2, 3, padding=1).double()

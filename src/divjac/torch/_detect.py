@@ -129,7 +129,7 @@ def _key(
             static,
             treedef,
             tuple(
-                (tuple(leaf.shape), leaf.dtype, leaf.device) if dyn else _weak(leaf)
+                (tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device) if dyn else _weak(leaf)
                 for leaf, dyn in zip(leaves, dynamic, strict=True)
             ),
             reached.signature,
@@ -375,13 +375,13 @@ def _memo_of(fun: Any) -> Any:
 def _call_of(
     options: tuple[Any, ...], leaves: Sequence[Any], dynamic: Sequence[bool], treedef: Any
 ) -> tuple[Any, ...]:
-    """What a memo compares of a call: the options, the tree, and per leaf its shape, dtype and
-    device (a tensor) or itself (weakly, when a function or module)."""
+    """What a memo compares of a call: the options, the tree, and per leaf its shape, memory
+    layout, dtype and device (a tensor) or itself (weakly, when a function or module)."""
     return (
         options,
         treedef,
         tuple(
-            (leaf.shape, leaf.dtype, leaf.device) if dyn else _weak(leaf)
+            (leaf.shape, leaf.stride(), leaf.dtype, leaf.device) if dyn else _weak(leaf)
             for leaf, dyn in zip(leaves, dynamic, strict=True)
         ),
     )
@@ -470,6 +470,22 @@ def _actual_inputs(
     return inputs
 
 
+def _dense_strides(shape: Sequence[int], strides: tuple[int, ...]) -> tuple[int, ...] | None:
+    """``strides`` where they lay the elements out densely without overlap but not
+    contiguous (a transposed or ``channels_last`` tensor: the graph is traced at that layout,
+    at which the passes run the function, e.g. a group normalization of a ``channels_last``
+    convolution needs a contiguous copy in forward mode), else ``None`` (contiguous, also for
+    an expanded tensor)."""
+    pairs = [(size, stride) for size, stride in zip(shape, strides, strict=True) if size != 1]
+    inner_first = sorted(pairs, key=lambda p: p[1])
+    expected = 1
+    for size, stride in inner_first:
+        if stride != expected:
+            return None  # overlapping (expanded) or with gaps: traced contiguous
+        expected *= size
+    return None if inner_first == pairs[::-1] else strides
+
+
 def _trace_graph(
     fn: Callable[..., torch.Tensor],
     tensors: Sequence[torch.Tensor],
@@ -493,6 +509,12 @@ def _trace_graph(
 
     shapes = [tuple(t.shape) for t in tensors]
     shapes[x_pos] = detection.batch_first_shape(shapes[x_pos], batch_axis)
+    strides = [None if _is_wrapped(t) else _dense_strides(t.shape, t.stride()) for t in tensors]
+    if strides[x_pos] is not None:
+        x = tensors[x_pos]
+        moved = list(x.stride())
+        moved.insert(0, moved.pop(batch_axis) if batch_axis is not None else x.numel())
+        strides[x_pos] = _dense_strides(shapes[x_pos], tuple(moved))
     devices = sorted({t.device for t in tensors if t.device.type not in ("cpu", "meta")}, key=str)
     rng_devices = [d.index or 0 for d in devices[:1]]
     device_type = devices[0].type if devices else "cuda"
@@ -516,8 +538,10 @@ def _trace_graph(
                     if mode == "fake":
                         with FakeTensorMode(allow_non_fake_inputs=True):
                             inputs = [
-                                torch.empty(s, dtype=t.dtype, device=t.device)
-                                for s, t in zip(shapes, tensors, strict=True)
+                                torch.empty_strided(s, st, dtype=t.dtype, device=t.device)
+                                if st is not None
+                                else torch.empty(s, dtype=t.dtype, device=t.device)
+                                for s, st, t in zip(shapes, strides, tensors, strict=True)
                             ]
                     gm = _functional_trace(fn, inputs, mode)
                 drop_effect_tokens(gm)

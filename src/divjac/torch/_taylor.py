@@ -250,7 +250,7 @@ class _Program:
         for step in self.plan.steps:
             node, kind = step.node, step.kind
             if kind == "input":
-                values[node] = _laid_out(x, node.meta.get("val"))
+                values[node] = x
                 jets[node] = seed
             elif kind == "constant":
                 name = str(node.target)
@@ -304,14 +304,6 @@ def _rewind(f: Callable[[Tensor], Tensor], device: torch.device) -> None:
         _DRAWS[f] = _Generators(device)
     else:
         state.rewind()
-
-
-def _laid_out(x: Tensor, traced: Any) -> Tensor:
-    """``x`` in the memory layout the graph was traced at (its views hold for that layout
-    only: a transposed input of a graph traced contiguous failed in ``aten.view``)."""
-    if not isinstance(traced, Tensor) or x.shape != traced.shape or x.stride() == traced.stride():
-        return x
-    return torch.empty_strided(x.shape, traced.stride(), dtype=x.dtype, device=x.device).copy_(x)
 
 
 def _program(
