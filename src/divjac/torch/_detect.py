@@ -204,6 +204,8 @@ def trace(
         if walked is not None:
             walked.append(reached)
         return cached
+    if key is not None:
+        _warn_numbers_retraced(fun, call)
     x_pos = sum(dynamic[:x_leaf])
     tensors = [leaf for leaf, d in zip(leaves, dynamic, strict=True) if d]
     actual = _actual_inputs(tensors, x_pos, batch_axis)
@@ -432,6 +434,45 @@ def _warn_uncached(fun: Callable[..., Any], reached: Reached) -> None:
         "follow, nor hold by a weak reference, nor compare by value, so it cannot tell whether "
         "it changed: the function is traced again at every call (slow). Keep such objects out "
         "of what the transformed function reaches (pass what it reads as arguments).",
+        RetraceWarning,
+        stacklevel=5,
+    )
+
+
+# Per function: its last new trace's call (numbers aside) and numbers, and how many new traces
+# in a row only its Python number arguments made.
+_NUMBER_RETRACES: weakref.WeakKeyDictionary[Any, tuple[Any, tuple[Any, ...], int]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _warn_numbers_retraced(fun: Callable[..., Any], call: tuple[Any, ...]) -> None:
+    """Warn (once per function) at the third new trace in a row that only a new value of a
+    Python number argument made: numbers are traced as constants (as ``torch.compile``
+    specializes them), so an ODE loop passing ``t`` as a float traces at every step."""
+    options, treedef, leaves = call
+    numbers = tuple(v for v in leaves if type(v) in (int, float))
+    if not numbers:
+        return
+    shape = (options, treedef, tuple(type(v) if type(v) in (int, float) else v for v in leaves))
+    owner = getattr(fun, "__code__", None) or getattr(fun, "__func__", fun)
+    try:
+        last = _NUMBER_RETRACES.get(owner)
+        again = last is not None and last[0] == shape and last[1] != numbers
+        count = last[2] + 1 if again and last is not None else 1
+        _NUMBER_RETRACES[owner] = (shape, numbers, count)
+    except TypeError:  # not weakly referenceable, or an unhashable argument
+        return
+    if count != 3:
+        return
+    name = getattr(fun, "__qualname__", type(fun).__qualname__)
+    warnings.warn(
+        f"divjac: {name} was traced again at each of its last 3 calls because a Python number "
+        "argument took a new value: divjac traces Python numbers as constants (as "
+        "torch.compile specializes them), so each new value costs a new trace (tens of "
+        "milliseconds; a small CNF's call 40 ms against 1 ms). Pass it as a tensor (t = "
+        "torch.tensor(t), or of shape (B,)), traced once whatever its values; a number the "
+        "function closes over is traced likewise.",
         RetraceWarning,
         stacklevel=5,
     )
