@@ -95,14 +95,15 @@ class _Linearized(Linear):
 
 def _has_while(jaxpr: Any) -> bool:
     """Whether ``jaxpr`` or a program inside it runs a ``while`` loop that reverse mode must
-    differentiate: one inside a ``custom_jvp`` / ``custom_vjp`` function does not count (JAX
-    differentiates its rule, not its body: ``jax.scipy.special.exp1`` loops and has a
-    gradient)."""
+    differentiate: one inside a ``custom_*`` primitive (``custom_jvp`` / ``custom_vjp``
+    functions, ``lax.custom_linear_solve``, ``lax.custom_root``) does not count: JAX
+    differentiates its rules, not its body (``jax.scipy.special.exp1`` and
+    ``jax.scipy.sparse.linalg.cg`` loop and have gradients)."""
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if name == "while":
             return True
-        if name.startswith(("custom_jvp_call", "custom_vjp_call")):
+        if name.startswith("custom_"):
             continue
         if any(_has_while(sub) for sub in jcore.jaxprs_in_params(eqn.params)):
             return True
