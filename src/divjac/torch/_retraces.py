@@ -1,0 +1,107 @@
+"""The warnings of a function traced again at every call (:class:`~divjac.RetraceWarning`):
+what it reaches cannot be cached, running it changes what it reaches, or a Python number
+argument takes a new value at every call. Each warns once per function, at the third time."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from .._errors import RetraceWarning
+from ._reach import Reached
+
+__all__ = ["check_own_changes", "warn_numbers_retraced", "warn_uncached"]
+
+
+# Per function: how many of its traces changed what it reaches, and how many could not be
+# cached (each warned about at the third).
+_OWN_CHANGES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_UNCACHED: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def _third(counts: weakref.WeakKeyDictionary[Any, int], fun: Callable[..., Any]) -> bool:
+    """Count one more for ``fun`` (by its code, for closures made anew); whether it is the
+    third (never for a callable that cannot be weakly referenced)."""
+    owner = getattr(fun, "__code__", None) or getattr(fun, "__func__", fun)
+    try:
+        count = counts.get(owner, 0) + 1
+        counts[owner] = count
+    except TypeError:  # not weakly referenceable
+        return False
+    return count == 3
+
+
+def warn_uncached(fun: Callable[..., Any], reached: Reached) -> None:
+    """Warn (once per function) when its traces cannot be cached, call after call."""
+    if reached.keyable or not _third(_UNCACHED, fun):
+        return
+    name = getattr(fun, "__qualname__", type(fun).__qualname__)
+    warnings.warn(
+        f"divjac: {name} reaches an object of type {reached.opaque} that divjac can neither "
+        "follow, nor hold by a weak reference, nor compare by value, so it cannot tell whether "
+        "it changed: the function is traced again at every call (slow). Keep such objects out "
+        "of what the transformed function reaches (pass what it reads as arguments).",
+        RetraceWarning,
+        stacklevel=5,
+    )
+
+
+# Per function: its last new trace's call (numbers aside) and numbers, and how many new traces
+# in a row only its Python number arguments made.
+_NUMBER_RETRACES: weakref.WeakKeyDictionary[Any, tuple[Any, tuple[Any, ...], int]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def warn_numbers_retraced(fun: Callable[..., Any], call: tuple[Any, ...]) -> None:
+    """Warn (once per function) at the third new trace in a row that only a new value of a
+    Python number argument made: numbers are traced as constants (as ``torch.compile``
+    specializes them), so an ODE loop passing ``t`` as a float traces at every step."""
+    options, treedef, leaves = call
+    numbers = tuple(v for v in leaves if type(v) in (int, float))
+    if not numbers:
+        return
+    shape = (options, treedef, tuple(type(v) if type(v) in (int, float) else v for v in leaves))
+    owner = getattr(fun, "__code__", None) or getattr(fun, "__func__", fun)
+    try:
+        last = _NUMBER_RETRACES.get(owner)
+        again = last is not None and last[0] == shape and last[1] != numbers
+        count = last[2] + 1 if again and last is not None else 1
+        _NUMBER_RETRACES[owner] = (shape, numbers, count)
+    except TypeError:  # not weakly referenceable, or an unhashable argument
+        return
+    if count != 3:
+        return
+    name = getattr(fun, "__qualname__", type(fun).__qualname__)
+    warnings.warn(
+        f"divjac: {name} was traced again at each of its last 3 calls because a Python number "
+        "argument took a new value: divjac traces Python numbers as constants (as "
+        "torch.compile specializes them), so each new value costs a new trace (tens of "
+        "milliseconds; a small CNF's call 40 ms against 1 ms). Pass it as a tensor (t = "
+        "torch.tensor(t), or of shape (B,)), traced once whatever its values; a number the "
+        "function closes over is traced likewise.",
+        RetraceWarning,
+        stacklevel=5,
+    )
+
+
+def check_own_changes(fun: Callable[..., Any], before: Reached, after: Reached) -> None:
+    """Warn (once per function) when running ``fun`` changes the state it reaches, trace after
+    trace: its next call cannot reuse the trace (the cache key changed), nor any later one."""
+    if after.signature == before.signature or not _third(_OWN_CHANGES, fun):
+        return
+    pairs = zip(before.signature, after.signature, strict=False)
+    changed = next((i for i, (a, b) in enumerate(pairs) if a != b), len(before.signature))
+    names = [v for v in before.signature[:changed] if isinstance(v, str)]
+    where = f" (near {names[-1]!r})" if names else ""
+    name = getattr(fun, "__qualname__", type(fun).__qualname__)
+    warnings.warn(
+        f"divjac: running {name} changes the state it reaches{where}: a module attribute, a "
+        "value in a closure, a global or a dict, a tensor replaced. divjac's cached trace is "
+        "keyed by that state, so the function is traced again at every call (slow). Keep "
+        "counters, caches and logs out of what the transformed function reaches.",
+        RetraceWarning,
+        stacklevel=5,
+    )
