@@ -68,22 +68,27 @@ def sparse_laplacian(f: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.A
     return _run(f, x)[0]
 
 
-def sparse_cost(f: Callable[[jax.Array], jax.Array], x: jax.Array) -> float:
+def sparse_cost(
+    f: Callable[[jax.Array], jax.Array], x: jax.Array, *, against_colors: bool
+) -> float:
     """The sparse sweep's work on first-order terms (:meth:`_SparseSweep.count`, and its
     gathers), as a fraction of the dense sweep's, from the structure alone (nothing is
-    computed)."""
-    box: list[float] = []
+    computed), its convolutions' products counted :data:`_CONV_COST` times, against the
+    passes of a coloring or of the unit basis."""
+    box: list[_SparseSweep] = []
 
     def run(z: jax.Array) -> jax.Array:
-        lap, ratio = _run(f, z)
-        box.append(ratio)
+        lap, sweep = _run(f, z)
+        box.append(sweep)
         return lap
 
     jax.eval_shape(run, x)
-    return box[0]
+    sweep = box[0]
+    conv = _CONV_COST[against_colors] - 1
+    return (sweep.stored + conv * sweep.convolved) / max(sweep.dense, 1)
 
 
-def _run(f: Callable[[jax.Array], jax.Array], x: jax.Array) -> tuple[jax.Array, float]:
+def _run(f: Callable[[jax.Array], jax.Array], x: jax.Array) -> tuple[jax.Array, _SparseSweep]:
     n = math.prod(x.shape[1:])
     traced = jax.make_jaxpr(lambda p: jnp.asarray(f(p)))(x)
     closed = jax.make_jaxpr(lambda p: _distributed(traced.jaxpr, traced.consts, p))(x)
@@ -92,7 +97,7 @@ def _run(f: Callable[[jax.Array], jax.Array], x: jax.Array) -> tuple[jax.Array, 
     sweep = _SparseSweep(n)
     ((y, _, s),) = sweep.eval(closed.jaxpr, closed.consts, [(x, seed, None)])
     lap = jnp.zeros_like(y) if s is None else jnp.broadcast_to(s, jnp.shape(y))
-    return lap, sweep.stored / max(sweep.dense, 1)
+    return lap, sweep
 
 
 def _distributed(jaxpr: Any, consts: Sequence[Any], x: jax.Array) -> Any:
@@ -162,10 +167,18 @@ def _distributed(jaxpr: Any, consts: Sequence[Any], x: jax.Array) -> Any:
 # A convolution swept as its kernel's offsets (slices, products, gathers) runs slower than its
 # count says against the colored passes, which run the convolution itself (XLA, 2 CPU cores:
 # a 2-layer CNN on 16x16x3, 1.7-1.8x the time of its 75 colors' passes at 0.27x their count,
-# about 6x off; particles and pair potentials, where the count held within 1.3x): its
-# products count 8x (still 7x below the dense sweep of the unit basis, which it beats 35x).
+# about 6x off; particles and pair potentials, where the count held within 1.3x; 1.45x the
+# colors' time at 8x, 1 thread): its products count 16x against the colored passes. Against
+# the dense sweep of the unit basis, whose convolutions run on every pass, 8x (1 thread: on
+# 8x8x3 the sparse sweep is 1.43x faster than the unit basis, which 16x would have chosen;
+# it beats it 35x on 16x16x3).
 _CONV_SCOPE = "divjac_conv_offsets"
-_CONV_COST = 8
+_CONV_COST = {True: 16, False: 8}  # against the colored passes, the unit basis
+# A gather that lays an operand's terms out anew (an element-wise operation of terms with
+# different indices) moves memory where the other work multiplies and adds: it counts 4x
+# (Rosenbrock, d = 256, B = 256, 1 thread: the sparse sweep at 2.1 times 2 colors' count
+# with moves counted 1x ran 2.6x their time; 0.6 of the 2.1 were moves).
+_MOVE_COST = 4
 
 
 def _plain_conv(eqn: Any) -> bool:
@@ -213,13 +226,15 @@ def _conv_as_products(eqn: Any, lhs: Any, rhs: Any) -> Any:
 class _SparseSweep(_Sweep):
     """The collapsed sweep over the unit basis of ``k`` inputs, first-order terms stored sparse
     while that pays; ``stored`` and ``dense`` count the work on first-order terms it does and
-    the dense sweep would (:meth:`count`)."""
+    the dense sweep would (:meth:`count`; its gathers :data:`_MOVE_COST` times their
+    elements), ``convolved`` the part of ``stored`` in products of a convolution's offsets."""
 
     def __init__(self, k: int) -> None:
         super().__init__(None, False)
         self.k = k
         self.stored = 0
         self.dense = 0
+        self.convolved = 0
 
     def constant(self, eqn: Any, values: list[Any]) -> Any:
         """Integer values computed from constants only (the indices of a gather) are computed
@@ -249,7 +264,8 @@ class _SparseSweep(_Sweep):
             return outs
         laid, idxs = planned
         # A gather per element of an operand laid out anew (counted as work too).
-        self.stored += sum(math.prod(laid[i].shape) for i in laid if laid[i] is not ins[i][1].terms)
+        moved = sum(math.prod(laid[i].shape) for i in laid if laid[i] is not ins[i][1].terms)
+        self.stored += _MOVE_COST * moved
         pushed = [(p, _Passes(laid[i]) if i in laid else t, s) for i, (p, t, s) in enumerate(ins)]
         sparse_outs: list[Any] = [
             (y, None if t is None else _Sparse(_real(t).front(), idx), s)
@@ -260,19 +276,20 @@ class _SparseSweep(_Sweep):
 
     def count(self, eqn: Any, outs: list[Any], idxs: Sequence[np.ndarray | None]) -> None:
         """Add the work of ``eqn``'s first-order terms: per term and output element, the
-        length of a product's contraction (1 for the other equations; this sweep's products
-        of a convolution's offsets :data:`_CONV_COST` times it)."""
-        work, cost = 1, 1
+        length of a product's contraction (1 for the other equations), and of the products
+        of a convolution's offsets to ``convolved`` too."""
+        work, convolved = 1, False
         if eqn.primitive.name == "dot_general":
             (lc, _), _ = eqn.params["dimension_numbers"]
             work = math.prod(eqn.invars[0].aval.shape[a] for a in lc)
-            if _CONV_SCOPE in str(eqn.source_info.name_stack):
-                cost = _CONV_COST
+            convolved = _CONV_SCOPE in str(eqn.source_info.name_stack)
         for (y, t, _), idx in zip(outs, idxs, strict=True):
             if t is not None:
                 size = math.prod(jnp.shape(y)) * work
                 self.dense += self.k * size
-                self.stored += (self.k if idx is None else idx.shape[0]) * size * cost
+                stored = (self.k if idx is None else idx.shape[0]) * size
+                self.stored += stored
+                self.convolved += stored if convolved else 0
 
 
 def _layout(
