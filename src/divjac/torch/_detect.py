@@ -460,8 +460,8 @@ def _trace_graph(
     shapes = [tuple(t.shape) for t in tensors]
     shapes[x_pos] = detection.batch_first_shape(shapes[x_pos], batch_axis)
     strides = [None if _is_wrapped(t) else _dense_strides(t.shape, t.stride()) for t in tensors]
-    if strides[x_pos] is not None:
-        x = tensors[x_pos]
+    x = tensors[x_pos]
+    if not _is_wrapped(x):  # the batch-first view's (its batch moved first, or a new axis)
         moved = list(x.stride())
         moved.insert(0, moved.pop(batch_axis) if batch_axis is not None else x.numel())
         strides[x_pos] = _dense_strides(shapes[x_pos], tuple(moved))
