@@ -277,8 +277,9 @@ def test_a_module_that_changes_its_attributes_is_traced_every_call_and_warned(tr
 
 def test_a_python_number_argument_that_changes_is_fresh_and_warned(traces_made):
     """``t`` as a Python float (an eager ODE loop): each new value is a new trace (numbers
-    are constants of the graph), with fresh results, and the third in a row warns, naming
-    the fix; a repeated value reuses its trace, and ``t`` as a tensor traces once."""
+    are constants of the graph), with fresh results, and the third in a row warns at the
+    caller's line, naming the fix; a repeated value reuses its trace, and ``t`` as a tensor
+    traces once."""
     lin = nn.Linear(3, 3).double()
 
     def g(t, x):
@@ -288,10 +289,11 @@ def test_a_python_number_argument_that_changes_is_fresh_and_warned(traces_made):
     for t in (0.1, 0.2, 0.1, 0.2):
         _close(jacobian(g, argnums=1)(t, x), lambda x, t=t: g(t, x), (x,))
     assert traces_made[0] == 2
-    with pytest.warns(RetraceWarning, match=r"Python number argument took a new value"):
+    with pytest.warns(RetraceWarning, match=r"Python number argument took a new value") as got:
         for t in (0.3, 0.4, 0.5):
             _close(jacobian(g, argnums=1)(t, x), lambda x, t=t: g(t, x), (x,))
     assert traces_made[0] == 5
+    assert [w.filename for w in got] == [__file__]  # the caller's line, not divjac's
     for t in (0.6, 0.7):
         jacobian(g, argnums=1)(torch.tensor(t, dtype=D), x)
     assert traces_made[0] == 6

@@ -4,9 +4,12 @@ argument takes a new value at every call. Each warns once per function, at the t
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from .._errors import RetraceWarning
@@ -24,7 +27,7 @@ _UNCACHED: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 def _third(counts: weakref.WeakKeyDictionary[Any, int], fun: Callable[..., Any]) -> bool:
     """Count one more for ``fun`` (by its code, for closures made anew); whether it is the
     third (never for a callable that cannot be weakly referenced)."""
-    owner = getattr(fun, "__code__", None) or getattr(fun, "__func__", fun)
+    owner = _owner(fun)
     try:
         count = counts.get(owner, 0) + 1
         counts[owner] = count
@@ -37,14 +40,11 @@ def warn_uncached(fun: Callable[..., Any], reached: Reached) -> None:
     """Warn (once per function) when its traces cannot be cached, call after call."""
     if reached.keyable or not _third(_UNCACHED, fun):
         return
-    name = getattr(fun, "__qualname__", type(fun).__qualname__)
-    warnings.warn(
-        f"divjac: {name} reaches an object of type {reached.opaque} that divjac can neither "
+    _warn(
+        f"divjac: {_name(fun)} reaches an object of type {reached.opaque} that divjac can neither "
         "follow, nor hold by a weak reference, nor compare by value, so it cannot tell whether "
         "it changed: the function is traced again at every call (slow). Keep such objects out "
         "of what the transformed function reaches (pass what it reads as arguments).",
-        RetraceWarning,
-        stacklevel=5,
     )
 
 
@@ -64,7 +64,7 @@ def warn_numbers_retraced(fun: Callable[..., Any], call: tuple[Any, ...]) -> Non
     if not numbers:
         return
     shape = (options, treedef, tuple(type(v) if type(v) in (int, float) else v for v in leaves))
-    owner = getattr(fun, "__code__", None) or getattr(fun, "__func__", fun)
+    owner = _owner(fun)
     try:
         last = _NUMBER_RETRACES.get(owner)
         again = last is not None and last[0] == shape and last[1] != numbers
@@ -74,16 +74,13 @@ def warn_numbers_retraced(fun: Callable[..., Any], call: tuple[Any, ...]) -> Non
         return
     if count != 3:
         return
-    name = getattr(fun, "__qualname__", type(fun).__qualname__)
-    warnings.warn(
-        f"divjac: {name} was traced again at each of its last 3 calls because a Python number "
+    _warn(
+        f"divjac: {_name(fun)} was traced again at each of its last 3 calls because a Python number "
         "argument took a new value: divjac traces Python numbers as constants (as "
         "torch.compile specializes them), so each new value costs a new trace (tens of "
         "milliseconds; a small CNF's call 40 ms against 1 ms). Pass it as a tensor (t = "
         "torch.tensor(t), or of shape (B,)), traced once whatever its values; a number the "
         "function closes over is traced likewise.",
-        RetraceWarning,
-        stacklevel=5,
     )
 
 
@@ -96,12 +93,30 @@ def check_own_changes(fun: Callable[..., Any], before: Reached, after: Reached) 
     changed = next((i for i, (a, b) in enumerate(pairs) if a != b), len(before.signature))
     names = [v for v in before.signature[:changed] if isinstance(v, str)]
     where = f" (near {names[-1]!r})" if names else ""
-    name = getattr(fun, "__qualname__", type(fun).__qualname__)
-    warnings.warn(
-        f"divjac: running {name} changes the state it reaches{where}: a module attribute, a "
+    _warn(
+        f"divjac: running {_name(fun)} changes the state it reaches{where}: a module attribute, a "
         "value in a closure, a global or a dict, a tensor replaced. divjac's cached trace is "
         "keyed by that state, so the function is traced again at every call (slow). Keep "
         "counters, caches and logs out of what the transformed function reaches.",
-        RetraceWarning,
-        stacklevel=5,
     )
+
+
+def _owner(fun: Callable[..., Any]) -> Any:
+    """What counts per function: its code (for closures made anew at every call)."""
+    return getattr(fun, "__code__", None) or getattr(fun, "__func__", fun)
+
+
+def _name(fun: Callable[..., Any]) -> str:
+    return str(getattr(fun, "__qualname__", type(fun).__qualname__))
+
+
+def _warn(message: str) -> None:
+    """Warn at the caller's line: the first frame outside divjac (and the decorators of
+    ``contextlib`` it runs in)."""
+    level, frame = 2, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INSIDE):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, RetraceWarning, stacklevel=level)
+
+
+_INSIDE = (str(Path(__file__).resolve().parents[1]), contextlib.__file__)
