@@ -289,7 +289,7 @@ def test_a_python_number_argument_that_changes_is_fresh_and_warned(traces_made):
     for t in (0.1, 0.2, 0.1, 0.2):
         _close(jacobian(g, argnums=1)(t, x), lambda x, t=t: g(t, x), (x,))
     assert traces_made[0] == 2
-    with pytest.warns(RetraceWarning, match=r"Python number argument took a new value") as got:
+    with pytest.warns(RetraceWarning, match=r"Python number took a new value \(an argument") as got:
         for t in (0.3, 0.4, 0.5):
             _close(jacobian(g, argnums=1)(t, x), lambda x, t=t: g(t, x), (x,))
     assert traces_made[0] == 5
@@ -297,6 +297,30 @@ def test_a_python_number_argument_that_changes_is_fresh_and_warned(traces_made):
     for t in (0.6, 0.7):
         jacobian(g, argnums=1)(torch.tensor(t, dtype=D), x)
     assert traces_made[0] == 6
+
+
+def test_a_closed_over_number_that_changes_is_fresh_and_warned(traces_made):
+    """A number the function closes over (or a module attribute the caller sets), changed
+    between calls by the caller: fresh results at every call and, at the third new trace in a
+    row, the same warning as for a number argument. A counter the function changes itself
+    warns as its own change, never as a number the caller changes."""
+    lin = nn.Linear(3, 3).double()
+    x = _randn(4, 3)
+
+    def field(t: float):
+        return lambda x: torch.tanh(lin(x) * t) + t * x  # t: a closure cell
+
+    with pytest.warns(RetraceWarning, match=r"Python number took a new value") as got:
+        for t in (0.1, 0.2, 0.3):
+            _close(jacobian(field(t))(x), field(t), (x,))
+    assert traces_made[0] == 3
+    assert [w.filename for w in got if w.category is RetraceWarning] == [__file__]
+    net = Counting()
+    with pytest.warns(RetraceWarning) as got:
+        for _ in range(4):
+            _close(jacobian(net)(x), net, (x,))
+    warned = [str(w.message) for w in got if w.category is RetraceWarning]
+    assert len(warned) == 1 and "running Counting" in warned[0], warned
 
 
 # --- 3. modules reached through objects, containers, closures, globals ------------------------

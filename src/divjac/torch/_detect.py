@@ -205,8 +205,6 @@ def trace(
         if walked is not None:
             walked.append(reached)
         return cached
-    if key is not None:
-        warn_numbers_retraced(fun, call)
     x_pos = sum(dynamic[:x_leaf])
     tensors = [leaf for leaf, d in zip(leaves, dynamic, strict=True) if d]
     actual = _actual_inputs(tensors, x_pos, batch_axis)
@@ -265,6 +263,8 @@ def trace(
         key = _key(fun, options, leaves, dynamic, treedef, reached)
     else:
         check_own_changes(fun, reached, after)
+    if key is not None:
+        warn_numbers_retraced(fun, call, reached, after)
     readable, versioned = readable_constants(gm, reached)
     captured = captured_floats(gm)
     dropped = drop_constants(gm, keep=readable)

@@ -48,23 +48,38 @@ def warn_uncached(fun: Callable[..., Any], reached: Reached) -> None:
     )
 
 
-# Per function: its last new trace's call (numbers aside) and numbers, and how many new traces
-# in a row only its Python number arguments made.
+# Per function: its last new trace's call and reach with their Python numbers set apart, those
+# numbers, and how many new traces in a row only new numbers made.
 _NUMBER_RETRACES: weakref.WeakKeyDictionary[Any, tuple[Any, tuple[Any, ...], int]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def warn_numbers_retraced(fun: Callable[..., Any], call: tuple[Any, ...]) -> None:
-    """Warn (once per function) at the third new trace in a row that only a new value of a
-    Python number argument made: numbers are traced as constants (as ``torch.compile``
-    specializes them), so an ODE loop passing ``t`` as a float traces at every step."""
+def _numbers_apart(call: tuple[Any, ...], signature: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``(the call and signature with each Python number replaced by its type, the numbers)``."""
     options, treedef, leaves = call
-    numbers = tuple(v for v in leaves if type(v) in (int, float))
-    if not numbers:
-        return
-    shape = (options, treedef, tuple(type(v) if type(v) in (int, float) else v for v in leaves))
+    values = (*leaves, *signature)
+    numbers = tuple(v for v in values if type(v) in (int, float))
+    shape = tuple(type(v) if type(v) in (int, float) else v for v in values)
+    return (options, treedef, shape), numbers
+
+
+def warn_numbers_retraced(
+    fun: Callable[..., Any], call: tuple[Any, ...], before: Reached, after: Reached
+) -> None:
+    """At a new trace of ``fun`` (``before`` and ``after``: what it reached before and after
+    running), warn (once per function) at the third new trace in a row that only new values
+    of Python numbers made: arguments, or numbers the function reaches (a closure cell, a
+    global, a module attribute) that changed since its last trace ran. Numbers are traced as
+    constants (as ``torch.compile`` specializes them), so an ODE loop passing ``t`` as a float
+    traces at every step. Not where running the function changes what it reaches (a counter
+    it increments, in this call or in one outside divjac): :func:`check_own_changes` warns."""
+    shape, numbers = _numbers_apart(call, before.signature)
     owner = _owner(fun)
+    if not numbers or after.signature != before.signature:
+        with contextlib.suppress(TypeError):
+            _NUMBER_RETRACES.pop(owner, None)
+        return
     try:
         last = _NUMBER_RETRACES.get(owner)
         again = last is not None and last[0] == shape and last[1] != numbers
@@ -75,12 +90,13 @@ def warn_numbers_retraced(fun: Callable[..., Any], call: tuple[Any, ...]) -> Non
     if count != 3:
         return
     _warn(
-        f"divjac: {_name(fun)} was traced again at each of its last 3 calls because a Python number "
-        "argument took a new value: divjac traces Python numbers as constants (as "
-        "torch.compile specializes them), so each new value costs a new trace (tens of "
-        "milliseconds; a small CNF's call 40 ms against 1 ms). Pass it as a tensor (t = "
-        "torch.tensor(t), or of shape (B,)), traced once whatever its values; a number the "
-        "function closes over is traced likewise.",
+        f"divjac: {_name(fun)} was traced again at each of its last 3 calls because a Python "
+        "number took a new value (an argument, or one it reaches: a closure cell, a global, a "
+        "module attribute): divjac traces Python numbers as constants (as torch.compile "
+        "specializes them), so each new value costs a new trace (tens of milliseconds; a small "
+        "CNF's call 40 ms against 1 ms). Pass it as a tensor (t = torch.tensor(t), or of shape "
+        "(B,)), or keep it in a tensor the function reads (a buffer, updated in place): a "
+        "tensor is traced once whatever its values.",
     )
 
 
