@@ -226,3 +226,20 @@ def test_inductor_matches_eager() -> None:
     expected = loss(x)
     got = torch.compile(loss, fullgraph=True, backend="inductor")(x)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_a_python_number_argument_changing_between_compiled_calls() -> None:
+    """``t`` as a float, new at each call of a ``fullgraph`` step compiled with
+    ``dynamic=False`` (as docs/scaling.md says): each value compiles its own set-up, and every
+    result is the eager one (with the default, dynamo makes ``t`` dynamic at the first
+    recompile and the set-up cannot take it as a constant)."""
+    net = _mlp()
+
+    def u(x: torch.Tensor, t: float) -> torch.Tensor:
+        return net(x + torch.full_like(x, t)).sum(1)  # (x * t: see docs/scaling.md)
+
+    lap = dj.laplacian(u)
+    step = torch.compile(lambda x, t: lap(x, t), fullgraph=True, dynamic=False, backend="aot_eager")
+    x = _x()
+    for t in (0.5, 1.5, 2.5):
+        torch.testing.assert_close(step(x, t), lap(x, t), rtol=1e-12, atol=1e-14)
