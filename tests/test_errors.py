@@ -190,6 +190,22 @@ def test_stochastic_method_without_randomness(backend: Backend) -> None:
     assert issubclass(divjac.MissingKeyError, TypeError)
 
 
+def test_randomness_after_the_input_names_its_place(backend: Backend) -> None:
+    """A key or generator passed after ``x`` (the probes' place): its place is first."""
+    x = backend.ones((4, 3))
+    hutchinson = backend.dj.divergence(lambda x: x * x, method="hutchinson", num_probes=2)
+    with pytest.raises(divjac.ArgnumsError, match=r"source of randomness .* first argument"):
+        hutchinson(x, backend.randomness())
+
+
+def test_a_function_that_is_not_callable_is_refused_when_transformed(backend: Backend) -> None:
+    for name in ("jacobian", "divergence", "laplacian", "log_abs_det", "sparsity"):
+        with pytest.raises(
+            divjac.NotCallableError, match=rf"{name}: the function .* not callable \(got int\)"
+        ):
+            getattr(backend.dj, name)(3)
+
+
 def test_num_probes_errors(backend: Backend) -> None:
     dj, x = backend.dj, backend.ones((4, 3))
     with pytest.raises(divjac.NumProbesError, match="multiple of 3"):

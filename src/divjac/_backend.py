@@ -282,13 +282,16 @@ class Backend(abc.ABC, Generic[TracedT]):
         weights: Array | None,
         collapse: bool,
         traced: TracedT | None = None,
+        point: Point[TracedT] | None = None,
     ) -> tuple[Array, Array, Array]:
         """``(f(x), J v_k, v_k^T H v_k)`` of a batch-first per-sample ``f`` (the framework's
         ``_taylor.second_order_sweep``): directions ``[K, B, *in]`` or ``[K, 1, *in]``, weights
         ``None``, ``[K]`` or ``[K, B]``; the second-order terms summed with the weights
-        (``[B, *out]``) with ``collapse``, else each ``[K, B, *out]``. ``traced``: the trace of
-        the call whose batch-first function ``f`` is, which the backend may run instead of
-        tracing ``f`` (a function made anew at each call)."""
+        (``[B, *out]``) with ``collapse``, else each ``[K, B, *out]``. ``f`` is a function made
+        anew at each call, which the backend need not trace: ``point``, the call whose
+        batch-first function (without its aux) ``f`` is, whose trace the backend may run with
+        the call's other arguments; or ``traced``, the trace of such a call, with no other
+        argument bound (``f`` at ``x`` alone)."""
 
     def sparse_laplacian(
         self,
@@ -296,13 +299,13 @@ class Backend(abc.ABC, Generic[TracedT]):
         x: Array,
         passes: int,
         budget: int,
-        traced: TracedT | None = None,
+        point: Point[TracedT] | None = None,
     ) -> Array | None:
         """The exact per-sample Laplacian ``[B, *out]`` of the uncoupled batch-first ``f`` by a
         collapsed sweep that stores each intermediate's first-order terms for the inputs it
         depends on only, where its work is at most half that of a dense sweep of ``passes``
         directions and at most ``budget`` passes' worth; ``None`` otherwise, or where the
-        framework has no such sweep. ``traced`` as in :meth:`second_order_sweep`."""
+        framework has no such sweep. ``point`` as in :meth:`second_order_sweep`."""
         return None
 
     @abc.abstractmethod

@@ -28,6 +28,7 @@ from ._errors import (
     ArgnumsError,
     BatchAxisError,
     InternalError,
+    NotCallableError,
     NumProbesError,
     OptionError,
     OutputError,
@@ -155,6 +156,14 @@ class Spec:
     fname: str
     prefer_reverse: bool | None = None
     direction: Direction = "auto"
+
+    def __post_init__(self) -> None:
+        if not callable(self.fun):
+            raise NotCallableError(
+                f"{self.fname}: the function to differentiate is not callable (got "
+                f"{type(self.fun).__name__}). Pass the function itself, {self.fname}(f, ...), "
+                "then call the result on f's arguments."
+            )
 
     @functools.cached_property
     def options(self) -> tuple[Any, ...]:
@@ -315,6 +324,12 @@ def check_differentiable(
 ) -> None:
     """Raise :class:`ArgnumsError` or :class:`InputDtypeError` unless ``x``, the argument
     ``argnums`` selects (at position ``argnum``), is a floating array."""
+    if x is not None and backend.is_randomness(x):
+        raise ArgnumsError(
+            f"{fname}: argnums={argnums} selects a source of randomness ({type(x).__name__}); "
+            "a stochastic method takes its key, generator or probes as the call's first "
+            f"argument, before the function's own: fn({backend.randomness_example}, *args)."
+        )
     if not backend.is_array(x):
         noun = backend.array_noun
         raise ArgnumsError(

@@ -207,9 +207,7 @@ def _sweep(
     f = _values(call)
 
     def run(xb: Array, v: Array, w: Array | None) -> Array:
-        return backend.second_order_sweep(
-            f, xb, v, weights=w, collapse=collapse, traced=call.traced
-        )[2]
+        return backend.second_order_sweep(f, xb, v, weights=w, collapse=collapse, point=call)[2]
 
     swept = backend.checkpointed(call, -(-K // chunk))(run)
     parts = []

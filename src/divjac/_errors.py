@@ -7,6 +7,11 @@ Messages name the argument, say what was received and what to do instead.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import warnings
+from pathlib import Path
+
 
 class DivjacError(Exception):
     """Base class of every error raised by divjac."""
@@ -45,6 +50,10 @@ class ArgnumsError(DivjacError, ValueError):
 
 class BatchAxisError(DivjacError, ValueError):
     """``batch_axis`` is not a valid axis of the differentiated input or of the output."""
+
+
+class NotCallableError(DivjacError, TypeError):
+    """The function given to a transform is not callable."""
 
 
 class OutputError(DivjacError, TypeError):
@@ -126,3 +135,15 @@ class UnsupportedOperationError(DivjacError, RuntimeError):
 class CompileError(DivjacError, RuntimeError):
     """A transform was called under a framework's compiler (``torch.compile``) on a function
     its compiled passes do not support."""
+
+
+def warn_at_caller(message: str, category: type[Warning]) -> None:
+    """Warn at the caller's line: the first frame outside divjac (and the decorators of
+    ``contextlib`` it runs in), however deep in divjac the warning is found."""
+    level, frame = 2, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INSIDE):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, category, stacklevel=level)
+
+
+_INSIDE = (str(Path(__file__).resolve().parent), contextlib.__file__)

@@ -137,7 +137,7 @@ def _laplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Arra
         n = call.n_in
         passes = n if planned.colors is None else int(planned.colors.max(initial=0)) + 1
         budget = call.backend.ahead(Call.chunk, call, n, opts.chunk_size, False)  # by memory
-        lap = call.backend.sparse_laplacian(_values(call), call.xb, passes, budget, call.traced)
+        lap = call.backend.sparse_laplacian(_values(call), call.xb, passes, budget, call)
         if lap is not None:
             return lap, (call.backend.zeros_like(lap) if opts.return_stderr else None)
     second = _sweep(call, directions, weights, True, opts.chunk_size)

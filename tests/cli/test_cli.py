@@ -164,6 +164,14 @@ def test_inspect_conv_reports_pattern_colors_and_auto_plans(jax_module, tmp_path
     assert report["spy"] == str(spy) and spy.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_spy_plot_that_cannot_be_written_is_a_usage_error(jax_module):
+    """--spy under a path that is a file: the path and the reason, exit code 2."""
+    result = invoke(
+        "inspect", f"{jax_module}:conv", "--shape", "4,8,8,3", "--spy", f"{jax_module}/s.png"
+    )
+    assert_usage_error(result, "cannot write", "File exists")
+
+
 def test_inspect_nnz_matches_the_dense_pattern(jax_module):
     import jax
     import jax.numpy as jnp

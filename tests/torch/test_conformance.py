@@ -145,8 +145,10 @@ def test_no_forward_derivative_pushes_rows():
     """Defect 11: ``pdist`` (as ``cdist``) has no forward derivative in PyTorch: auto and sparse
     push rows (columns would be fewer), an explicit ``mode="fwd"`` names the op."""
     x = torch.randn(6, 2, dtype=D, generator=_gen())
-    with pytest.warns(DenseFallbackWarning, match="_pdist_forward"):
+    with pytest.warns(DenseFallbackWarning, match="_pdist_forward") as got:
         _check(torch.pdist, x, modes=("auto", "sparse", "rev"))
+    # at the caller's line, not divjac's
+    assert {w.filename for w in got if w.category is DenseFallbackWarning} == {__file__}
     with pytest.raises(OptionError, match=r"aten\._pdist_forward"):
         jacobian(torch.pdist, batch_axis=None, mode="fwd")(x)
 

@@ -279,6 +279,66 @@ def test_laplacian_runs_its_calls_own_trace_on_the_current_tensors(method, monke
             state["A"] = _randn(2, 2, seed=22 + step)
 
 
+@pytest.mark.parametrize("method", ["exact", "auto"])
+def test_laplacian_runs_its_calls_own_trace_with_its_other_tensor_arguments(method, monkeypatch):
+    """``u(params, x, t)`` with ``t`` and the weights passed as tensors (a PINN): the sweep
+    runs the call's trace, its other inputs the call's own tensors (new ones at every call, or
+    the same updated in place), not a trace of the bound function (which walked everything it
+    reaches at every call); the gradients reach ``t`` and the weights. An integer argument (an
+    index, whose values the sparse sweep may read) keeps the trace of the bound function."""
+    traced = []
+    trace_again = _taylor._traced
+    monkeypatch.setattr(
+        _taylor, "_traced", lambda f, x, *rest: traced.append(1) or trace_again(f, x, *rest)
+    )
+
+    def u(params, x, t):
+        h = torch.tanh(torch.cat([x, t], 1) @ params["w"] + params["b"])
+        return torch.tanh(h @ params["v"]) * t[:, 0]
+
+    def brute(params, x, t):  # sample by sample: t is per sample
+        return torch.cat(
+            [
+                _hessian_traces(lambda z, i=i: u(params, z, t[i : i + 1]), x[i : i + 1])
+                for i in range(5)
+            ]
+        )
+
+    lap = laplacian(u, argnums=1, method=method)
+    x = _randn(5, 3, seed=40)
+    for step in range(3):
+        params = {
+            "w": _randn(4, 6, seed=41 + step).requires_grad_(),
+            "b": _randn(6, seed=44 + step),
+            "v": _randn(6, seed=47 + step).requires_grad_(),
+        }
+        t = _randn(5, 1, seed=50 + step).requires_grad_()
+        traced.clear()
+        got = lap(params, x, t)
+        assert not traced
+        want = brute(params, x, t)
+        torch.testing.assert_close(got, want)
+        grads = torch.autograd.grad(got.square().sum(), (t, params["w"], params["v"]))
+        wants = torch.autograd.grad(want.square().sum(), (t, params["w"], params["v"]))
+        for g, w in zip(grads, wants, strict=True):
+            torch.testing.assert_close(g, w)
+        with torch.no_grad():
+            params["b"].mul_(-2)  # in place, between calls of the same tensors
+        torch.testing.assert_close(lap(params, x, t), brute(params, x, t))
+
+    def picked(x, idx):
+        return torch.tanh(x[:, idx]).square().sum(1)
+
+    lap = laplacian(picked, method=method)
+    for idx in ([0, 1], [2, 2]):
+        index = torch.tensor(idx)
+        traced.clear()
+        torch.testing.assert_close(
+            lap(x, index), _hessian_traces(lambda z, i=index: picked(z, i), x)
+        )
+        assert traced
+
+
 def test_a_captured_tensor_is_found_by_the_walk_that_found_the_trace(monkeypatch):
     """A function of weights in a closure (no module: the trace cannot stand for them): the
     walk that finds the trace of the call's bound function also finds the tensors the sweep

@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from . import bench
-from ._common import UsageError
+from ._common import UsageError, writing
 from .bench import Result
 
 if TYPE_CHECKING:
@@ -182,6 +182,8 @@ def run_bench(
     if not names:
         which = f" matching {', '.join(only)}" if only else ""
         raise UsageError(f"no benchmark modules bench_*.py{which} in {str(ran.folder)!r}.")
+    with writing(out):  # before minutes of benchmarks, not after
+        out.mkdir(parents=True, exist_ok=True)
     console.print(f"benchmarks from {ran.folder} ({'quick' if quick else 'full'} sizes)")
     start = time.perf_counter()
     columns = (
@@ -208,7 +210,8 @@ def run_bench(
         progress.update(task, description="done")
     seconds = time.perf_counter() - start
     console.print(table(ran.results))
-    written = save(ran, out, seconds)
+    with writing(out):
+        written = save(ran, out, seconds)
     missed = [r for r in ran.results if r.passed is False]
     console.print(
         f"{len(ran.results)} results in {seconds:.1f} s"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
+from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 
 from .._errors import DivjacError
@@ -16,6 +19,7 @@ __all__ = [
     "format_error",
     "format_seconds",
     "require_backend",
+    "writing",
 ]
 
 FRAMEWORKS = ("jax", "torch")
@@ -23,6 +27,16 @@ FRAMEWORKS = ("jax", "torch")
 
 class UsageError(DivjacError, ValueError):
     """Bad input on the command line: reported as a message with exit code 2, no traceback."""
+
+
+@contextlib.contextmanager
+def writing(where: Path) -> Iterator[None]:
+    """Writing files at ``where`` (a folder or file, its parents made): a file system error
+    (a file where a folder goes, no permission) is a :class:`UsageError` naming the path."""
+    try:
+        yield
+    except OSError as err:
+        raise UsageError(f"cannot write {str(where)!r}: {err.strerror or err}.") from None
 
 
 def backend_or_none(framework: str) -> tuple[ModuleType | None, str]:

@@ -22,7 +22,7 @@ import numpy as np
 from .._core import estimators, plan
 from .._errors import InternalError
 from . import _plots
-from ._common import FRAMEWORKS, UsageError, backend_or_none
+from ._common import FRAMEWORKS, UsageError, backend_or_none, writing
 from ._demo_backends import Backend, make_backend
 from ._demo_render import render
 from ._demo_report import (
@@ -313,9 +313,10 @@ def run_demo(
             hints = " or ".join(f"`pip install 'divjac[{name}]'`" for name in report.unavailable)
             raise UsageError(f"no backend is installed ({reasons}). Install one with {hints}.")
         spinner.update("plotting")
-        out.mkdir(parents=True, exist_ok=True)
-        paths = _plots.demo_plots(report, out)
-        (out / "results.json").write_text(json.dumps(report.to_json(), indent=2, default=str))
+        with writing(out):
+            out.mkdir(parents=True, exist_ok=True)
+            paths = _plots.demo_plots(report, out)
+            (out / "results.json").write_text(json.dumps(report.to_json(), indent=2, default=str))
     render(report, console)
     written = ", ".join(str(p) for p in [*paths, out / "results.json"])
     console.print(f"\nwrote {written}", highlight=False)

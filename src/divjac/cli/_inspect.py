@@ -35,6 +35,7 @@ from ._common import (
     format_count,
     format_seconds,
     require_backend,
+    writing,
 )
 from .bench._harness import block
 
@@ -470,8 +471,9 @@ def write_spy(pattern: SparsityPattern, path: Path, title: str) -> str:
 
     if path.suffix.lower() not in (".png", ".pdf", ".svg"):
         raise UsageError(f"--spy needs a .png (or .pdf, .svg) file name; got {str(path)!r}.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _plots.spy(pattern.csr, path, title)
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _plots.spy(pattern.csr, path, title)
     return str(path)
 
 

@@ -267,8 +267,10 @@ class JaxBackend(Backend[Traced]):
         weights: jax.Array | None,
         collapse: bool,
         traced: Traced | None = None,
+        point: Point[Traced] | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``traced`` is not needed: ``f`` is traced anew, as every call's passes are."""
+        """``traced`` and ``point`` are not needed: ``f`` is traced anew, as every call's
+        passes are."""
         return _taylor.second_order_sweep(f, x, directions, weights=weights, collapse=collapse)
 
     def sparse_laplacian(
@@ -277,7 +279,7 @@ class JaxBackend(Backend[Traced]):
         x: jax.Array,
         passes: int,
         budget: int,
-        traced: Traced | None = None,
+        point: Point[Traced] | None = None,
     ) -> jax.Array | None:
         n = math.prod(x.shape[1:])
         colored = passes < n

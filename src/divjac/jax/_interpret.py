@@ -139,7 +139,7 @@ class Interpreter:
 
     def warn_fallbacks(self) -> None:
         """Emit one :class:`DenseFallbackWarning` naming every primitive without a rule."""
-        D.warn_fallbacks(self.fallbacks, kind="JAX primitive", stacklevel=5)
+        D.warn_fallbacks(self.fallbacks, kind="JAX primitive")
 
     def _eqn(self, scope: Scope, eqn: Any, ins: list[Deps]) -> list[Deps]:
         name = eqn.primitive.name

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from .._backend import Backend, Linear, Point
 from .._core import plan
 from .._core.detection import LRU
-from .._errors import CompileError, FastPathWarning, OptionError
+from .._errors import CompileError, FastPathWarning, OptionError, warn_at_caller
 from . import _ddp, _taylor, _taylor_sparse
 from ._ahead import _Ahead, _compiling, _constant, _prepared
 from ._detect import trace
@@ -264,7 +264,7 @@ class TorchBackend(Backend[Traced]):
             return _constant(_trace, fun, args, kwargs, argnum, batch_axis, has_aux)
         traced = _trace(fun, args, kwargs, argnum, batch_axis, has_aux)
         if not torch.is_grad_enabled() and traced.nests:
-            warnings.warn(
+            warn_at_caller(
                 "divjac: the function runs an nn.TransformerEncoder with enable_nested_tensor="
                 "True in eval mode; without gradients (no_grad, inference_mode) and with a "
                 "src_key_padding_mask, PyTorch runs its nested-tensor fast path, which returns "
@@ -274,7 +274,6 @@ class TorchBackend(Backend[Traced]):
                 "encoder with enable_nested_tensor=False for one behaviour in every context, "
                 "or mask the padded positions of the results.",
                 FastPathWarning,
-                stacklevel=2,
             )
         return traced
 
@@ -367,9 +366,10 @@ class TorchBackend(Backend[Traced]):
         weights: torch.Tensor | None,
         collapse: bool,
         traced: Traced | None = None,
+        point: Point[Traced] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _taylor.second_order_sweep(
-            f, x, directions, weights=weights, collapse=collapse, traced=traced
+            f, x, directions, weights=weights, collapse=collapse, traced=traced, point=point
         )
 
     def sparse_laplacian(
@@ -378,9 +378,9 @@ class TorchBackend(Backend[Traced]):
         x: torch.Tensor,
         passes: int,
         budget: int,
-        traced: Traced | None = None,
+        point: Point[Traced] | None = None,
     ) -> torch.Tensor | None:
-        return _taylor_sparse.sparse_laplacian(f, x, passes, budget, traced)
+        return _taylor_sparse.sparse_laplacian(f, x, passes, budget, point)
 
     def grad_of_sum(
         self, fn: Callable[[torch.Tensor], Any], x: torch.Tensor, *, has_aux: bool

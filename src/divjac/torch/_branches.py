@@ -8,7 +8,6 @@ computes the values the control flow read, to recompute and compare them at ever
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from .._errors import InternalError, RetraceWarning
+from .._errors import InternalError, RetraceWarning, warn_at_caller
 from ._reach import Reached
 
 __all__ = ["MAX_BRANCHES", "Branch", "Branches", "branch"]
@@ -76,14 +75,13 @@ class Branches:
             self.entries.insert(0, (branch, traced))
             del self.entries[MAX_BRANCHES:]
         if self.traces == 2 * MAX_BRANCHES:
-            warnings.warn(
+            warn_at_caller(
                 f"divjac traced {self.name} {self.traces} times: its control flow depends on "
                 "values of its inputs (Python `if` on a tensor, `.item()`, data-dependent "
                 "shapes) that differ from call to call, so every call traces it again and "
                 "detects its sparsity again (slow). Write value-dependent choices with "
                 "torch.where, or keep the values the function takes from tensors fixed.",
                 RetraceWarning,
-                stacklevel=4,
             )
 
 

@@ -135,7 +135,7 @@ class Interpreter(Graph):
 
     def warn_fallbacks(self) -> None:
         """Emit one :class:`DenseFallbackWarning` naming every operation without a rule."""
-        D.warn_fallbacks(self.fallbacks, kind="ATen operation", stacklevel=2)
+        D.warn_fallbacks(self.fallbacks, kind="ATen operation")
 
     def _call(self, node: torch.fx.Node) -> None:
         target = node.target

@@ -71,6 +71,13 @@ _DICT, _LIST, _OBJECT, _FUNCTION, _CLASS, _MODULE, _META = range(6, 13)  # objec
 _MODULE_DICTS = ("_parameters", "_buffers", "_modules", "_forward_pre_hooks", "_forward_hooks")
 
 
+class _Tag(int):
+    """An integer of a signature that is no value the function reaches: an object's ``id``, a
+    container's length (equal to and hashed as the integer; told apart from numbers by type)."""
+
+    __slots__ = ()
+
+
 def _version(d: dict[Any, Any]) -> int:
     return int(_dict_version(d))
 
@@ -446,7 +453,7 @@ class _Walk:
             for value in (obj.func, *obj.args, *obj.keywords.items()):
                 self.visit(value, depth - 1)
         elif isinstance(obj, detection.Traced):  # divjac's own trace (of a call): by identity
-            sig.append(id(obj))
+            sig.append(_Tag(id(obj)))
             self.identified.append(obj)
         elif hasattr(obj, "__dict__") and not library(kind):
             self.plain_object(obj, depth)
@@ -464,7 +471,7 @@ class _Walk:
                 self.checkable = False
                 self.opaque = self.opaque or f"{kind.__module__}.{kind.__qualname__}"
                 return
-            sig.append(id(obj))
+            sig.append(_Tag(id(obj)))
             self.identified.append(obj)
 
     def tensor(self, t: torch.Tensor, *, identity: bool) -> None:
@@ -474,7 +481,7 @@ class _Walk:
         self.ids.append(id(t))
         self.sig.extend((t.shape, t.dtype, t.device))
         if identity:
-            self.sig.append(id(t))
+            self.sig.append(_Tag(id(t)))
             self.identified.append(t)
 
     def container(
@@ -488,7 +495,7 @@ class _Walk:
                     if type(value) not in _ATOMS:
                         self.visit(value, depth - 1)
             return
-        self.sig.append(len(obj))
+        self.sig.append(_Tag(len(obj)))
         if len(obj) > _MAX_ITEMS:
             return
         if isinstance(obj, dict):
@@ -555,7 +562,7 @@ class _Walk:
         sig = self.sig
         if self.record:
             self.check_module(m)
-        sig.extend((type(m), id(m), m.training))
+        sig.extend((type(m), _Tag(id(m)), m.training))
         if m._forward_pre_hooks or m._forward_hooks:
             sig.append((tuple(m._forward_pre_hooks), tuple(m._forward_hooks)))
         for name, value in vars(m).items():

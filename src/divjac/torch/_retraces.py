@@ -5,14 +5,11 @@ argument takes a new value at every call. Each warns once per function, at the t
 from __future__ import annotations
 
 import contextlib
-import sys
-import warnings
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from .._errors import RetraceWarning
+from .._errors import RetraceWarning, warn_at_caller
 from ._reach import Reached
 
 __all__ = ["check_own_changes", "warn_numbers_retraced", "warn_uncached"]
@@ -40,11 +37,12 @@ def warn_uncached(fun: Callable[..., Any], reached: Reached) -> None:
     """Warn (once per function) when its traces cannot be cached, call after call."""
     if reached.keyable or not _third(_UNCACHED, fun):
         return
-    _warn(
+    warn_at_caller(
         f"divjac: {_name(fun)} reaches an object of type {reached.opaque} that divjac can neither "
         "follow, nor hold by a weak reference, nor compare by value, so it cannot tell whether "
         "it changed: the function is traced again at every call (slow). Keep such objects out "
         "of what the transformed function reaches (pass what it reads as arguments).",
+        RetraceWarning,
     )
 
 
@@ -56,11 +54,15 @@ _NUMBER_RETRACES: weakref.WeakKeyDictionary[Any, tuple[Any, tuple[Any, ...], int
 
 
 def _numbers_apart(call: tuple[Any, ...], signature: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``(the call and signature with each Python number replaced by its type, the numbers)``."""
+    """``(the call and signature with their Python numbers replaced by their types, those
+    numbers)``: the call's integers and floats, the signature's floats (the integers a function
+    reaches are mostly dimensions and sizes, which change the program: not a value to pass as
+    a tensor)."""
     options, treedef, leaves = call
+    kinds = [(int, float)] * len(leaves) + [(float,)] * len(signature)
     values = (*leaves, *signature)
-    numbers = tuple(v for v in values if type(v) in (int, float))
-    shape = tuple(type(v) if type(v) in (int, float) else v for v in values)
+    numbers = tuple(v for v, k in zip(values, kinds, strict=True) if type(v) in k)
+    shape = tuple(type(v) if type(v) in k else v for v, k in zip(values, kinds, strict=True))
     return (options, treedef, shape), numbers
 
 
@@ -69,7 +71,7 @@ def warn_numbers_retraced(
 ) -> None:
     """At a new trace of ``fun`` (``before`` and ``after``: what it reached before and after
     running), warn (once per function) at the third new trace in a row that only new values
-    of Python numbers made: arguments, or numbers the function reaches (a closure cell, a
+    of Python numbers made: arguments, or floats the function reaches (a closure cell, a
     global, a module attribute) that changed since its last trace ran. Numbers are traced as
     constants (as ``torch.compile`` specializes them), so an ODE loop passing ``t`` as a float
     traces at every step. Not where running the function changes what it reaches (a counter
@@ -89,14 +91,15 @@ def warn_numbers_retraced(
         return
     if count != 3:
         return
-    _warn(
+    warn_at_caller(
         f"divjac: {_name(fun)} was traced again at each of its last 3 calls because a Python "
-        "number took a new value (an argument, or one it reaches: a closure cell, a global, a "
-        "module attribute): divjac traces Python numbers as constants (as torch.compile "
+        "number took a new value (an argument, or a float it reaches: a closure cell, a global, "
+        "a module attribute): divjac traces Python numbers as constants (as torch.compile "
         "specializes them), so each new value costs a new trace (tens of milliseconds; a small "
         "CNF's call 40 ms against 1 ms). Pass it as a tensor (t = torch.tensor(t), or of shape "
         "(B,)), or keep it in a tensor the function reads (a buffer, updated in place): a "
         "tensor is traced once whatever its values.",
+        RetraceWarning,
     )
 
 
@@ -109,11 +112,12 @@ def check_own_changes(fun: Callable[..., Any], before: Reached, after: Reached) 
     changed = next((i for i, (a, b) in enumerate(pairs) if a != b), len(before.signature))
     names = [v for v in before.signature[:changed] if isinstance(v, str)]
     where = f" (near {names[-1]!r})" if names else ""
-    _warn(
+    warn_at_caller(
         f"divjac: running {_name(fun)} changes the state it reaches{where}: a module attribute, a "
         "value in a closure, a global or a dict, a tensor replaced. divjac's cached trace is "
         "keyed by that state, so the function is traced again at every call (slow). Keep "
         "counters, caches and logs out of what the transformed function reaches.",
+        RetraceWarning,
     )
 
 
@@ -124,15 +128,3 @@ def _owner(fun: Callable[..., Any]) -> Any:
 
 def _name(fun: Callable[..., Any]) -> str:
     return str(getattr(fun, "__qualname__", type(fun).__qualname__))
-
-
-def _warn(message: str) -> None:
-    """Warn at the caller's line: the first frame outside divjac (and the decorators of
-    ``contextlib`` it runs in)."""
-    level, frame = 2, sys._getframe(1)
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INSIDE):
-        level, frame = level + 1, frame.f_back
-    warnings.warn(message, RetraceWarning, stacklevel=level)
-
-
-_INSIDE = (str(Path(__file__).resolve().parents[1]), contextlib.__file__)

@@ -43,7 +43,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -51,6 +51,7 @@ import torch.fx
 from torch.func import jvp, vmap
 from torch.utils import _pytree as pytree
 
+from .._backend import Point
 from .._errors import InternalError
 from . import _taylor_moves, _taylor_reductions, _taylor_rules
 from ._aten import inexact
@@ -75,6 +76,7 @@ def second_order_sweep(
     weights: torch.Tensor | None = None,
     collapse: bool = True,
     traced: Traced | None = None,
+    point: Point[Traced] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``f(x)``, ``J v_k`` and ``v_k^T H v_k`` of a batch-first function.
 
@@ -87,14 +89,16 @@ def second_order_sweep(
             collapsed sum.
         collapse: return the weighted sum over ``k`` of the second-order terms (``[B, *out]``)
             instead of each of them (``[K, B, *out]``, unweighted).
-        traced: the trace of the call whose batch-first function ``f`` is (see
+        traced: the trace of the call whose batch-first function ``f`` is, with no other
+            tensor argument bound (see :func:`_program`).
+        point: the call whose batch-first function (without its aux) ``f`` is (see
             :func:`_program`).
 
     Returns:
         ``(y, first, second)`` as in :func:`divjac.jax._taylor.second_order_sweep`.
     """
     v = directions.to(x.dtype)
-    program = _program(f, x, traced)
+    program = _program(f, x, traced, point)
     if program is None:
         random = not torch.compiler.is_compiling() and _traced(f, x).draws_random
         if random:  # every chunk of directions of the call sees the first chunk's draws
@@ -217,6 +221,7 @@ class _Program:
     traced: Traced
     plan: _Plan
     constants: dict[str, Tensor]
+    inputs: dict[torch.fx.Node, Tensor] = field(default_factory=dict)  # but x, by placeholder
 
     def run(
         self, x: Tensor, v: Tensor, w: Tensor | None, per_direction: bool
@@ -250,8 +255,12 @@ class _Program:
         for step in self.plan.steps:
             node, kind = step.node, step.kind
             if kind == "input":
-                values[node] = x
-                jets[node] = seed
+                other = self.inputs.get(node)
+                if other is not None:
+                    values[node] = other
+                else:
+                    values[node] = x
+                    jets[node] = seed
             elif kind == "constant":
                 name = str(node.target)
                 found = self.constants.get(name)
@@ -307,22 +316,29 @@ def _rewind(f: Callable[[Tensor], Tensor], device: torch.device) -> None:
 
 
 def _program(
-    f: Callable[[Tensor], Tensor], x: Tensor, traced: Traced | None = None
+    f: Callable[[Tensor], Tensor],
+    x: Tensor,
+    traced: Traced | None = None,
+    point: Point[Traced] | None = None,
 ) -> _Program | None:
     """The trace of ``f`` at ``x``'s shape with the tensors it captured, or ``None`` where the
     sweep runs the reference (see the module docstring).
 
-    ``traced``: the trace of the call whose batch-first function ``f`` is (``f`` is made anew
-    at each call, so tracing it walks what it reaches each time): run as it is where ``x`` is
-    its only input and its constants are the parameters and buffers of its modules, which the
-    call's own checks found unchanged; else ``f`` is traced."""
+    ``f`` is made anew at each call, so tracing it walks what it reaches each time. ``point``:
+    the call whose batch-first function (without its aux) ``f`` is: its trace runs as it is,
+    its other inputs the call's other tensor arguments (``t``, parameters passed in), where
+    its constants are the parameters and buffers of its modules, which the call's own checks
+    found unchanged; ``traced``: the trace of such a call that binds no other tensor argument,
+    run likewise where ``x`` is its only input. Else ``f`` is traced."""
     if torch.compiler.is_compiling():
         return None
-    given = (
-        traced
-        if traced is not None and len(traced.gm.graph.find_nodes(op="placeholder")) == 1
-        else None
-    )
+    given, inputs = None, {}
+    if point is not None:
+        others = _other_inputs(point)
+        if others is not None:
+            given, inputs = point.traced, others
+    elif traced is not None and len(traced.gm.graph.find_nodes(op="placeholder")) == 1:
+        given = traced
     walked: list[Reached] = []  # the walk of f that found its trace, if one did
     traced = given if given is not None else _traced(f, x, walked)
     if traced.draws_random or tuple(traced.out_shape[:1]) != tuple(x.shape[:1]):
@@ -337,11 +353,28 @@ def _program(
             if t is None:
                 return None
             constants[name] = t
-        return _Program(traced, plan, constants)
+        return _Program(traced, plan, constants, inputs)
     if given is not None:  # other captured tensors: found by the walk of f, on f's own trace
         return _program(f, x)
     found = _captured(traced, walked[0] if walked else reach(f, []))
     return None if found is None else _Program(traced, plan, found)
+
+
+def _other_inputs(point: Point[Traced]) -> dict[torch.fx.Node, Tensor] | None:
+    """The call's tensor arguments but the differentiated one, by the inputs of its trace
+    that they are (the tensor leaves of its arguments, in order: as the trace took them);
+    ``None`` where they are not those (a trace made of other leaves), or where one is an
+    integer or boolean tensor (an index, a mask), whose values the sparse sweep may read: a
+    trace of ``f`` captures it as a constant, which its checks guard by value."""
+    placeholders = [n for n in point.traced.gm.graph.nodes if n.op == "placeholder"]
+    leaves = pytree.tree_leaves((point.args, point.kwargs))
+    tensors = [a for a in leaves if isinstance(a, Tensor)]
+    if len(tensors) != len(placeholders) or not all(map(inexact, tensors)):
+        return None
+    x_pos = point.traced.x_pos
+    return {
+        node: t for i, (node, t) in enumerate(zip(placeholders, tensors, strict=True)) if i != x_pos
+    }
 
 
 # Where the trace's call found each tensor the graph captured, by the trace: the position
@@ -383,6 +416,7 @@ def _captured(traced: Traced, reached: Reached) -> dict[str, Tensor] | None:
 def _plan(traced: Traced, graph: torch.fx.Graph | None = None) -> _Plan:
     """The plan of ``traced``'s graph (or of ``graph``, a rewriting of it on its constants)."""
     nodes = list((traced.gm.graph if graph is None else graph).nodes)
+    x_node = [node for node in nodes if node.op == "placeholder"][traced.x_pos]
     needed: set[torch.fx.Node] = set()
     for node in reversed(nodes):
         if node.op in ("output", "placeholder") or node in needed:
@@ -396,7 +430,8 @@ def _plan(traced: Traced, graph: torch.fx.Graph | None = None) -> _Plan:
         inputs = tuple(node.all_input_nodes)
         if node.op == "placeholder":
             steps.append(_Step(node, "input", inputs))
-            dependent.add(node)
+            if node is x_node:
+                dependent.add(node)
         elif node.op == "get_attr":
             steps.append(_Step(node, "constant", inputs))
         elif node.op == "output":

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.fx
 
+from .._backend import Point
 from .._core.sparse_index import compressed, positions, union
 from ._aten import bind, dims, inexact, packet
 from ._taylor import _Plan, _plan, _Program, _program
@@ -77,13 +78,13 @@ _PRODUCTS = {aten.mm.default: (0, 1), aten.bmm.default: (0, 1), aten.mv.default:
 
 
 def sparse_laplacian(
-    f: Any, x: Tensor, passes: int, budget: int, traced: Traced | None = None
+    f: Any, x: Tensor, passes: int, budget: int, point: Point[Traced] | None = None
 ) -> Tensor | None:
     """The exact per-sample Laplacian ``[B, *out]`` of the uncoupled batch-first ``f`` at ``x``
     by the sparse sweep, where its work is at most half that of ``passes`` dense directions
     and at most ``budget`` directions' worth (``None`` otherwise, and where the graph cannot
-    be run: :func:`~divjac.torch._taylor._program`, which may run ``traced``)."""
-    program = _program(f, x, traced)
+    be run: :func:`~divjac.torch._taylor._program`, which may run ``point``'s trace)."""
+    program = _program(f, x, point=point)
     if program is None or x.is_complex():
         return None
     layouts = _layouts(program, x)
@@ -149,7 +150,7 @@ def _layouts(program: _Program, x: Tensor) -> _Layouts:
     found = _LAYOUTS.get(program.traced)
     if found is not None and found.device == x.device:
         return found
-    graph = _distributed(program.traced.gm)
+    graph = _distributed(program.traced.gm, program.traced.x_pos)
     if graph is not None:
         program = replace(program, plan=_plan(program.traced, graph))
     n = math.prod(x.shape[1:])
@@ -233,7 +234,7 @@ def _gathered(terms: Tensor, pos: Tensor) -> Tensor:
 _ROWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
-def _distributed(gm: torch.fx.GraphModule) -> torch.fx.Graph | None:
+def _distributed(gm: torch.fx.GraphModule, x_pos: int) -> torch.fx.Graph | None:
     """``gm``'s graph with its products by a constant of a concatenation along the contracted
     axis distributed over the parts (``cat([a, b]) @ W`` as ``a @ W_a + b @ W_b``), a part
     broadcast along the rows (``expand(g)``) multiplied before it is broadcast: a FermiNet
@@ -241,9 +242,9 @@ def _distributed(gm: torch.fx.GraphModule) -> torch.fx.Graph | None:
     terms sparse (``None``: no such product)."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    dependent: set[torch.fx.Node] = set()
+    dependent = {[n for n in graph.nodes if n.op == "placeholder"][x_pos]}  # x (not t, params)
     for node in graph.nodes:
-        if node.op == "placeholder" or any(a in dependent for a in node.all_input_nodes):
+        if any(a in dependent for a in node.all_input_nodes):
             dependent.add(node)
     changed = False
     for node in list(graph.nodes):

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from ..._errors import DenseFallbackWarning, RuleError
+from ..._errors import DenseFallbackWarning, RuleError, warn_at_caller
 from ._deps import Deps, Shape, dense, empty
 
 __all__ = [
@@ -144,21 +143,18 @@ def foldable(sizes: Iterable[int]) -> bool:
     return all(s <= FOLD_LIMIT for s in sizes)
 
 
-def warn_fallbacks(fallbacks: Iterable[str], *, kind: str, stacklevel: int) -> None:
-    """Emit one :class:`~divjac.DenseFallbackWarning` naming every operation without a rule.
-
-    ``kind`` names the operations (``"JAX primitive"``); ``stacklevel`` counts from the caller.
-    """
+def warn_fallbacks(fallbacks: Iterable[str], *, kind: str) -> None:
+    """Emit one :class:`~divjac.DenseFallbackWarning` naming every operation without a rule, at
+    the caller's line (``kind`` names the operations: ``"JAX primitive"``)."""
     names = ", ".join(sorted(fallbacks))
     if names:
         noun = kind.split()[-1]
-        warnings.warn(
+        warn_at_caller(
             f"divjac has no sparsity rule for the {kind}(s) {names}; their outputs were assumed "
             "to depend on all of their inputs. Results stay correct, but the pattern may be "
             "denser than the truth (and a batch may look coupled). Please report the "
             f"{noun} name to the divjac issue tracker, or give it a rule with register_rule.",
             DenseFallbackWarning,
-            stacklevel=stacklevel + 1,
         )
 
 
