@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
+import numpy as np
+
 from ._backend import Array, Backend, Point
 from ._core import checks, plan, timing
 from ._core.detection import AUTO_DETECTION_ENTRIES, Detection, Traced
@@ -324,7 +326,9 @@ def check_differentiable(
 ) -> None:
     """Raise :class:`ArgnumsError` or :class:`InputDtypeError` unless ``x``, the argument
     ``argnums`` selects (at position ``argnum``), is a floating array."""
-    if x is not None and backend.is_randomness(x):
+    dtype = getattr(x, "dtype", None)
+    integers = isinstance(dtype, np.dtype) and np.issubdtype(dtype, np.integer)  # (legacy keys)
+    if x is not None and backend.is_randomness(x) and not integers:
         raise ArgnumsError(
             f"{fname}: argnums={argnums} selects a source of randomness ({type(x).__name__}); "
             "a stochastic method takes its key, generator or probes as the call's first "

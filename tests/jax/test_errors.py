@@ -17,6 +17,9 @@ def test_an_integer_array_is_no_key():
     x = jnp.ones((4, 3))
     with pytest.raises(divjac.MissingKeyError, match="got ArrayImpl of dtype int32"):
         divergence(lambda x: x, method="hutchinson")(jnp.arange(3, dtype=jnp.int32), x)
+    # uint32 pairs (a legacy PRNGKey's layout) differentiated: an integer input, not a key
+    with pytest.raises(divjac.InputDtypeError, match="dtype uint32"):
+        divergence(lambda x: x)(jnp.ones((4, 2), jnp.uint32))
 
 
 def center(x):
