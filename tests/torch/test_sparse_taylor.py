@@ -294,6 +294,44 @@ def test_float32_and_the_api_with_other_arguments(sparse_calls):
     np.testing.assert_allclose(got.detach(), ref.detach(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["exact", "auto"])
+def test_a_rewritten_graph_runs_on_the_calls_other_tensors(monkeypatch, method):
+    """A FermiNet-like layer on ``[h_i, mean_j h_j]`` (its product split over the parts, on a
+    copy of the graph) whose weight and ``t`` are arguments: the copy's inputs are the call's
+    tensors, each in its place (the sparse sweep runs the call's trace), and the gradients
+    reach them."""
+    n, dim, width = 6, 3, 8
+    (v2,) = _params(5, (2 * width, width))
+    v2.requires_grad_(True)
+    torch.manual_seed(5)
+    first, last = torch.nn.Linear(dim, width).double(), torch.nn.Linear(width, 1).double()
+    rewritten = []
+    _taylor_sparse._LAYOUTS.clear()  # (the other method's call laid this trace out)
+    distribute = _taylor_sparse._distributed
+    monkeypatch.setattr(
+        _taylor_sparse,
+        "_distributed",
+        lambda gm, x_pos: (lambda g: rewritten.append(g is not None) or g)(distribute(gm, x_pos)),
+    )
+
+    def u(x, t, v2):  # constants: the modules' parameters (the call's trace runs)
+        h = torch.tanh(first(x.reshape(x.shape[0], n, dim)) + t[:, :, None])
+        g = h.mean(1, keepdim=True).expand_as(h)
+        h = F.softplus(torch.cat([h, g], -1) @ v2) + h
+        return last(h).sum((1, 2))
+
+    x, t = torch.randn(3, n * dim, dtype=D), torch.randn(3, 1, dtype=D)
+    got = laplacian(u, method=method)(x, t, v2)
+    assert rewritten and all(rewritten)
+    want = torch.cat(
+        [_brute(lambda z, i=i: u(z, t[i : i + 1], v2), x[i : i + 1]) for i in range(3)]
+    )
+    np.testing.assert_allclose(got.detach(), want.detach(), rtol=1e-10, atol=1e-10)
+    (g_got,) = torch.autograd.grad(got.square().sum(), v2)
+    (g_want,) = torch.autograd.grad(want.square().sum(), v2)
+    np.testing.assert_allclose(g_got, g_want, rtol=1e-9, atol=1e-10)
+
+
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(**block_architectures())
 def test_random_block_architectures(n, dim, width, act, pool, seed):

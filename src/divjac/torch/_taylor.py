@@ -43,7 +43,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -221,7 +221,9 @@ class _Program:
     traced: Traced
     plan: _Plan
     constants: dict[str, Tensor]
-    inputs: dict[torch.fx.Node, Tensor] = field(default_factory=dict)  # but x, by placeholder
+    # By placeholder, in order (``None``: x's): the call's other tensors (a rewriting of the
+    # graph, which copies its nodes, keeps its placeholders' order).
+    inputs: tuple[Tensor | None, ...] = ()
 
     def run(
         self, x: Tensor, v: Tensor, w: Tensor | None, per_direction: bool
@@ -241,6 +243,7 @@ class _Program:
         """The graph's output at ``x`` and its jet, the input's jet being ``seed`` (the jets of
         the steps are :meth:`_Sweep.apply`'s)."""
         gm = self.traced.gm
+        others = iter(self.inputs)
         values: dict[torch.fx.Node, Any] = {}
         jets = sweep.jets
         out: Any = None
@@ -255,7 +258,7 @@ class _Program:
         for step in self.plan.steps:
             node, kind = step.node, step.kind
             if kind == "input":
-                other = self.inputs.get(node)
+                other = next(others, None)
                 if other is not None:
                     values[node] = other
                 else:
@@ -332,7 +335,8 @@ def _program(
     run likewise where ``x`` is its only input. Else ``f`` is traced."""
     if torch.compiler.is_compiling():
         return None
-    given, inputs = None, {}
+    given: Traced | None = None
+    inputs: tuple[Tensor | None, ...] = ()
     if point is not None:
         others = _other_inputs(point)
         if others is not None:
@@ -360,9 +364,9 @@ def _program(
     return None if found is None else _Program(traced, plan, found)
 
 
-def _other_inputs(point: Point[Traced]) -> dict[torch.fx.Node, Tensor] | None:
-    """The call's tensor arguments but the differentiated one, by the inputs of its trace
-    that they are (the tensor leaves of its arguments, in order: as the trace took them);
+def _other_inputs(point: Point[Traced]) -> tuple[Tensor | None, ...] | None:
+    """The call's tensor arguments, ``None`` for the differentiated one, in the order of the
+    inputs of its trace (the tensor leaves of its arguments, in order: as the trace took them);
     ``None`` where they are not those (a trace made of other leaves), or where one is an
     integer or boolean tensor (an index, a mask), whose values the sparse sweep may read: a
     trace of ``f`` captures it as a constant, which its checks guard by value."""
@@ -372,9 +376,7 @@ def _other_inputs(point: Point[Traced]) -> dict[torch.fx.Node, Tensor] | None:
     if len(tensors) != len(placeholders) or not all(map(inexact, tensors)):
         return None
     x_pos = point.traced.x_pos
-    return {
-        node: t for i, (node, t) in enumerate(zip(placeholders, tensors, strict=True)) if i != x_pos
-    }
+    return tuple(None if i == x_pos else t for i, t in enumerate(tensors))
 
 
 # Where the trace's call found each tensor the graph captured, by the trace: the position
