@@ -235,12 +235,12 @@ _ROWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def _distributed(gm: torch.fx.GraphModule, x_pos: int) -> torch.fx.Graph | None:
-    """``gm``'s graph with its products by a factor that does not depend on the input at
-    ``x_pos`` (a constant, or another argument: weights passed in) of a concatenation along
-    the contracted axis distributed over the parts (``cat([a, b]) @ W`` as
-    ``a @ W_a + b @ W_b``), a part broadcast along the rows (``expand(g)``) multiplied before
-    it is broadcast: a FermiNet layer on ``[h_i, mean_j h_j]``, each product at its own size, the per-electron part's
-    terms sparse (``None``: no such product)."""
+    """``gm``'s graph with its products by a factor that does not depend on the input at ``x_pos``
+    (a constant, or another argument: weights passed in) of a concatenation along the contracted
+    axis distributed over the parts (``cat([a, b]) @ W`` as ``a @ W_a + b @ W_b``), a part
+    broadcast along the rows (``expand(g)``) multiplied before it is broadcast: a FermiNet layer
+    on ``[h_i, mean_j h_j]``, each product at its own size, the per-electron part's terms sparse
+    (``None``: no such product)."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     dependent = {[n for n in graph.nodes if n.op == "placeholder"][x_pos]}  # x (not t, params)
