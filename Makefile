@@ -12,7 +12,18 @@ LOWEST_CORE_PYTHON ?= $(PYTHON)
 LOWEST_JAX_TESTS := src/divjac/jax tests/jax/test_errors.py tests/jax/test_sparsity.py \
 	tests/jax/test_stochastic.py
 
-.PHONY: install demo test test-conformance test-slow lint typecheck pytest test-lowest bench bench-quick clean
+# The newest releases (the other half of the version matrix), each in its own venv:
+# requirements-newest-torch.txt (the newest torch, on PYTHON), requirements-newest-jax.txt (the
+# newest JAX, on NEWEST_JAX_PYTHON: JAX >= 0.11 needs Python >= 3.12) and
+# requirements-newest-core.txt (the core on NEWEST_CORE_PYTHON). .ci/run names the Pythons.
+NEWEST_JAX_PYTHON ?= python3.12
+NEWEST_CORE_PYTHON ?= python3.13
+CROSS_TESTS := $(wildcard tests/test_*.py)
+NEWEST_TORCH_TESTS := src/divjac/torch tests/torch $(CROSS_TESTS)
+NEWEST_JAX_TESTS := src/divjac/jax src/divjac/_core tests/jax tests/core $(CROSS_TESTS)
+NEWEST_CORE_TESTS := src/divjac/_core tests/core
+
+.PHONY: install demo test test-conformance test-slow lint typecheck pytest test-lowest test-newest bench bench-quick clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +35,9 @@ $(STAMP): pyproject.toml requirements-dev.txt
 install: $(STAMP)
 
 .venv-lowest-core/.divjac-installed: PYTHON := $(LOWEST_CORE_PYTHON)
-.venv-lowest-%/.divjac-installed: requirements-lowest-%.txt pyproject.toml
+.venv-newest-jax/.divjac-installed: PYTHON := $(NEWEST_JAX_PYTHON)
+.venv-newest-core/.divjac-installed: PYTHON := $(NEWEST_CORE_PYTHON)
+.venv-%/.divjac-installed: requirements-%.txt pyproject.toml
 	$(PYTHON) -m venv $(@D)
 	$(@D)/bin/python -m pip install -q --upgrade pip
 	$(@D)/bin/python -m pip install -q -r $<
@@ -61,6 +74,12 @@ test-lowest: .venv-lowest-core/.divjac-installed .venv-lowest-jax/.divjac-instal
 	.venv-lowest-core/bin/python -m pytest -n 2 tests/core src/divjac/_core
 	.venv-lowest-jax/bin/python -m pytest -n 2 $(LOWEST_JAX_TESTS)
 
+test-newest: .venv-newest-torch/.divjac-installed .venv-newest-jax/.divjac-installed \
+		.venv-newest-core/.divjac-installed
+	.venv-newest-torch/bin/python -m pytest -n 2 $(NEWEST_TORCH_TESTS)
+	.venv-newest-jax/bin/python -m pytest -n 2 $(NEWEST_JAX_TESTS)
+	.venv-newest-core/bin/python -m pytest -n 2 $(NEWEST_CORE_TESTS)
+
 bench: install
 	$(BIN)/divjac bench
 
@@ -68,4 +87,4 @@ bench-quick: install
 	$(BIN)/divjac bench --quick
 
 clean:
-	rm -rf $(VENV) .venv-lowest-core .venv-lowest-jax divjac-demo bench-results .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-lowest-* .venv-newest-* divjac-demo bench-results .pytest_cache .mypy_cache .ruff_cache
