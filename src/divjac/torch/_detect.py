@@ -333,7 +333,7 @@ class _Memo:
     """The last trace of a function found in :data:`CACHE`, and what tells, without the walk
     of :func:`reach` nor the cache key, that a call would find it again: its arguments look
     the same (shapes, dtypes and devices; the other arguments equal), the grad mode is the
-    same, and :class:`~divjac.torch._reach.Checks` hold."""
+    same, and :class:`~divjac.torch._checks.Checks` hold."""
 
     fun: weakref.ref[Any]
     call: tuple[Any, ...]
