@@ -82,6 +82,7 @@ from ._running import (
     outside_transforms,
     plain_kernels,
     quiet_batch_norm,
+    quiet_fake_tensors,
 )
 from ._traced import DECOMPOSED, TensorSpec, Traced, _live_peak
 
@@ -484,6 +485,7 @@ def _trace_graph(
                     plain_kernels(),
                     NoFastPaths(),
                     _compiled_inlined(),
+                    quiet_fake_tensors(),
                 ):
                     if mode == "fake":
                         with FakeTensorMode(allow_non_fake_inputs=True):
