@@ -74,6 +74,9 @@ def _losses(net: nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]
         "xtrace": lambda x: (
             dj.divergence(net, method="xtrace", num_probes=6)(many[:3], x) ** 2
         ).sum(),
+        "slq": lambda x: (
+            dj.log_abs_det(net, method="slq", lanczos_steps=3)(many[:2], x) ** 2
+        ).sum(),
     }
 
 
@@ -123,6 +126,23 @@ def test_first_call_inside_the_compiled_function(name: str) -> None:
     loss = _losses(net)[name]
     got = torch.compile(loss, fullgraph=True, backend="aot_eager")(_x())
     torch.testing.assert_close(got, loss(_x()), rtol=1e-12, atol=1e-14)
+
+
+def test_slq_log_abs_det_compiles() -> None:
+    """SLQ with the caller's probes: its setup asked a bound method ahead of dynamo's trace,
+    which returned a set (raw ``InternalTorchDynamoError``; with ``fullgraph``,
+    "assume_constant_result argument conversion failed")."""
+    net = _mlp()
+    loss = _losses(net)["slq"]
+    x = _x()
+    expected = loss(x)
+    expected.backward()
+    want = _grads(net)
+    got = torch.compile(loss, fullgraph=True, backend="aot_eager")(x)
+    got.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    for g, w in zip(_grads(net), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
 
 
 def test_sparse_jacobian_names_the_compiler() -> None:
