@@ -465,8 +465,10 @@ class TorchBackend(Backend[Traced]):
         return dense.reshape(B, n_out, n_in)
 
     def is_randomness(self, x: Any) -> bool:
-        """A ``torch.Generator``, or ``None`` for torch's global generator (of ``x``'s device)."""
-        return x is None or isinstance(x, torch.Generator)
+        """A ``torch.Generator``, or ``None`` for torch's global generator (of ``x``'s device).
+        A tensor is told apart first: torch 2.14's dynamo refuses ``isinstance`` of a tensor
+        with the generator's class (a custom type check)."""
+        return x is None or (not isinstance(x, torch.Tensor) and isinstance(x, torch.Generator))
 
     def draw(
         self,
