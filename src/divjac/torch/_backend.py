@@ -27,7 +27,7 @@ from .._backend import Backend, Linear, Point
 from .._core import plan
 from .._core.detection import LRU
 from .._errors import CompileError, FastPathWarning, OptionError, warn_at_caller
-from . import _ddp, _taylor, _taylor_sparse
+from . import _ddp, _inductor, _taylor, _taylor_sparse
 from ._ahead import _Ahead, _compiling, _constant, _prepared
 from ._detect import trace
 from ._kernels import _differentiable_kernels
@@ -310,6 +310,10 @@ class TorchBackend(Backend[Traced]):
         if key not in traced.directions:
             traced.directions[key] = _measured_reverse(self, point)
         return traced.directions[key]
+
+    def refuse_compiled_sweep(self, point: Point[Traced], fname: str) -> None:
+        if _compiling():
+            self.ahead(_inductor.refuse_crashing_sweep, point, fname)
 
     def forward_less(self, point: Point[Traced]) -> frozenset[str]:
         """The operations without a forward derivative, and, where a gradient will flow
