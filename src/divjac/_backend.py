@@ -242,6 +242,10 @@ class Backend(abc.ABC, Generic[TracedT]):
         some, only rows (VJPs) can be pushed. Asked only of programs about to push columns."""
         return frozenset()
 
+    def refuse_compiled_sweep(self, point: Point[TracedT], fname: str) -> None:
+        """Raise :class:`CompileError` where the second-order sweep at ``point``, about to be
+        compiled, would crash the framework's compiler (known: torch 2.13 inductor's)."""
+
     def reverse_less(self, point: Point[TracedT]) -> frozenset[str]:
         """The operations of the program at ``point`` without a reverse derivative: its
         per-sample gradient (the Hessian's pattern and products) cannot be formed."""

@@ -305,13 +305,20 @@ def _exact_log_abs_det(call: Call, mode: Direction, chunk_size: int | None) -> t
     return xp.linalg.slogdet(flat)[1], aux
 
 
+def _forward_less(call: Call) -> tuple[str, ...]:
+    """The operations of the call's program without a forward derivative, sorted: a plain
+    function and a tuple, which the setup ahead of ``torch.compile``'s trace can take and give
+    (not a bound method, nor a set)."""
+    return tuple(sorted(call.backend.forward_less(call)))
+
+
 def _slq_log_abs_det(
     call: Call, options: _Options, randomness: Any
 ) -> tuple[Array, Array | None, Any]:
     """SLQ's ``(estimate, stderr or None, aux)`` with ``J^T J v`` as one JVP and one VJP."""
     backend, B, n, shape = call.backend, call.batch_size, call.n_in, call.in_sample
     backend.ahead(_direction, call)  # samples must not mix
-    missing = backend.ahead(backend.forward_less, call)
+    missing = backend.ahead(_forward_less, call)
     if missing:
         raise OptionError(
             f"{call.spec.fname}: method='slq' multiplies by J^T J, one forward and one reverse "

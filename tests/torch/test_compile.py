@@ -4,6 +4,10 @@ parameter gradients equal eager ones (float64)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 
 import pytest
@@ -74,6 +78,9 @@ def _losses(net: nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]
         "xtrace": lambda x: (
             dj.divergence(net, method="xtrace", num_probes=6)(many[:3], x) ** 2
         ).sum(),
+        "slq": lambda x: (
+            dj.log_abs_det(net, method="slq", lanczos_steps=3)(many[:2], x) ** 2
+        ).sum(),
     }
 
 
@@ -123,6 +130,61 @@ def test_first_call_inside_the_compiled_function(name: str) -> None:
     loss = _losses(net)[name]
     got = torch.compile(loss, fullgraph=True, backend="aot_eager")(_x())
     torch.testing.assert_close(got, loss(_x()), rtol=1e-12, atol=1e-14)
+
+
+def test_slq_log_abs_det_compiles() -> None:
+    """SLQ with the caller's probes: its setup asked a bound method ahead of dynamo's trace,
+    which returned a set (raw ``InternalTorchDynamoError``; with ``fullgraph``,
+    "assume_constant_result argument conversion failed")."""
+    net = _mlp()
+    loss = _losses(net)["slq"]
+    x = _x()
+    expected = loss(x)
+    expected.backward()
+    want = _grads(net)
+    got = torch.compile(loss, fullgraph=True, backend="aot_eager")(x)
+    got.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    for g, w in zip(_grads(net), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
+
+
+_PRODUCT_BY_T = textwrap.dedent(
+    """
+    import torch, divjac, divjac.torch as dj
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    x, t = torch.randn(8, 2), torch.rand(8, 1)
+    lap = dj.laplacian(lambda t, x: net(x * t).squeeze(1), argnums=1)
+    try:
+        got = torch.compile(lambda t, x: lap(t, x))(t, x)
+    except Exception as err:
+        while err is not None and not isinstance(err, divjac.CompileError):
+            err = err.__cause__ or err.__context__
+        print("refused" if err is not None and "aot_eager" in str(err) else "raw error")
+    else:
+        print("ran" if torch.allclose(got, lap(t, x), rtol=1e-4, atol=1e-5) else "wrong")
+    """
+)
+
+
+def test_inductor_crash_on_a_product_by_t_is_refused() -> None:
+    """A compiled Laplacian of ``net(x * t)``, ``t`` a tensor argument (docs/scaling.md's
+    recipe for a number ``t``): torch 2.13's inductor dies with a segmentation fault on its
+    second-order code (a hand-written ``vmap(jvp(jvp))`` too); divjac refuses it ahead, with
+    the ways out, in a subprocess in case it does not. Torch 2.14.1 compiles it."""
+    result = subprocess.run(
+        [sys.executable, "-c", _PRODUCT_BY_T],
+        capture_output=True,
+        text=True,
+        env=os.environ.copy(),
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
+    fixed = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 14)
+    assert result.stdout.split() == ["ran" if fixed else "refused"], result.stderr[-3000:]
 
 
 def test_sparse_jacobian_names_the_compiler() -> None:

@@ -53,3 +53,26 @@ def test_coupling_exact_gives_true_diagonal_blocks_of_batchnorm_in_training(meth
     assert int(train[1].num_batches_tracked) == 0  # divjac never updates running statistics
     expected = traces(torch_diagonal_blocks(train, (x,)), (3,))
     np.testing.assert_allclose(got, expected, rtol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["divergence", "laplacian", "hessian_diagonal", "bilaplacian"])
+def test_the_functions_shape_error_alone(name, caplog, capfd):
+    """A shape error of the function's own (``t`` with ``B + 1`` rows) raises torch's error
+    as plain torch would, without the fake tensors' ERROR log of their trace (about 90 lines
+    a call)."""
+    import divjac.torch as dt
+
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def f(x, t):
+        y = net(torch.cat([x, t], 1)[:, :3])
+        return y if name == "divergence" else y.sum(1)
+
+    x, t = torch.randn(4, 3), torch.randn(5, 1)
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match") as raised:
+        f(x, t)
+    with caplog.at_level("DEBUG"), pytest.raises(RuntimeError) as got:
+        getattr(dt, name)(f)(x, t)
+    assert str(got.value) == str(raised.value)
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    assert "Traceback" not in capfd.readouterr().err

@@ -27,7 +27,7 @@ from .._backend import Backend, Linear, Point
 from .._core import plan
 from .._core.detection import LRU
 from .._errors import CompileError, FastPathWarning, OptionError, warn_at_caller
-from . import _ddp, _taylor, _taylor_sparse
+from . import _ddp, _inductor, _taylor, _taylor_sparse
 from ._ahead import _Ahead, _compiling, _constant, _prepared
 from ._detect import trace
 from ._kernels import _differentiable_kernels
@@ -311,6 +311,10 @@ class TorchBackend(Backend[Traced]):
             traced.directions[key] = _measured_reverse(self, point)
         return traced.directions[key]
 
+    def refuse_compiled_sweep(self, point: Point[Traced], fname: str) -> None:
+        if _compiling():
+            self.ahead(_inductor.refuse_crashing_sweep, point, fname)
+
     def forward_less(self, point: Point[Traced]) -> frozenset[str]:
         """The operations without a forward derivative, and, where a gradient will flow
         through the passes (:func:`_on_graph`: training, ``grad_divergence``), those whose
@@ -465,8 +469,10 @@ class TorchBackend(Backend[Traced]):
         return dense.reshape(B, n_out, n_in)
 
     def is_randomness(self, x: Any) -> bool:
-        """A ``torch.Generator``, or ``None`` for torch's global generator (of ``x``'s device)."""
-        return x is None or isinstance(x, torch.Generator)
+        """A ``torch.Generator``, or ``None`` for torch's global generator (of ``x``'s device).
+        A tensor is told apart first: torch 2.14's dynamo refuses ``isinstance`` of a tensor
+        with the generator's class (a custom type check)."""
+        return x is None or (not isinstance(x, torch.Tensor) and isinstance(x, torch.Generator))
 
     def draw(
         self,

@@ -82,6 +82,7 @@ from ._running import (
     outside_transforms,
     plain_kernels,
     quiet_batch_norm,
+    quiet_fake_tensors,
 )
 from ._traced import DECOMPOSED, TensorSpec, Traced, _live_peak
 
@@ -333,7 +334,7 @@ class _Memo:
     """The last trace of a function found in :data:`CACHE`, and what tells, without the walk
     of :func:`reach` nor the cache key, that a call would find it again: its arguments look
     the same (shapes, dtypes and devices; the other arguments equal), the grad mode is the
-    same, and :class:`~divjac.torch._reach.Checks` hold."""
+    same, and :class:`~divjac.torch._checks.Checks` hold."""
 
     fun: weakref.ref[Any]
     call: tuple[Any, ...]
@@ -484,6 +485,7 @@ def _trace_graph(
                     plain_kernels(),
                     NoFastPaths(),
                     _compiled_inlined(),
+                    quiet_fake_tensors(),
                 ):
                     if mode == "fake":
                         with FakeTensorMode(allow_non_fake_inputs=True):

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import itertools
-import operator
 import types
 import weakref
 from collections.abc import Callable, Hashable, Sequence
@@ -29,10 +27,31 @@ from torch import nn
 
 from .._core import detection
 from .._errors import UnsupportedOperationError
+from ._checks import (
+    _ATOMS,
+    _CLASS,
+    _DICT,
+    _EMPTY,
+    _FUNCTION,
+    _LIST,
+    _MAX_ITEMS,
+    _META,
+    _MODULE,
+    _MODULE_DICTS,
+    _OBJECT,
+    _REF,
+    _SAME,
+    _TENSOR,
+    _TUPLE,
+    _VALUE,
+    Checks,
+    _dict_version,
+    _full,
+    _version,
+)
 
 __all__ = [
     "Reached",
-    "any_dead",
     "changed_lists",
     "library",
     "mark_logs",
@@ -40,35 +59,12 @@ __all__ = [
     "reach",
 ]
 
-# Containers longer than this are not walked (their contents are not guarded).
-_MAX_ITEMS = 64
 # Steps from the function through closures, globals, attributes and containers (modules are
 # walked whole, with their submodules).
 _DEPTH = 5
-# Values recorded as they are (hashable, and compared by value).
-_ATOMS = frozenset(
-    {bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout}
-)
 # Packages whose objects and functions are not walked (their state is not the caller's).
 _LIBRARIES = frozenset({"torch", "numpy", "scipy", "builtins", "functools", "typing", "abc"})
 _MODULE_STATE = frozenset(vars(nn.Module()))  # nn.Module's own bookkeeping
-
-
-# --- telling fast that nothing changed -----------------------------------------------------------
-
-_dict_version: Any  # the version tag CPython gives every dict state (torch.compile's guards)
-try:
-    from torch._C._dynamo import guards as _guards
-
-    _dict_version = _guards.dict_version
-except (ImportError, AttributeError):  # pragma: no cover - no fast checks: the walk every call
-    _dict_version = None
-
-# Kinds of checks (first item of each).
-_VALUE, _TENSOR, _TUPLE, _REF, _SAME, _EMPTY = range(6)  # what a slot holds
-_DICT, _LIST, _OBJECT, _FUNCTION, _CLASS, _MODULE, _META = range(6, 13)  # objects
-# The dicts of a module whose contents the walk reads.
-_MODULE_DICTS = ("_parameters", "_buffers", "_modules", "_forward_pre_hooks", "_forward_hooks")
 
 
 class _Tag(int):
@@ -76,10 +72,6 @@ class _Tag(int):
     container's length (equal to and hashed as the integer; told apart from numbers by type)."""
 
     __slots__ = ()
-
-
-def _version(d: dict[Any, Any]) -> int:
-    return int(_dict_version(d))
 
 
 def _is_value(obj: Any) -> bool:
@@ -96,142 +88,7 @@ def _is_value(obj: Any) -> bool:
     return True
 
 
-def _full(cell: types.CellType) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018
-    except ValueError:
-        return False
-    return True
-
-
-def _holds(slot: tuple[Any, ...], value: Any) -> bool:
-    """Whether ``value`` is what :meth:`_Walk.slot` recorded as ``slot``."""
-    kind = slot[0]
-    if kind == _REF:
-        return slot[1]() is value
-    if kind == _VALUE:
-        return type(value) is slot[1] and bool(value == slot[2])
-    if kind == _TENSOR:
-        ref = slot[2]
-        return (
-            isinstance(value, torch.Tensor)
-            and (value.shape, value.dtype, value.device) == slot[1]
-            and (ref is None or ref() is value)
-        )
-    if kind == _SAME:
-        return value is slot[1] and (slot[2] is None or _version(value) == slot[2])
-    if kind == _TUPLE:
-        parts = slot[1]
-        return type(value) is tuple and len(value) == len(parts) and all(map(_holds, parts, value))
-    return False  # _EMPTY: checked where a slot may be empty
-
-
-class Checks:
-    """What tells, without walking again, that a walk of :func:`reach` would find what it
-    found: every dict it read has the same version (CPython's tag of a dict's state, unique
-    across dicts and changes), every other slot it read (closure cells, defaults, globals,
-    class attributes, list items) holds the same object (numbers and strings: an equal one;
-    floating-point tensors: one of the same shape, dtype and device), and its tensors have
-    their shape, dtype and device. About 0.1 us per module attribute dict and per tensor,
-    against several microseconds per module for the walk. Weak references to modules,
-    functions, tensors and objects: a check keeps alive only dicts and lists it met outside
-    modules (and classes)."""
-
-    __slots__ = ("_meta", "_modules", "_others")
-
-    def __init__(self, items: list[tuple[Any, ...]]) -> None:
-        metas = [item for item in items if item[0] == _META]
-        self._meta = (tuple(item[1] for item in metas), [item[2:] for item in metas])
-        modules = [item for item in items if item[0] == _MODULE]
-        self._modules = (
-            tuple(item[1] for item in modules),
-            [item[2] for item in modules],
-            [item[3] for item in modules],
-            [v for item in modules for v in item[4:]],
-        )
-        self._others = [item for item in items if item[0] not in (_META, _MODULE)]
-
-    def hold(self) -> bool:
-        # Tensors, then modules, each in a few passes of C-level iteration (map, ==).
-        refs, metas = self._meta
-        tensors = list(map(_deref, refs))
-        if any(map(_is_none, tensors)) or list(map(_meta_of, tensors)) != metas:
-            return False
-        refs, classes, versions, inner = self._modules
-        modules = list(map(_deref, refs))
-        if any(map(_is_none, modules)) or list(map(type, modules)) != classes:
-            return False
-        dicts = list(map(_dict_of, modules))
-        if list(map(_dict_version, dicts)) != versions:
-            return False
-        nested = itertools.chain.from_iterable(map(_module_dicts, dicts))
-        if list(map(_dict_version, nested)) != inner:
-            return False
-        return all(map(_object_holds, self._others))
-
-
-def any_dead(refs: Sequence[weakref.ref[Any]]) -> bool:
-    """Whether one of the weak references ``refs`` is dead (in C-level iteration; plain
-    ``weakref.ref`` objects: their own ``__call__`` is called, not a subclass's)."""
-    return any(map(_is_none, map(_deref, refs)))
-
-
-_deref = weakref.ref.__call__
-_is_none = functools.partial(operator.is_, None)
-_dict_of = operator.attrgetter("__dict__")
-_module_dicts = operator.itemgetter(*_MODULE_DICTS)
-_meta_of = operator.attrgetter("shape", "dtype", "device")
-
-
-def _object_holds(item: tuple[Any, ...]) -> bool:
-    kind = item[0]
-    if kind == _FUNCTION:
-        return _function_holds(item)
-    if kind == _DICT:
-        return bool(_version(item[1]) == item[2])
-    if kind == _OBJECT:
-        obj = item[1]()
-        return obj is not None and type(obj) is item[2] and _version(vars(obj)) == item[3]
-    if kind == _CLASS:
-        attrs = vars(item[1])
-        return tuple(attrs) == item[2] and all(map(operator.is_, attrs.values(), item[3]))
-    if kind == _LIST:
-        lst, items = item[1], item[2]
-        if items is None:
-            return len(lst) > _MAX_ITEMS
-        return len(lst) == len(items) and all(
-            (type(v) in _ATOMS) if slot is None else _holds(slot, v)
-            for slot, v in zip(items, lst, strict=True)
-        )
-    return False
-
-
-def _function_holds(item: tuple[Any, ...]) -> bool:
-    _, ref, code, cells, defaults, kwdefaults, version, found = item
-    fn = ref()
-    if fn is None or fn.__code__ is not code:
-        return False
-    closure = fn.__closure__ or ()
-    for slot, cell in zip(cells, closure, strict=True):
-        if slot[0] == _EMPTY:
-            if _full(cell):
-                return False
-        elif not _full(cell) or not _holds(slot, cell.cell_contents):
-            return False
-    if not (_holds(defaults, fn.__defaults__) and _holds(kwdefaults, fn.__kwdefaults__)):
-        return False
-    scope = fn.__globals__
-    now = _version(scope)
-    if now == version[0]:
-        return True
-    for name, slot in found:  # some global changed: are those the code names the same?
-        if slot[0] == _EMPTY:
-            if name in scope:
-                return False
-        elif name not in scope or not _holds(slot, scope[name]):
-            return False
-    version[0] = now
-    return True
+_SAME_AS = object()  # a signature's mark: the tensor reached at this place was reached before
 
 
 @dataclass(frozen=True)
@@ -394,6 +251,7 @@ class _Walk:
         self.ids: list[int] = []
         self.identified: list[Any] = []
         self.seen: set[int] = set()
+        self.first: dict[int, tuple[int, bool]] = {}  # by tensor: first place, whether plain
         self.names: set[str] = {"__call__"}  # the code walked names these
         self.done: set[tuple[int, str]] = set()  # (class, name) followed
         self.objects: list[tuple[Any, int]] = []  # plain objects: finished at the end
@@ -477,12 +335,23 @@ class _Walk:
     def tensor(self, t: torch.Tensor, *, identity: bool) -> None:
         if self.record:
             self.checks.append((_META, weakref.ref(t), t.shape, t.dtype, t.device))
+        self.again(id(t), plain=not identity)
         self.tensors[id(t)] = t
         self.ids.append(id(t))
         self.sig.extend((t.shape, t.dtype, t.device))
         if identity:
             self.sig.append(_Tag(id(t)))
             self.identified.append(t)
+
+    def again(self, key: int, *, plain: bool) -> None:
+        """Mark a tensor reached again where this place or its first is plain (a floating-point
+        tensor outside modules, in the signature by its shape alone): the signature names the
+        first place (a trace captured both as one constant: a module's buffer passed as the
+        first ``t``), and the walk cannot be checked (checks compare plain places by shape)."""
+        first = self.first.setdefault(key, (len(self.ids), plain))
+        if first[0] != len(self.ids) and (plain or first[1]):
+            self.sig.append((_SAME_AS, first[0]))
+            self.checkable = False
 
     def container(
         self, obj: list[Any] | tuple[Any, ...] | dict[Any, Any], depth: int, *, log: bool = False
@@ -580,6 +449,8 @@ class _Walk:
                     sig.extend((name, None))
                 else:  # as self.tensor(t, identity=True), inlined: most of a module's cost
                     key = id(t)
+                    if self.first.setdefault(key, (len(self.ids), False))[1]:
+                        self.again(key, plain=False)  # reached before as a plain tensor
                     self.tensors[key] = t
                     self.ids.append(key)
                     self.identified.append(t)

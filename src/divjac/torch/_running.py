@@ -1,10 +1,11 @@
 """Running a traced function's modules: outside ``torch.func`` transforms, with batch
-normalization kept from updating its running statistics, without oneDNN, and with the tensors
-it reaches restored after a trace that updated them in place."""
+normalization kept from updating its running statistics, without oneDNN, with the tensors it
+reaches restored after a trace that updated them in place, and without fake tensors' logs."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ __all__ = [
     "outside_transforms",
     "plain_kernels",
     "quiet_batch_norm",
+    "quiet_fake_tensors",
 ]
 
 
@@ -93,6 +95,27 @@ def plain_kernels(*, cudnn: bool = False) -> Iterator[None]:
     finally:
         for (_, set_flag), value in zip(flags, before, strict=True):
             set_flag(value)
+
+
+@contextlib.contextmanager
+def quiet_fake_tensors() -> Iterator[None]:
+    """Fake tensors' logs of the errors they raise dropped: an operation that fails on them
+    (the function's own shape error) logs its traceback at ERROR level (about 45 lines, torch
+    2.13-2.14) before raising what the trace handles or re-raises."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    quiet = _NoRaisedErrors()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+class _NoRaisedErrors(logging.Filter):
+    """Drops the records that log an exception (``log.exception``: followed by its raise)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.exc_info is None
 
 
 class NoFastPaths:

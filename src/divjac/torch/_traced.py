@@ -25,8 +25,9 @@ from ._aten import (
     forward_derivative_wrong,
     lacks_forward_derivative,
 )
+from ._checks import any_dead
 from ._interpret import Interpreter, is_convolution
-from ._reach import any_dead, module_signature
+from ._reach import module_signature
 from ._running import outside_transforms, quiet_batch_norm
 
 __all__ = ["DECOMPOSED", "LAYOUTS", "TensorSpec", "Traced"]
