@@ -2,7 +2,9 @@
 
 Seed 002's function, ``jax.scipy.signal.convolve2d(img, kernel, mode="same")`` with the kernel
 as an argument, through ``jit(divjac.jax.sparse_jacobian(batch_axis=None))`` and asdex's
-``jacobian`` of the flattened function (jitted, as asdex is used). Every size and tool runs in
+``jacobian`` of the flattened function (jitted, as asdex is used), the kernel an argument of
+both: closed over, the function is linear in a constant and XLA folds asdex's whole compressed
+Jacobian into a constant at compile time (minutes of compiling, then a copy per call). Every size and tool runs in
 a fresh subprocess, one at a time, which reports its colors, its first call (detection,
 coloring and compilation), its best warm call and its peak resident memory (``ru_maxrss``);
 the ratios compare runs made one after the other on the same machine. Full sizes: 256x256
@@ -42,12 +44,12 @@ if tool == "divjac":
     count = lambda: sparsity(blur, batch_axis=None)(img, k).n_colors
 else:
     import asdex
-    flat = lambda v: convolve2d(v.reshape(size, size), k, mode="same").reshape(-1)
+    flat = lambda v, k: convolve2d(v.reshape(size, size), k, mode="same").reshape(-1)
     start = time.perf_counter()
-    jac = asdex.jacobian(flat, np.zeros(size * size, np.float32))
+    jac = asdex.jacobian(flat, np.zeros(size * size, np.float32), np.asarray(k), argnums=0)
     fn = jax.jit(jac)
     v = img.reshape(-1)
-    call = lambda: fn(v)
+    call = lambda: fn(v, k)
     count = None
 start = time.perf_counter() if tool == "divjac" else start
 out = call()
