@@ -9,7 +9,7 @@ a fresh subprocess, one at a time, which reports its colors, its first call (det
 coloring and compilation), its best warm call and its peak resident memory (``ru_maxrss``);
 the ratios compare runs made one after the other on the same machine. Full sizes: 256x256
 and 512x512, and 1024x1024 with ``DIVJAC_BENCH_BLUR_1024=1`` (125 M nonzeros: minutes and
-several GB); quick sizes: 64x64 and 128x128.
+more than 6 GB of host memory); quick sizes: 64x64 and 128x128.
 """
 
 from __future__ import annotations
