@@ -4,10 +4,10 @@ Seed 002's function, ``jax.scipy.signal.convolve2d(img, kernel, mode="same")`` w
 as an argument, through ``jit(divjac.jax.sparse_jacobian(batch_axis=None))`` and asdex's
 ``jacobian`` of the flattened function (jitted, as asdex is used), the kernel an argument of
 both: closed over, the function is linear in a constant and XLA folds asdex's whole compressed
-Jacobian into a constant at compile time (minutes of compiling, then a copy per call). Every size and tool runs in
-a fresh subprocess, one at a time, which reports its colors, its first call (detection,
-coloring and compilation), its best warm call and its peak resident memory (``ru_maxrss``);
-the ratios compare runs made one after the other on the same machine. Full sizes: 256x256
+Jacobian into a constant at compile time (minutes of compiling, then a copy per call). Every
+size and tool runs in a fresh subprocess, one at a time, which reports its colors, its first
+call (detection, coloring and compilation), its best warm call and its peak resident memory
+(``ru_maxrss``); the ratios compare runs made one after the other on the same machine. Full sizes: 256x256
 and 512x512, and 1024x1024 with ``DIVJAC_BENCH_BLUR_1024=1`` (125 M nonzeros: minutes and
 more than 6 GB of host memory); quick sizes: 64x64 and 128x128.
 """
