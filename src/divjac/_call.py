@@ -220,11 +220,19 @@ class Call(Point[Traced]):
             cache_share=share,
         )
 
-    def detect(self, *, per_sample: bool, auto: bool = False) -> Detection:
-        """Detect the pattern (abandoned in ``auto`` mode when too dense); checks coupling."""
+    def detect(
+        self, *, per_sample: bool, auto: bool = False, dense_passes: int | None = None
+    ) -> Detection:
+        """Detect the pattern (abandoned in ``auto`` mode when too dense, or past its memory
+        budget); checks coupling. ``dense_passes``: what the dense plan that ``auto`` falls
+        back to takes; past the memory budget it warns, or refuses a dense plan of more than
+        :data:`plan.AUTO_DENSE_MAX_PASSES` (:func:`plan.dense_fallback`)."""
         limit = AUTO_DETECTION_ENTRIES if auto else None
         with timing.stage("detection" if per_sample else "coupling check"):
             found = self.traced.detect(per_sample=per_sample, max_entries=limit)
+        stop = self.traced.memory_stop() if found is None and per_sample else None
+        if stop is not None and dense_passes is not None:
+            plan.dense_fallback(stop, dense_passes, fname=self.spec.fname)
         if found is None:
             with timing.stage("coupling check"):
                 found = self.traced.detect(per_sample=False)

@@ -127,7 +127,7 @@ def _plan(call: Call, method: str, stochastic_method: bool) -> _Plan:
     grad_call = prepare(_grad_spec(call.spec), call.args, call.kwargs)
     if method == "auto" and not auto_detects(grad_call, call.n_in):
         return _Plan(False, None)  # the colours could not pay for the detection
-    hess = grad_call.detect(per_sample=True, auto=method == "auto")
+    hess = grad_call.detect(per_sample=True, auto=method == "auto", dense_passes=call.n_in)
     if hess.coupling is not None or hess.pattern is None:  # too dense to finish (auto)
         return _Plan(False, None)
     pattern = hess.pattern

@@ -108,7 +108,7 @@ def _exact_plan(call: Call, ds: _DivSpec) -> _Diagonal:
             the_plan = plan.divergence_plan("sparse", n, ds.pattern, prefer_reverse=reverse)
     else:
         per_sample = ds.method == "sparse" or (ds.method == "auto" and auto_detects(call, n))
-        found = call.detect(per_sample=per_sample, auto=ds.method == "auto")
+        found = call.detect(per_sample=per_sample, auto=ds.method == "auto", dense_passes=n)
         reverse = call.prefer_reverse(found, measure=True)
         if found.coupling is None:
             with timing.stage("coloring"):

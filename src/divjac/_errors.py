@@ -113,7 +113,9 @@ class FastPathWarning(UserWarning):
 
 
 class DenseFallbackWarning(UserWarning):
-    """Sparsity detection met an operation it has no rule for and assumed it dense (still correct)."""
+    """Sparsity detection met an operation it has no rule for and assumed it dense, or, in
+    ``"auto"``, stopped past its memory budget and the dense method runs instead (still
+    correct; the message gives the passes and the memory)."""
 
 
 class DDPError(DivjacError, ValueError):

@@ -106,7 +106,7 @@ def _exact_plan(call: Call, options: _Options) -> T.Seeds:
     n_in, n_out = call.n_in, call.n_out
     method = options.method
     per_sample = method == "sparse" or (method == "auto" and T.auto_detects(call, min(n_in, n_out)))
-    found = call.detect(per_sample=per_sample, auto=method == "auto")
+    found = call.detect(per_sample=per_sample, auto=method == "auto", dense_passes=min(n_in, n_out))
     with timing.stage("coloring"):
         the_plan = plan.frobenius_plan(
             method,

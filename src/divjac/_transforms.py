@@ -216,7 +216,9 @@ def _jacobian_plan(call: Call, mode: Mode, chunk_size: int | None) -> _JacobianP
     per_sample = mode == "sparse" or (
         mode == "auto" and auto_detects(call, min(call.n_in, call.n_out))
     )
-    found = call.detect(per_sample=per_sample, auto=mode == "auto")
+    found = call.detect(
+        per_sample=per_sample, auto=mode == "auto", dense_passes=min(call.n_in, call.n_out)
+    )
     reverse = call.prefer_reverse(found, measure=mode in ("auto", "sparse"))
     if found.coupling is not None:  # one pass per (sample, element), in the cheaper direction
         dense_mode = mode if mode in ("fwd", "rev") else "auto"

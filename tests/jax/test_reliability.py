@@ -279,7 +279,8 @@ def test_messages_name_the_fix():
 
 @pytest.mark.slow
 def test_memory_guard_on_detection_and_passes(monkeypatch):
-    """A clear error (or, in "auto", the dense fallback) before the machine runs out of memory."""
+    """A clear error (or, in "auto", the dense fallback with a warning) before the machine runs
+    out of memory."""
     params = models.init_cnn(jax.random.key(17), channels=4, layers=2, dtype=jnp.float64)
     x = jax.random.normal(jax.random.key(18), (2, 8, 8, 3))
     exact = divergence(models.cnn, 1, method="exact")(params, x)
@@ -289,7 +290,9 @@ def test_memory_guard_on_detection_and_passes(monkeypatch):
         sparsity(models.cnn, argnums=1)(params, x)
     with pytest.raises(MemoryError):  # a DetectionMemoryError is a MemoryError
         divergence(models.cnn, 1, method="sparse")(params, x)
-    np.testing.assert_allclose(divergence(models.cnn, 1)(params, x), exact, rtol=1e-10)
+    with pytest.warns(divjac.DenseFallbackWarning, match="192 passes per sample"):
+        auto = divergence(models.cnn, 1)(params, x)  # the dense fallback, said
+    np.testing.assert_allclose(auto, exact, rtol=1e-10)
     monkeypatch.delenv("DIVJAC_DETECTION_MEMORY_MB")
     monkeypatch.setenv("DIVJAC_MEMORY_LIMIT_MB", "1")
     with pytest.raises(divjac.DetectionMemoryError, match=r"pass chunk_size=\d+ or less"):

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
+
+import numpy as np
 
 from .._errors import DetectionMemoryError
 from . import pattern as P, rules
@@ -24,6 +27,7 @@ __all__ = [
     "LRU",
     "Detection",
     "EntryLimit",
+    "MemoryStop",
     "Propagated",
     "TooDense",
     "Traced",
@@ -38,8 +42,12 @@ AUTO_DETECTION_ENTRIES = 20_000_000
 dependency entries than this and is too dense (see :class:`EntryLimit`)."""
 
 
-# Bytes one dependency entry holds (a boolean CSR entry: its value and an int32 column index).
-_BYTES_PER_ENTRY = 5
+# The peak of a detection over the most bytes of dependency sets alive at once: the rules'
+# temporaries while they build an operation's output (index arrays, sorts, CSR assembly) on top
+# of the sets still held. Measured with tracemalloc (JAX, the CNNs of divjac.models with 3 and
+# 4 conv layers of 16 channels, B = 8, 32x32 to 128x128 images): 1.2x-2.0x of the live peak,
+# so the estimate is within 0.8x-1.4x of the measured peak.
+_WORKSPACE = 2.5
 
 
 def detection_memory_budget() -> int:
@@ -82,9 +90,10 @@ class EntryLimit:
     elements depend, on average, on more than ``density`` of one sample's inputs (coloring
     cannot pay off: the passes would be nearly as many as the dense ones). The entry count of a
     sparse pattern grows with the batch (every sample is seeded), its density does not: a large
-    batch of a CNN stays sparse. Whatever the floor, the detection stops once the entries of
-    all intermediates so far would need more than ``budget`` bytes (memory): the count is an
-    upper bound on what is alive, since intermediates are counted when made, never when freed.
+    batch of a CNN stays sparse. Whatever the floor, the detection stops once its
+    :attr:`estimate` is past ``budget`` bytes (memory): the arrays holding the dependency sets
+    are followed until freed (each counted once, however many sets share it), and the most
+    alive at once, times the rules' workspace, is the estimate.
 
     Attributes:
         floor: entries below which an intermediate is never too dense; ``None``: never give
@@ -92,21 +101,36 @@ class EntryLimit:
         labels_per_sample: the inputs one element can depend on (its sample's); ``None`` when
             the seeds are not per input (coupling only: never too dense, only too large).
         density: mean fraction of ``labels_per_sample`` beyond which to give up.
-        budget: bytes the dependency sets may take in all.
-        total: entries counted so far.
+        budget: bytes the detection may take.
+        live: bytes of the dependency sets alive now.
+        peak: the most bytes of dependency sets alive at once so far.
     """
 
     floor: int | None
     labels_per_sample: int | None
     density: float = 0.5
     budget: int = field(default_factory=detection_memory_budget)
-    total: int = 0
+    live: int = 0
+    peak: int = 0
+    _alive: dict[int, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def estimate(self) -> int:
+        """Bytes the detection needs at most, so far: the peak of the dependency sets alive at
+        once, times the rules' workspace."""
+        return int(self.peak * _WORKSPACE)
 
     def check(self, dep: Deps, where: str) -> None:
         """Raise :class:`TooDense` (naming ``where``) if ``dep`` is past the limit."""
         nnz = dep.nnz
-        self.total += dep.stored
-        if self.total * _BYTES_PER_ENTRY > self.budget:
+        for buffer in _buffers(dep):
+            key = id(buffer)
+            if key not in self._alive:  # a buffer shared by several sets counts once
+                self._alive[key] = buffer.nbytes
+                self.live += buffer.nbytes
+                weakref.finalize(buffer, self._free, key)
+        self.peak = max(self.peak, self.live)
+        if self.estimate > self.budget:
             raise TooDense(where, memory=True)
         per, floor = self.labels_per_sample, self.floor
         if (
@@ -115,6 +139,22 @@ class EntryLimit:
             and nnz > max(floor, self.density * dep.size * per)
         ):
             raise TooDense(where)
+
+    def _free(self, key: int) -> None:
+        self.live -= self._alive.pop(key, 0)
+
+
+def _buffers(dep: Deps) -> list[Any]:
+    """The arrays that hold ``dep``'s entries (the bases of views)."""
+    matrix = dep.full if dep.shared is None else dep.shared.rows
+    if matrix is None:
+        return []
+    found = []
+    for array in (matrix.indices, matrix.data, matrix.indptr):
+        while isinstance(array.base, np.ndarray):
+            array = array.base
+        found.append(array)
+    return found
 
 
 def batch_first_shape(shape: Sequence[int], axis: int | None) -> tuple[int, ...]:
@@ -143,6 +183,30 @@ class Detection:
 
 
 @dataclass(frozen=True)
+class MemoryStop:
+    """A detection abandoned past its memory budget (in ``"auto"``, with ``max_entries``).
+
+    Attributes:
+        where: the operation at which it stopped.
+        estimate: bytes it needed when it stopped (a lower bound of what it needs in all).
+        budget: its budget in bytes (``DIVJAC_DETECTION_MEMORY_MB``).
+    """
+
+    where: str
+    estimate: int
+    budget: int
+
+    def message(self) -> str:
+        """What happened, with the numbers, and how to let the detection finish."""
+        return (
+            f"sparsity detection stopped at the operation {self.where}: it needed about "
+            f"{self.estimate / (1 << 20):.0f} MB when it stopped (more in all), past its budget "
+            f"of {self.budget / (1 << 20):.0f} MB. Raise DIVJAC_DETECTION_MEMORY_MB (in MB) "
+            f"above that if the machine has the memory (it has {physical_memory() >> 20} MB)"
+        )
+
+
+@dataclass(frozen=True)
 class Propagated:
     """What a backend's propagation returns: output dependency sets and what it met."""
 
@@ -159,7 +223,7 @@ def detect(
     per_sample: bool,
     whole_batch: bool = False,
     max_entries: int | None = None,
-) -> Detection | None:
+) -> Detection | MemoryStop | None:
     """Seed the batch-first input, ``propagate`` it and read the pattern and coupling.
 
     Args:
@@ -176,6 +240,10 @@ def detect(
 
     Raises:
         DetectionMemoryError: past the memory budget, without ``max_entries``.
+
+    Returns:
+        The detection; with ``max_entries``, ``None`` when abandoned as too dense, or a
+        :class:`MemoryStop` when abandoned past the memory budget.
     """
     axis = None if whole_batch else 0
     in_layout = BatchLayout(x_shape, axis)
@@ -187,20 +255,17 @@ def detect(
         found = propagate(seeded, limit)
     except TooDense as stop:
         if max_entries is not None:
-            return None
-        fix = (
-            "The per-sample Jacobian is too large or too dense for a sparse method to pay off "
-            "here: use method='exact' / mode='fwd' or 'rev', or 'auto' (which falls back to "
-            "them when detection does not pay off)"
+            return MemoryStop(stop.where, limit.estimate, limit.budget) if stop.memory else None
+        ways = (
+            "; or compute without a pattern: a stochastic method (method='hutchinson'), or "
+            "the dense passes (method='exact' / mode='fwd' or 'rev'), one per element of a "
+            f"sample: {in_layout.sample_size}"
             if per_sample
-            else "Even the batch-coupling check (one label per sample) does not fit: use a "
-            "smaller batch"
+            else "; or use a smaller batch (the batch-coupling check, one label per sample, "
+            "does not fit)"
         )
         raise DetectionMemoryError(
-            f"sparsity detection stopped at the operation {stop.where}: the dependency sets "
-            f"would need more than {limit.budget / (1 << 20):.0f} MB "
-            f"(DIVJAC_DETECTION_MEMORY_MB). {fix}, or raise DIVJAC_DETECTION_MEMORY_MB if the "
-            "machine has the memory."
+            MemoryStop(stop.where, limit.estimate, limit.budget).message() + ways + "."
         ) from None
     csr, coupling = P.read_out(found.out, out_layout, in_layout, per_sample=per_sample)
     pattern = None
@@ -233,7 +298,7 @@ class Traced:
     out_shape: tuple[int, ...]
     out_tree: Any
     pass_elements: int
-    detections: dict[tuple[int, bool, bool, int | None], Detection | None] = field(
+    detections: dict[tuple[int, bool, bool, int | None], Detection | MemoryStop | None] = field(
         default_factory=dict, repr=False, kw_only=True
     )
     """What was detected, by ``(rules, per_sample, whole_batch, max_entries)`` where ``rules``
@@ -255,7 +320,7 @@ class Traced:
         # coupling. Reuse it rather than detecting again.
         for (gen, ps, wb, _), found in self.detections.items():
             if (
-                found is not None
+                isinstance(found, Detection)
                 and gen == generation
                 and wb == whole_batch
                 and (ps or not per_sample)
@@ -270,7 +335,16 @@ class Traced:
                 whole_batch=whole_batch,
                 max_entries=max_entries,
             )
-        return self.detections[key]
+        found = self.detections[key]
+        return found if isinstance(found, Detection) else None
+
+    def memory_stop(self) -> MemoryStop | None:
+        """Why a per-sample detection in ``"auto"`` was abandoned, if past its memory budget."""
+        generation = rules.generation()
+        for (gen, per_sample, _, _), found in self.detections.items():
+            if gen == generation and per_sample and isinstance(found, MemoryStop):
+                return found
+        return None
 
     def _propagate(self, seeded: Deps, limit: EntryLimit) -> Propagated:
         """The dependency sets of the output given the seeded input (the backend's program)."""

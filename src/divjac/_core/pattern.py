@@ -166,12 +166,12 @@ class SparsityPattern:
     @cached_property
     def colors(self) -> np.ndarray:
         """Column coloring (forward mode): color of each input element."""
-        return coloring.column_coloring(self.csr)
+        return coloring.column_coloring(self.csr, shape=self.in_shape)
 
     @cached_property
     def row_colors(self) -> np.ndarray:
         """Row coloring (reverse mode): color of each output element."""
-        return coloring.row_coloring(self.csr)
+        return coloring.row_coloring(self.csr, shape=self.out_shape)
 
     @cached_property
     def diagonal_colors(self) -> np.ndarray:
@@ -182,7 +182,7 @@ class SparsityPattern:
                 f"{self.in_shape} to {self.out_shape}: use colors (columns) or row_colors (rows) "
                 "for a rectangular Jacobian"
             )
-        return coloring.diagonal_coloring(self.csr)
+        return coloring.diagonal_coloring(self.csr, shape=self.in_shape)
 
     @cached_property
     def with_diagonal(self) -> SparsityPattern:

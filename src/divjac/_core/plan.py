@@ -15,11 +15,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._errors import DetectionMemoryError, InternalError, OptionError
-from .detection import physical_memory
+from .._errors import (
+    DenseFallbackWarning,
+    DetectionMemoryError,
+    InternalError,
+    OptionError,
+    warn_at_caller,
+)
+from .detection import MemoryStop, physical_memory
 from .pattern import SparsityPattern
 
 __all__ = [
+    "AUTO_DENSE_MAX_PASSES",
     "DIVERGENCE_METHODS",
     "JACOBIAN_MODES",
     "SPARSE_GAIN",
@@ -27,6 +34,7 @@ __all__ = [
     "Plan",
     "choose_chunk_size",
     "color_classes",
+    "dense_fallback",
     "divergence_plan",
     "frobenius_plan",
     "host_cache_bytes",
@@ -41,6 +49,31 @@ DIVERGENCE_METHODS = EXACT_METHODS + STOCHASTIC_METHODS
 
 SPARSE_GAIN = 0.8
 """``"auto"`` takes a sparse plan when it needs at most this fraction of the dense passes."""
+
+AUTO_DENSE_MAX_PASSES = 4096
+"""The most passes per sample of the dense plan that ``"auto"`` falls back to, with a
+:class:`DenseFallbackWarning`, when sparsity detection is past its memory budget; past it
+``"auto"`` raises :class:`DetectionMemoryError` instead (a pattern that large is rarely dense:
+the dense plan would take orders of magnitude more passes than its colors)."""
+
+
+def dense_fallback(stop: MemoryStop, dense_passes: int, *, fname: str) -> None:
+    """Say that ``"auto"`` computes with the dense plan of ``dense_passes`` passes per sample
+    because detection stopped past its memory budget (``stop``): a warning with the numbers, or
+    :class:`DetectionMemoryError` past :data:`AUTO_DENSE_MAX_PASSES` passes."""
+    if dense_passes > AUTO_DENSE_MAX_PASSES:
+        raise DetectionMemoryError(
+            f"{fname}: {stop.message()}. Without the pattern, 'auto' would fall back to the "
+            f"dense method, {dense_passes} passes per sample (more than "
+            f"{AUTO_DENSE_MAX_PASSES}), so it stops here. Other ways: a stochastic method "
+            "(method='hutchinson'), or the dense passes chosen explicitly (method='exact' / "
+            "mode='fwd' or 'rev')."
+        )
+    warn_at_caller(
+        f"{fname}: {stop.message()}. 'auto' computes with the dense method instead: "
+        f"{dense_passes} passes per sample.",
+        DenseFallbackWarning,
+    )
 
 
 # Share of a device's free memory that the passes of one call may use at once: the estimate of

@@ -110,7 +110,7 @@ def screen(traced: Traced, dense_passes: int) -> Verdict:
 def _dense_on_probes(traced: Traced) -> bool:
     """Whether the program, seeded with :data:`PROBES` evenly spread input positions of each
     sample, makes an intermediate (or its output) depend on more than :data:`DENSE` of them on
-    average (or does not fit the detection's memory budget)."""
+    average (past the detection's memory budget: not dense, the detection will tell)."""
     x_shape = traced.x_shape
     n = math.prod(x_shape[1:])
     positions = np.unique(np.linspace(0, n - 1, min(PROBES, n)).round().astype(np.int64))
@@ -124,6 +124,8 @@ def _dense_on_probes(traced: Traced) -> bool:
         with warnings.catch_warnings():  # the detection or the coupling check warns, not this
             warnings.simplefilter("ignore", DenseFallbackWarning)
             out = traced._propagate(seeded, EntryLimit(0, k + 1, density=DENSE)).out
-    except TooDense:
-        return True
+    except TooDense as stop:
+        # Past the memory budget the probe proves nothing: the detection then stops too, and
+        # says so (never a silent dense plan).
+        return not stop.memory
     return out.nnz > DENSE * out.size * (k + 1)

@@ -39,7 +39,6 @@ from ._graph import (
 )
 from ._jacobian import (
     MAX_CONFLICT_PAIRS as MAX_CONFLICT_PAIRS,
-    MAX_DISTANCE2_WORK as MAX_DISTANCE2_WORK,
     column_coloring as column_coloring,
     diagonal_coloring as diagonal_coloring,
     is_valid_column_coloring as is_valid_column_coloring,
@@ -57,7 +56,6 @@ from ._probing import (
 
 __all__ = [
     "MAX_CONFLICT_PAIRS",
-    "MAX_DISTANCE2_WORK",
     "ORDERS",
     "SMALLEST_LAST_MAX_EDGES",
     "as_pattern",

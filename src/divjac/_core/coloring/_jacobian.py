@@ -7,6 +7,7 @@ and row colorings guard against the blow-up of their conflict graph ``P^T P``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -14,7 +15,7 @@ import scipy.sparse as sp
 from numpy.typing import ArrayLike
 
 from ..._errors import NonSquareJacobianError
-from . import _graph
+from . import _box, _graph
 from ._graph import (
     ORDERS,
     IntArray,
@@ -34,7 +35,6 @@ from ._graph import (
 
 __all__ = [
     "MAX_CONFLICT_PAIRS",
-    "MAX_DISTANCE2_WORK",
     "column_coloring",
     "diagonal_coloring",
     "is_valid_column_coloring",
@@ -46,13 +46,11 @@ __all__ = [
 #: Upper bound on the work (and memory) spent building a column / row conflict graph: the sum
 #: over distinct rows of ``nnz_row ** 2``, the number of pairs the product ``P^T P`` enumerates.
 #: Above it the graph is not built and only the ``"natural"`` order is tried, by a distance-2
-#: greedy that never forms ``P^T P`` (see :data:`MAX_DISTANCE2_WORK`).
+#: greedy that never forms ``P^T P`` (its work grows as ``nnz * ceil(n_colors / 64)``).
 MAX_CONFLICT_PAIRS: int = 200_000_000
 
-#: Bound on the work of the graph-free distance-2 greedy used for the ``"natural"`` order of
-#: column / row colorings: ``nnz * ceil(n_colors / 64)`` over the distinct rows (about a second
-#: per 10 million). Past it the trivial coloring ``arange(n)`` is returned (always valid).
-MAX_DISTANCE2_WORK: int = 50_000_000
+# Columns the distance-2 greedy reads from the pattern at once (bounds its Python lists).
+_GREEDY_COLUMNS = 1 << 14
 
 
 # --------------------------------------------------------------------------------------------
@@ -90,61 +88,74 @@ def _distinct_nonempty_rows(p: sp.csr_array) -> sp.csr_array:
     return p[np.sort(rows[first])]
 
 
-def _distance2_greedy(p: sp.csr_array, order: IntArray) -> IntArray | None:
+def _distance2_greedy(p: sp.csr_array, order: IntArray) -> IntArray:
     """First-fit column coloring read straight off the pattern, without forming ``P^T P``.
 
     Every row keeps the set of colors its already-colored columns use, as the bits of a Python
     int; a column takes the lowest color absent from the union over its rows. This is exactly
     greedy coloring of the conflict graph in ``order``, in O(nnz * words) work and
-    O(n_rows * words) memory (``words = ceil(n_colors / 64)``). Returns ``None`` as soon as
-    ``nnz * words`` exceeds :data:`MAX_DISTANCE2_WORK`.
+    O(n_rows * words) memory (``words = ceil(n_colors / 64)``); the columns are read from the
+    pattern :data:`_GREEDY_COLUMNS` at a time.
     """
     n_rows, n_cols = p.shape
-    if p.nnz > MAX_DISTANCE2_WORK:
-        return None
     csc = p.tocsc()
-    colptr = csc.indptr.tolist()
-    row_index = csc.indices.tolist()
     used = [0] * n_rows
-    colors = [0] * n_cols
-    color_limit = 64  # re-check the work bound each time the colors outgrow another word
-    for j in order.tolist():
-        rows = row_index[colptr[j] : colptr[j + 1]]
-        taken = 0
-        for r in rows:
-            taken |= used[r]
-        bit = (taken + 1) & ~taken  # lowest color not taken
-        color = bit.bit_length() - 1
-        if color >= color_limit:
-            color_limit += 64
-            if p.nnz * (color_limit // 64) > MAX_DISTANCE2_WORK:
-                return None
-        colors[j] = color
-        for r in rows:
-            used[r] |= bit
-    return np.array(colors, dtype=np.int64)
+    colors = np.zeros(n_cols, dtype=np.int64)
+    for a in range(0, n_cols, _GREEDY_COLUMNS):
+        columns = order[a : a + _GREEDY_COLUMNS]
+        block = csc[:, columns]
+        colptr = block.indptr.tolist()
+        row_index = block.indices.tolist()
+        found = []
+        for j in range(len(columns)):
+            rows = row_index[colptr[j] : colptr[j + 1]]
+            taken = 0
+            for r in rows:
+                taken |= used[r]
+            bit = (taken + 1) & ~taken  # lowest color not taken
+            found.append(bit.bit_length() - 1)
+            for r in rows:
+                used[r] |= bit
+        colors[columns] = found
+    return colors
 
 
-def _column_coloring_canonical(p: sp.csr_array, orders: tuple[OrderName, ...]) -> IntArray:
+def _column_coloring_canonical(
+    p: sp.csr_array, orders: tuple[OrderName, ...], shape: tuple[int, ...] | None
+) -> IntArray:
     n_in = p.shape[1]
     if p.nnz == 0:
         return np.zeros(n_in, dtype=np.int64)
-    if int(np.diff(p.indptr).max()) == n_in:
+    max_row = int(np.diff(p.indptr).max())  # every row's columns form a clique
+    if max_row == n_in:
         # a full row makes every pair of columns conflict: n colors are needed
         return np.arange(n_in, dtype=np.int64)
+    if shape is None:
+        return _greedy_column_coloring(p, orders, max_row)
+    sides = _box.column_sides(p, shape)
+    if math.prod(sides) <= max_row:  # a stencil: the box coloring is optimal
+        return _box.residue_colors(shape, sides)
+    best = _greedy_column_coloring(p, orders, max_row)
+    return _box.residue_colors(shape, sides) if math.prod(sides) < _count(best) else best
+
+
+def _greedy_column_coloring(
+    p: sp.csr_array, orders: tuple[OrderName, ...], lower_bound: int
+) -> IntArray:
+    """The fewest colors of a greedy column coloring over ``orders`` (only ``"natural"``, by
+    the distance-2 greedy, when ``P^T P`` is too large to build)."""
+    n_in = p.shape[1]
     distinct = _distinct_nonempty_rows(p)
     nnz_row = np.diff(distinct.indptr).astype(np.int64)
-    lower_bound = int(nnz_row.max())  # every row's columns form a clique
     graph_allowed = int((nnz_row * nnz_row).sum()) <= MAX_CONFLICT_PAIRS
+    if not graph_allowed:
+        return _distance2_greedy(distinct, np.arange(n_in, dtype=np.int64))
     conflicts: tuple[sp.csr_array, IntArray] | None = None  # the graph P^T P and its degrees
     best: IntArray | None = None
-    for name in orders if graph_allowed else ("natural",):
-        colors = None
+    for name in orders:
         if name == "natural" and conflicts is None:
             colors = _distance2_greedy(distinct, np.arange(n_in, dtype=np.int64))
-        if colors is None:
-            if not graph_allowed:
-                continue
+        else:
             if conflicts is None:
                 conflicts = _conflict_graph(distinct)
             graph, degrees = conflicts
@@ -155,11 +166,8 @@ def _column_coloring_canonical(p: sp.csr_array, orders: tuple[OrderName, ...]) -
             best = colors
         if _count(best) <= lower_bound:
             break
-    if best is None:  # every order was skipped (too large): natural, or trivial without a graph
-        if conflicts is None:
-            return np.arange(n_in, dtype=np.int64)
-        graph = conflicts[0]
-        best = _greedy(graph.indptr, graph.indices, np.arange(n_in, dtype=np.int64))
+    if best is None:  # every order was skipped (too large): natural
+        best = _distance2_greedy(distinct, np.arange(n_in, dtype=np.int64))
     return best
 
 
@@ -171,7 +179,12 @@ def _conflict_graph(p: sp.csr_array) -> tuple[sp.csr_array, IntArray]:
     return graph, _degrees(graph)
 
 
-def column_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDERS) -> IntArray:
+def column_coloring(
+    pattern: SparseLike,
+    *,
+    orders: Sequence[OrderName] = ORDERS,
+    shape: Sequence[int] | None = None,
+) -> IntArray:
     """Color the columns of ``pattern`` so that same-colored columns share no nonzero row.
 
     With the one-hot seed matrix ``S[j, colors[j]] = 1``, the compressed ``C = J @ S`` (one JVP
@@ -188,9 +201,14 @@ def column_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDERS
     * The other orders need the conflict graph, the pattern of ``P^T P``. It is built only if
       the number of pairs it enumerates (sum of squared row counts) is at most
       :data:`MAX_CONFLICT_PAIRS`; otherwise those orders are skipped and ``"natural"`` is used.
+    * With the grid ``shape`` of the columns, the box coloring comes first (see
+      :mod:`._box`: colors from the residues of the grid coordinates, valid by construction,
+      in O(nnz) time and bounded memory). When its count reaches the clique bound (a stencil:
+      a convolution, a blur, a finite-difference operator) it is returned at once; otherwise it
+      is kept if it beats every greedy order.
     * Short cuts: an empty pattern gives color 0 everywhere; a full row gives
-      ``arange(n_in)`` (optimal). If nothing is affordable (see :data:`MAX_DISTANCE2_WORK`),
-      the trivial ``arange(n_in)`` is returned: always valid.
+      ``arange(n_in)`` (optimal). No size gives up on coloring: past the limits the natural
+      greedy (or the box) still runs.
 
     Args:
         pattern: ``(n_out, n_in)`` scipy sparse matrix, any format; its stored nonzeros count.
@@ -198,9 +216,14 @@ def column_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDERS
             to the earlier order. ``"smallest_last"`` is skipped on graphs with more than
             :data:`SMALLEST_LAST_MAX_EDGES` edges; if every order is skipped, ``"natural"`` is
             used.
+        shape: the grid of the columns (a sample's input shape, row-major); ``None``: no box
+            coloring is tried.
 
     Returns:
         int64 array of length ``n_in`` with contiguous colors ``0 .. k - 1``.
+
+    Raises:
+        PatternError: if ``shape`` does not hold ``n_in`` elements.
 
     Example:
         >>> import scipy.sparse as sp
@@ -208,10 +231,17 @@ def column_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDERS
         >>> column_coloring(p)
         array([0, 1, 0])
     """
-    return _column_coloring_canonical(as_pattern(pattern), _check_orders(orders))
+    p = as_pattern(pattern)
+    grid = None if shape is None else _box.check_shape(shape, p.shape[1], "column shape")
+    return _column_coloring_canonical(p, _check_orders(orders), grid)
 
 
-def row_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDERS) -> IntArray:
+def row_coloring(
+    pattern: SparseLike,
+    *,
+    orders: Sequence[OrderName] = ORDERS,
+    shape: Sequence[int] | None = None,
+) -> IntArray:
     """Color the rows of ``pattern`` so that same-colored rows share no nonzero column.
 
     The column coloring of ``pattern.T``: with the one-hot ``S[i, row_colors[i]] = 1``, the
@@ -221,9 +251,13 @@ def row_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDERS) -
     Args:
         pattern: ``(n_out, n_in)`` scipy sparse matrix, any format.
         orders: vertex orders to try, as in :func:`column_coloring`.
+        shape: the grid of the rows (a sample's output shape), as in :func:`column_coloring`.
 
     Returns:
         int64 array of length ``n_out`` with contiguous colors ``0 .. k - 1``.
+
+    Raises:
+        PatternError: if ``shape`` does not hold ``n_out`` elements.
 
     Example:
         >>> import scipy.sparse as sp
@@ -231,10 +265,17 @@ def row_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDERS) -
         >>> row_coloring(p)
         array([0, 1, 0])
     """
-    return _column_coloring_canonical(as_pattern(as_pattern(pattern).T), _check_orders(orders))
+    p = as_pattern(as_pattern(pattern).T)
+    grid = None if shape is None else _box.check_shape(shape, p.shape[1], "row shape")
+    return _column_coloring_canonical(p, _check_orders(orders), grid)
 
 
-def diagonal_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDERS) -> IntArray:
+def diagonal_coloring(
+    pattern: SparseLike,
+    *,
+    orders: Sequence[OrderName] = ORDERS,
+    shape: Sequence[int] | None = None,
+) -> IntArray:
     """Color the indices of a square pattern so that the compressed Jacobian reveals its diagonal.
 
     Indices ``j != j'`` share a color only if ``P[j, j'] == P[j', j] == 0``. Then with the
@@ -242,17 +283,21 @@ def diagonal_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDE
     trace costs one JVP per color. The conflict
     graph is the pattern of ``P + P^T`` (at most twice the size of ``P``), so no size guard is
     needed; a pattern whose graph is complete gives ``arange(n)`` at once. The orders stop early
-    once a greedily found clique's size is reached.
+    once a greedily found clique's size is reached. With the grid ``shape``, the box coloring
+    (see :mod:`._box`) is returned at once when a box of its size is a clique (a stencil), and
+    otherwise kept if it beats every greedy order.
 
     Args:
         pattern: ``(n, n)`` scipy sparse matrix, any format.
         orders: vertex orders to try, as in :func:`column_coloring`.
+        shape: the grid of the indices (a sample's shape); ``None``: no box coloring is tried.
 
     Returns:
         int64 array of length ``n`` with contiguous colors ``0 .. k - 1``.
 
     Raises:
         NonSquareJacobianError: (a ``ValueError``) if the pattern is not square.
+        PatternError: if ``shape`` does not hold ``n`` elements.
 
     Example:
         >>> import scipy.sparse as sp
@@ -269,6 +314,19 @@ def diagonal_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDE
             f"n_in={n_in} columns (shape {p.shape}); use column_coloring or row_coloring for "
             "the whole Jacobian."
         )
+    if shape is None:
+        return _greedy_diagonal_coloring(p, orders_)
+    grid = _box.check_shape(shape, n_in, "shape")
+    sides = _box.diagonal_sides(p, grid)
+    if _box.is_clique(p, grid, sides):  # a stencil: the box coloring is optimal
+        return _box.residue_colors(grid, sides)
+    best = _greedy_diagonal_coloring(p, orders_)
+    return _box.residue_colors(grid, sides) if math.prod(sides) < _count(best) else best
+
+
+def _greedy_diagonal_coloring(p: sp.csr_array, orders: tuple[OrderName, ...]) -> IntArray:
+    """The fewest colors of a greedy coloring of the graph ``P + P^T`` over ``orders``."""
+    n_in = p.shape[0]
     graph = as_pattern(p + p.T)
     n_edges_directed = graph.nnz - int(graph.diagonal().sum())
     if n_edges_directed == 0:
@@ -278,7 +336,7 @@ def diagonal_coloring(pattern: SparseLike, *, orders: Sequence[OrderName] = ORDE
     degrees = _degrees(graph)
     starts = [0, int(degrees.argmin()), int(degrees.argmax()), n_in - 1]
     return _best_greedy(
-        graph, orders_, lower_bound=_clique_lower_bound(graph, starts), degrees=degrees
+        graph, orders, lower_bound=_clique_lower_bound(graph, starts), degrees=degrees
     )
 
 
