@@ -362,7 +362,9 @@ def _slq_log_abs_det(
         return backend.moveaxis(pulled.reshape(k, B, n), 0, -1)
 
     V = backend.moveaxis(probes.reshape(k, B, n), 0, -1)
-    estimate, stderr = est.slq_log_abs_det(gram, V, steps, stderr=options.return_stderr)
+    estimate, stderr = est.slq_log_abs_det(
+        gram, V, steps, stderr=options.return_stderr, loop=backend.fori_loop
+    )
     return estimate, stderr, rows.aux
 
 
