@@ -333,3 +333,36 @@ def test_coupling_exact_gives_true_diagonal_blocks(backend: Backend, method: str
     np.testing.assert_allclose(reverse, blocks, rtol=1e-12)
     got = backend.to_numpy(dj.divergence(center, coupling="exact", method=method)(x))
     np.testing.assert_allclose(got, traces(blocks, (3,)), rtol=1e-12)
+
+
+_PROBING = [  # every transform taking the caller's probes, with a stochastic method
+    ("divergence", "hutchinson"),
+    ("divergence", "xtrace"),
+    ("value_and_divergence", "hutchinson"),
+    ("grad_divergence", "hutchinson"),
+    ("laplacian", "hutchinson"),
+    ("laplacian", "xtrace"),
+    ("weighted_laplacian", "hutchinson"),
+    ("hessian_diagonal", "hutchinson"),
+    ("squared_frobenius_norm", "hutchinson"),
+    ("value_divergence_and_frobenius", "hutchinson"),
+    ("log_abs_det", "slq"),
+]
+_SECOND_ORDER = ("laplacian", "weighted_laplacian", "hessian_diagonal")
+
+
+@pytest.mark.parametrize(("name", "method"), _PROBING)
+def test_transposed_probes_are_refused_naming_the_shape(
+    backend: Backend, name: str, method: str
+) -> None:
+    """Probes ``(d, B)`` for ``x`` ``(B, d)`` (transposed) are no ``d`` probes: every transform
+    that takes probes refuses them with the one check, naming the expected shape (the
+    Frobenius norms and the Laplacian's Hutchinson once read a leading size ``>= n`` as a
+    budget paying for the exact answer, and returned it)."""
+    x = backend.array(np.linspace(0.5, 1.5, 12).reshape(4, 3))
+    transposed = backend.array(np.ones((3, 4)))
+    f = (lambda x: (x**3).sum(1)) if name in _SECOND_ORDER else (lambda x: x**3 + 2 * x)
+    coefficient = (backend.array(np.eye(3)),) if name == "weighted_laplacian" else ()
+    transform = getattr(backend.dj, name)(f, *coefficient, method=method)
+    with pytest.raises(divjac.NumProbesError, match=r"probes must have shape \(k, 4, 3\)"):
+        transform(transposed, x)

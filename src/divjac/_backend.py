@@ -184,6 +184,18 @@ class Backend(abc.ABC, Generic[TracedT]):
     def stack(self, arrays: Sequence[Array]) -> Array:
         """``arrays`` (of one shape) stacked along a new first axis."""
 
+    def map_stacked(self, fn: Callable[[Array], Array], xs: Array, chunk: int) -> Array:
+        """``stack([fn(x) for x in xs])``: where a trace would unroll a loop (JAX), ``xs``'s
+        leading axis is a batch axis, ``chunk`` of them at a time (``fn`` traced once, however
+        long ``xs`` is); a loop by default (eager frameworks)."""
+        return self.stack([fn(xs[i]) for i in range(int(xs.shape[0]))])
+
+    fori_loop: Callable[[int, Callable[[Any, Any], Any], Any], Any] | None = None
+    """``fori_loop(n, body, carry)``, ``carry = body(j, carry)`` for ``j = 0 .. n - 1`` (``carry``
+    a tuple of arrays of fixed shapes), where a trace would unroll a Python loop (JAX): one loop
+    of the framework, ``body`` traced once for every ``n`` (``j`` then an array); ``None``:
+    Python's loop (eager frameworks)."""
+
     # --- devices ------------------------------------------------------------------------------
 
     def batch_shards(self, xb: Array) -> int:

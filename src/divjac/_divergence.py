@@ -243,26 +243,48 @@ def _is_probes(backend: Backend, randomness: Any) -> bool:
     return backend.is_array(randomness) and backend.is_floating_input(randomness.dtype)
 
 
-def caller_count(call: Call, randomness: Any, sample: tuple[int, ...] | None = None) -> int | None:
+def _check_probes(call: Call, probes: Array, k: int | None, output: bool) -> bool:
+    """The one check of the caller's probes, made by every transform that takes them
+    (:func:`caller_count`, :func:`_draw`): shaped ``(k, *x.shape)`` or ``x.shape`` (one
+    probe; ``True``), ``x`` the differentiated input (or with ``output``, the output: reverse
+    passes' probes) as the caller passes it. ``k``: the probes needed (``None``: any number).
+
+    Raises:
+        NumProbesError: the probes are shaped otherwise (a transposed array is never read as
+            ``k`` probes), or are not ``k`` probes.
+    """
+    sample = call.out_sample if output else call.in_sample
+    return stochastic.check_probes_shape(
+        tuple(probes.shape),
+        stochastic.caller_shape(sample, call.batch_size, call.spec.batch_axis),
+        k,
+        fname=call.spec.fname,
+        shaped_as="f's output (reverse passes)" if output else "the differentiated input",
+    )
+
+
+def caller_count(
+    call: Call, randomness: Any, k: int | None = None, *, output: bool = False
+) -> int | None:
     """How many probes per sample the caller's own probes hold (one when shaped as a single
-    probe; ``sample``: the input's, by default), ``None`` for a key or generator."""
+    probe), ``None`` for a key or generator; the probes are checked (:func:`_check_probes`)."""
     if not _is_probes(call.backend, randomness):
         return None
-    shape = call.in_sample if sample is None else sample
-    one = stochastic.caller_shape(shape, call.batch_size, call.spec.batch_axis)
-    return 1 if tuple(randomness.shape) == one else int(randomness.shape[0])
+    return 1 if _check_probes(call, randomness, k, output) else int(randomness.shape[0])
 
 
 def probe_count(
-    call: Call, num_probes: int | None, randomness: Any, sample: tuple[int, ...] | None = None
+    call: Call, num_probes: int | None, randomness: Any, *, output: bool = False
 ) -> int:
     """Hutchinson probes per sample: ``num_probes``, else as many as the caller's probes hold,
-    else the default budget (``sample``: the probes' shape, the input's by default)."""
+    else the default budget (``output``: the probes are shaped as the output). The caller's
+    probes are checked (:func:`caller_count`) even where ``num_probes`` is given, or where the
+    budget pays for the exact answer and the probes themselves are not used."""
+    given = caller_count(call, randomness, num_probes, output=output)
     if num_probes is not None:
         return num_probes
-    shape = call.in_sample if sample is None else sample
-    given = caller_count(call, randomness, shape)
-    return given or stochastic.default_num_probes("hutchinson", math.prod(shape))
+    sample = call.out_sample if output else call.in_sample
+    return given or stochastic.default_num_probes("hutchinson", math.prod(sample))
 
 
 def _caller_budget(call: Call, randomness: Any, method: str) -> int | None:
@@ -278,23 +300,16 @@ def _caller_budget(call: Call, randomness: Any, method: str) -> int | None:
     return {"hutchinson": k, "hutch++": 3 * k // 2, "xtrace": 2 * k}[method]
 
 
-def _draw(
-    call: Call,
-    randomness: Any,
-    k: int,
-    distribution: str,
-    sample: tuple[int, ...] | None = None,
-) -> Array:
-    """Probes ``(k, B, *sample)`` (``sample``: the input's, by default): the caller's
-    (reusable noise) or ``k`` per sample drawn from ``randomness``."""
-    backend, fname = call.backend, call.spec.fname
-    B, shape = call.batch_size, call.in_sample if sample is None else sample
+def _draw(call: Call, randomness: Any, k: int, distribution: str, *, output: bool = False) -> Array:
+    """Probes ``(k, B, *sample)`` (``sample``: the input's, or with ``output`` the output's):
+    the caller's (reusable noise) or ``k`` per sample drawn from ``randomness``."""
+    backend, B = call.backend, call.batch_size
+    shape = call.out_sample if output else call.in_sample
     n = math.prod(shape)
     if _is_probes(backend, randomness):
         probes = backend.differentiable(backend.asarray(randomness, like=call.xb))
         axis = call.spec.batch_axis
-        x_shape = stochastic.caller_shape(shape, B, axis)
-        if stochastic.check_probes_shape(tuple(probes.shape), x_shape, k, fname=fname):
+        if _check_probes(call, probes, k, output):
             probes = probes[None]
         return probes[:, None] if axis is None else backend.moveaxis(probes, axis + 1, 1)
     raw = backend.draw(randomness, (B, n, k), distribution, like=call.xb)

@@ -157,13 +157,27 @@ _FROBENIUS_METHOD = (
         ``"sparse"`` (exact, one pass per color of a column or row coloring of the detected
         pattern: same-colored columns share no nonzero row, so the compressed columns' norms
         add up), ``"auto"`` (exact: sparse when it saves passes, never stochastic) or
-        ``"hutchinson"`` (``E ||J v||^2 = ||J||_F^2``, one pass per probe; with ``num_probes``
-        at least the probes' size, the exact result from that many coordinate passes).""",
+        ``"hutchinson"`` (``E ||v^T J||^2 = ||J||_F^2``, one pass per probe, see ``mode``;
+        with ``num_probes`` at least the probes' size, the exact result from that many
+        coordinate passes).""",
 )
-_FROBENIUS_MODE = (
+_LOGDET_MODE = (
     "mode",
-    """the passes: ``"fwd"`` (JVPs ``J v``), ``"rev"`` (VJPs ``v^T J``; probes then have the
-        output's shape) or ``"auto"`` (the faster for the framework and the program).""",
+    """the passes of ``"exact"``: ``"fwd"`` (JVPs ``J v``), ``"rev"`` (VJPs ``v^T J``) or
+        ``"auto"`` (the faster for the framework and the program); ``"slq"`` runs one of each
+        per Lanczos step.""",
+)
+_NORM_MODE = (
+    "mode",
+    """the passes: ``"fwd"`` (JVPs ``J v``), ``"rev"`` (VJPs ``v^T J``) or ``"auto"``. The
+        exact methods read the same norm either way (``"auto"``: the faster for the framework
+        and the program). ``"hutchinson"`` estimates ``||J||_F^2`` by ``||v^T J||^2`` from
+        VJPs with ``"rev"`` and ``"auto"`` (RNODE's recipe, Finlay et al. 2020: one VJP per
+        probe gives ``v^T J v`` and ``||v^T J||^2``; probes have the output's shape), by
+        ``||J v||^2`` from JVPs with ``"fwd"`` (probes of the input's shape). Both are
+        unbiased; ``"auto"`` is always the first, in every framework and at every size, so the
+        same probes give the same value (it refuses a function without a reverse derivative,
+        such as a JAX ``while_loop``: pass ``"fwd"``).""",
 )
 _FROBENIUS_RAISES = (
     _COUPLED_ALWAYS.replace("``u``", "``f``"),
@@ -403,20 +417,21 @@ _DOCS: dict[str, _Doc] = {
         The Jacobian penalty of regularized CNFs (RNODE: Finlay et al. 2020), of Jacobian
         regularization and contractive autoencoders. Exact by coloring: with a column coloring,
         ``sum_c ||J s_c||^2 = ||J||_F^2`` in one pass per color; or Hutchinson's unbiased
-        ``||J v||^2``. For the norm itself take the square root of the exact result.""",
+        ``||v^T J||^2`` (``||J v||^2`` with ``mode="fwd"``). For the norm itself take the square root of the exact result.""",
         _FROBENIUS_ARGS,
         """A function with ``f``'s signature returning ``||J_b||_F^2``, shape ``(B,)`` (with
         ``return_stderr``, ``(norms, stderr)``).""",
         (*_FROBENIUS_RAISES, _STDERR_PROBES),
         stochastic=True,
-        own_args=(_FROBENIUS_METHOD, _FROBENIUS_MODE, _FROBENIUS_PROBES),
+        own_args=(_FROBENIUS_METHOD, _NORM_MODE, _FROBENIUS_PROBES),
     ),
     "value_divergence_and_frobenius": _Doc(
         """``f``'s output, its per-sample divergence and squared Frobenius norm from the same
         passes: the regularized CNF's dynamics in one call.
 
-        Each pass pushes one seed ``v`` and keeps both ``v^T J v`` and ``||J v||^2`` (``v^T J``
-        in reverse), as RNODE's training loop does by hand with one VJP per probe: with
+        Each pass pushes one seed ``v`` and keeps both ``v^T J v`` and ``||v^T J||^2`` (VJPs;
+        ``||J v||^2`` with ``mode="fwd"``), as RNODE's training loop does by hand with one VJP
+        per probe: with
         ``"hutchinson"`` both are estimated from the same probes; exactly (``"exact"``,
         ``"sparse"``), the coloring is of the pattern plus its diagonal, so that each pass also
         reads the diagonal entries of its own elements.""",
@@ -433,7 +448,7 @@ _DOCS: dict[str, _Doc] = {
         own_args=(
             ("argnums", "position of the differentiated array argument (one)."),
             _FROBENIUS_METHOD,
-            _FROBENIUS_MODE,
+            _NORM_MODE,
             _FROBENIUS_PROBES,
         ),
     ),
@@ -472,7 +487,7 @@ _DOCS: dict[str, _Doc] = {
         probe or with fewer than 8 Lanczos steps below ``n``.""",
         ),
         stochastic=True,
-        own_args=(_LOGDET_METHOD, _FROBENIUS_MODE, _LOGDET_PROBES, _LANCZOS_STEPS),
+        own_args=(_LOGDET_METHOD, _LOGDET_MODE, _LOGDET_PROBES, _LANCZOS_STEPS),
     ),
     "sparsity": _Doc(
         """The per-sample Jacobian sparsity of a batched function, as a transform.

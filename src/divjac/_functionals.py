@@ -7,9 +7,11 @@ the Jacobian (:mod:`divjac._transforms`); only what a pass keeps (its finish) di
   so ``sum_c ||J s_c||^2 = ||J||_F^2`` (rows likewise): one pass per color (``"sparse"``) or
   per element (``"exact"``). Coloring ``P + I`` instead of ``P`` makes each pass also read the
   diagonal entries of its own elements, so the same passes give the divergence.
-* ``||J_b||_F^2`` by Hutchinson: ``E ||J v||^2 = ||J||_F^2`` for ``E[v v^T] = I``; the same
-  pass gives ``v^T J v`` (RNODE's regularizer: Finlay et al. 2020, "How to train your neural
-  ODE").
+* ``||J_b||_F^2`` by Hutchinson: ``E ||v^T J||^2 = ||J||_F^2`` for ``E[v v^T] = I`` (VJPs,
+  ``mode="rev"`` and ``"auto"``), or ``E ||J v||^2`` (JVPs, ``mode="fwd"``): one definition per
+  mode, never chosen by sizes, so that the same probes give the same value in every framework;
+  the same pass gives ``v^T J v`` (RNODE's regularizer: Finlay et al. 2020, "How to train your
+  neural ODE", one VJP per probe).
 * ``log|det J_b|``: the LU of the per-sample Jacobians (``"exact"``), or stochastic Lanczos
   quadrature on ``J^T J`` (``"slq"``, :mod:`divjac._core.estimators.ubaru2017slq`), one JVP
   and one VJP per Lanczos step.
@@ -126,10 +128,10 @@ def _stochastic_norms(
 ) -> tuple[Array, Array, Array | None, Any]:
     """``(value, (r, B) estimates, (r, B) stderrs or None, aux)`` from Hutchinson probes."""
     backend = call.backend
-    reverse = backend.ahead(_direction, call)
+    reverse = backend.ahead(_hutchinson_rows, call)
     sample = call.out_sample if reverse else call.in_sample
     linear = backend.linearize(call, reverse)
-    k = probe_count(call, options.num_probes, randomness, sample)
+    k = probe_count(call, options.num_probes, randomness, output=reverse)
     if options.return_stderr and k < 2:
         raise NumProbesError(
             f"{call.spec.fname}: return_stderr=True with method='hutchinson' needs num_probes "
@@ -141,7 +143,7 @@ def _stochastic_norms(
     if exact:
         k, probes = n, _coordinates(call, sample)
     else:
-        probes = _draw(call, randomness, k, options.distribution, sample)
+        probes = _draw(call, randomness, k, options.distribution, output=reverse)
     chunk = backend.ahead(Call.chunk, call, k, options.chunk_size)
     if exact or not options.return_stderr:
         finish = _norm_finish(call.batch_size, options.with_divergence, backend)
@@ -171,9 +173,30 @@ def _coordinates(call: Call, sample: tuple[int, ...]) -> Array:
     return xp.broadcast_to(xp.reshape(eye, (n, 1, *sample)), (n, call.batch_size, *sample))
 
 
-def _direction(call: Call) -> bool:
-    """Whether a stochastic functional pulls rows (VJPs); checks that samples do not mix."""
-    return call.prefer_reverse(call.detect(per_sample=False))
+def _unmixed(call: Call) -> None:
+    """Check that samples do not mix (the functionals have no ``coupling`` option)."""
+    call.detect(per_sample=False)
+
+
+def _hutchinson_rows(call: Call) -> bool:
+    """Whether Hutchinson's passes of the norms pull rows: ``||v^T J||^2`` from VJPs for
+    ``mode="rev"`` and ``"auto"`` (the same definition whatever the sizes, program or
+    framework, so that the same probes give the same regularizer), ``||J v||^2`` from JVPs for
+    ``mode="fwd"``; checks that samples do not mix."""
+    _unmixed(call)
+    if call.spec.direction == "fwd":
+        call.columns_possible("fwd")  # raises where forward passes cannot go
+        return False
+    missing = call.backend.reverse_less(call)
+    if missing:
+        raise OptionError(
+            f"{call.spec.fname}: method='hutchinson' estimates ||J||_F^2 by ||v^T J||^2 from "
+            f"VJPs (mode={call.spec.direction!r}), but the function runs "
+            f"{', '.join(sorted(missing))}, which has no reverse derivative. Pass mode='fwd' "
+            "for the estimate ||J v||^2 from JVPs (also unbiased; the same probes give a "
+            "different value), or method='exact'."
+        )
+    return True
 
 
 def _norms_transform(
@@ -317,7 +340,7 @@ def _slq_log_abs_det(
 ) -> tuple[Array, Array | None, Any]:
     """SLQ's ``(estimate, stderr or None, aux)`` with ``J^T J v`` as one JVP and one VJP."""
     backend, B, n, shape = call.backend, call.batch_size, call.n_in, call.in_sample
-    backend.ahead(_direction, call)  # samples must not mix
+    backend.ahead(_unmixed, call)  # samples must not mix
     missing = backend.ahead(_forward_less, call)
     if missing:
         raise OptionError(
@@ -327,7 +350,7 @@ def _slq_log_abs_det(
             "reverse passes)."
         )
     columns, rows = backend.linearize(call, False), backend.linearize(call, True)
-    k = probe_count(call, options.num_probes, randomness, shape)
+    k = probe_count(call, options.num_probes, randomness)
     steps = options.lanczos_steps or est.default_lanczos_steps(n)
     if steps > n:
         raise NumProbesError(
@@ -346,7 +369,9 @@ def _slq_log_abs_det(
         return backend.moveaxis(pulled.reshape(k, B, n), 0, -1)
 
     V = backend.moveaxis(probes.reshape(k, B, n), 0, -1)
-    estimate, stderr = est.slq_log_abs_det(gram, V, steps, stderr=options.return_stderr)
+    estimate, stderr = est.slq_log_abs_det(
+        gram, V, steps, stderr=options.return_stderr, loop=backend.fori_loop
+    )
     return estimate, stderr, rows.aux
 
 

@@ -471,12 +471,15 @@ def _bilaplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Ar
                 "E[v_i^4] = 3: Rademacher signs count the pure fourth derivatives d^4u/dx_i^4 "
                 "a third), which the caller's probes cannot be checked to be. Pass a source of randomness ({call.backend.randomness_example})."
             )
-        probes = _draw(call, randomness, _num_probes(call, opts, randomness), "gaussian")
-        terms = [
-            _nested(call, probes[i : i + 1], probes[i : i + 1], opts.chunk_size)
-            for i in range(int(probes.shape[0]))
-        ]
-        stacked = call.backend.concatenate([t[None] for t in terms]) / 3
+        k = _num_probes(call, opts, randomness)
+        probes = _draw(call, randomness, k, "gaussian")
+
+        def term(probe: Array) -> Array:
+            return _nested(call, probe[None], probe[None], opts.chunk_size)
+
+        # The probes a batch axis: one nested sweep traced, whatever their number.
+        chunk = sweep_chunk(call, k, opts.chunk_size)
+        stacked = call.backend.map_stacked(term, probes, chunk) / 3
         return _mean_and_stderr(call, stacked, opts.return_stderr)
     basis, weights = _basis(call, None), None
     if coupled:

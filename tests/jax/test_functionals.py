@@ -357,3 +357,24 @@ def test_log_abs_det_in_bfloat16():
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0.05, atol=0.1)
     slq = log_abs_det(f, method="slq", num_probes=64)(jax.random.key(0), x.astype(jnp.bfloat16))
     assert slq.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(slq, np.float32)))
+
+
+def test_hutchinson_auto_refuses_a_function_without_reverse_derivative():
+    """``mode="auto"`` is ``||v^T J||^2`` from VJPs whatever the function: through a
+    ``while_loop`` (no reverse derivative) it names ``mode="fwd"`` rather than switching to
+    ``||J v||^2``, which the same probes give a different value."""
+    from divjac import OptionError
+
+    def f(x):
+        return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.sin(c[1])), (0, x))[
+            1
+        ]
+
+    x = jax.random.normal(jax.random.key(0), (3, 4), jnp.float64)
+    probes = jax.random.rademacher(jax.random.key(1), (2, *x.shape), jnp.float64)
+    with pytest.raises(OptionError, match="mode='fwd'"):
+        squared_frobenius_norm(f, method="hutchinson")(probes, x)
+    got = squared_frobenius_norm(f, method="hutchinson", mode="fwd")(probes, x)
+    J = jax.vmap(jax.jacfwd(lambda z: f(z[None])[0]))(x)
+    expected = (jnp.einsum("bmn,kbn->kbm", J, probes) ** 2).sum(-1).mean(0)
+    np.testing.assert_allclose(got, expected, rtol=1e-12)

@@ -137,6 +137,39 @@ def test_stochastic_estimates_agree_for_the_same_probes():
         np.testing.assert_allclose(got[1], expected[1], rtol=1e-7, atol=1e-12)
 
 
+@pytest.mark.parametrize("mode", ["auto", "fwd", "rev"])
+@pytest.mark.parametrize("d_out", [4, 3])
+def test_hutchinson_frobenius_has_one_definition_per_mode(mode, d_out):
+    """The same probes give the same Hutchinson ``||J||_F^2`` in JAX and PyTorch: ``||J v||^2``
+    from JVPs with ``mode="fwd"``, ``||v^T J||^2`` from VJPs with ``"rev"`` and ``"auto"``
+    (RNODE's recipe), each equal to the brute force from the dense per-sample Jacobians. Once,
+    ``"auto"`` gave ``||J v||^2`` in JAX (JVPs) and ``||v^T J||^2`` in PyTorch (VJPs)."""
+    params = jmodels.init_mlp(jax.random.key(0), (4, 16, 16, d_out), jnp.float64)
+    x = np.array(jax.random.normal(jax.random.key(1), (5, 4), jnp.float64))
+    tp, tx = tmodels.from_jax(params), torch.as_tensor(x)
+    J = np.asarray(dj.jacobian(jmodels.mlp, 1)(params, jnp.asarray(x)))  # (B, m, n)
+    rows = mode != "fwd"
+    probes = np.array(
+        jax.random.normal(jax.random.key(8), (2, 5, d_out if rows else 4), jnp.float64)
+    )
+    if rows:  # ||v_b^T J_b||^2
+        expected = (np.einsum("kbm,bmn->kbn", probes, J) ** 2).sum(-1).mean(0)
+    else:  # ||J_b v_b||^2
+        expected = (np.einsum("bmn,kbn->kbm", J, probes) ** 2).sum(-1).mean(0)
+    for name in ("squared_frobenius_norm", "value_divergence_and_frobenius"):
+        if name == "value_divergence_and_frobenius" and d_out != 4:
+            continue
+        options = {"method": "hutchinson", "mode": mode}
+        got_jax = getattr(dj, name)(jmodels.mlp, 1, **options)(
+            jnp.asarray(probes), params, jnp.asarray(x)
+        )
+        got_torch = getattr(dt, name)(tmodels.mlp, 1, **options)(torch.as_tensor(probes), tp, tx)
+        if name == "value_divergence_and_frobenius":
+            got_jax, got_torch = got_jax[2], got_torch[2]
+        np.testing.assert_allclose(got_jax, expected, rtol=1e-12)
+        np.testing.assert_allclose(got_torch.detach(), expected, rtol=1e-12)
+
+
 def test_unet_and_concat_squash_match_their_jax_twins():
     rng = np.random.default_rng(3)  # NumPy weights: each new shape of jax.random compiles
     jp = {

@@ -145,25 +145,44 @@ def caller_shape(
     return tuple(shape)
 
 
-def check_probes_shape(shape: Sequence[int], x_shape: Sequence[int], k: int, *, fname: str) -> bool:
-    """Check user-given ``probes`` of ``shape``; ``True`` when they lack the leading ``k`` axis.
+def check_probes_shape(
+    shape: Sequence[int],
+    x_shape: Sequence[int],
+    k: int | None,
+    *,
+    fname: str,
+    shaped_as: str = "the differentiated input",
+) -> bool:
+    """Check the caller's ``probes`` of ``shape``; ``True`` when they lack the leading ``k`` axis.
 
-    Probes have the shape of the differentiated input ``x_shape`` (one probe) or
-    ``(k, *x_shape)``; ``k`` random vectors per sample are needed.
+    Probes have the shape ``x_shape`` of the array they are shaped as (one probe) or
+    ``(k, *x_shape)``; ``k`` random vectors per sample are needed (``None``: any number).
 
     Raises:
-        NumProbesError: the shape fits neither, or holds a number of probes other than ``k``.
+        NumProbesError: the shape fits neither (a transposed array, say), or holds a number of
+            probes other than ``k``.
+
+    Example:
+        >>> check_probes_shape((3, 4, 2), (4, 2), None, fname="divergence")
+        False
+        >>> check_probes_shape((2, 4), (4, 2), None, fname="divergence")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        divjac._errors.NumProbesError: divergence: probes must have shape (k, 4, 2) ...
     """
     shape, x_shape = tuple(shape), tuple(x_shape)
     single = shape == x_shape
     if single:
         shape = (1, *shape)
     if shape[1:] != x_shape:
+        expected = ", ".join(map(str, x_shape))
         raise NumProbesError(
-            f"{fname}: probes must have the shape of the differentiated input {x_shape} "
-            f"(one probe) or (k, *{x_shape}); got {tuple(shape[1:]) if single else shape}."
+            f"{fname}: probes must have shape (k, {expected}) (k probes per sample, each of the "
+            f"shape of {shaped_as}, {x_shape}) or {x_shape} (one probe); got an array of shape "
+            f"{tuple(shape[1:]) if single else shape}. (A transposed or flattened array is not "
+            "read as probes.)"
         )
-    if shape[0] != k:
+    if k is not None and shape[0] != k:
         raise NumProbesError(
             f"{fname}: this method needs {k} random vectors per sample for the requested "
             f"num_probes; got {shape[0]} probes. Pass num_probes matching the probes "

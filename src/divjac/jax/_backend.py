@@ -156,6 +156,20 @@ class JaxBackend(Backend[Traced]):
     def stack(self, arrays: Sequence[Array]) -> jax.Array:
         return jnp.stack(arrays)
 
+    def map_stacked(
+        self, fn: Callable[[jax.Array], jax.Array], xs: jax.Array, chunk: int
+    ) -> jax.Array:
+        """``jax.vmap``, or ``lax.map`` over chunks of ``chunk`` (a Python loop unrolled in the
+        trace: a bi-Laplacian's first call took 4.2 s at 8 probes, 24 s at 128)."""
+        if chunk >= int(xs.shape[0]):
+            return jax.vmap(fn)(xs)
+        return lax.map(fn, xs, batch_size=chunk)
+
+    @staticmethod
+    def fori_loop(n: int, body: Callable[[Any, Any], Any], carry: Any) -> Any:
+        """``lax.fori_loop`` of static bounds (a ``scan``: reverse-differentiable)."""
+        return lax.fori_loop(0, n, body, carry)
+
     def batch_shards(self, xb: Array) -> int:
         """From the array's sharding (a concrete array, or a tracer of an explicitly sharded
         mesh axis); a tracer under ``jit`` of an ``Auto`` mesh carries none (1). Inside
