@@ -79,9 +79,9 @@ def _nth(phi: Callable[[torch.Tensor], torch.Tensor], order: int) -> torch.Tenso
 
 @contextlib.contextmanager
 def reference_mode() -> Iterator[None]:
-    """Grad on, and the math form of attention: torch has no double backward of the fused
-    kernels (``_scaled_dot_product_flash_attention_for_cpu_backward``)."""
-    with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+    """Grad on (also inside ``inference_mode``), and the math form of attention: torch has no
+    double backward of the fused kernels (``_scaled_dot_product_flash_attention_for_cpu_backward``)."""
+    with torch.inference_mode(False), torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
         yield
 
 
