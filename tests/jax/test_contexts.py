@@ -1,23 +1,32 @@
-"""Every transform x method x context on a model zoo, against brute force (issue 22).
+"""The context matrix of the JAX transforms (issues 22 and 41): every public transform, with
+every method and mode (the table of :mod:`tests.jax.transforms`), on a model zoo
+(:mod:`tests.jax.zoo`), against a brute force (``vmap(jacfwd)`` / ``vmap(hessian)`` of the
+per-sample function), along four axes:
 
-Brute force is ``vmap(jacfwd)`` of the per-sample function for first order and
-``vmap(jax.hessian)`` for second order; stochastic methods get fixed probes and are compared to
-the same estimate computed from the brute-force matrices. The contexts: an eager call then the
-same under ``jit``, ``jit`` first then eager, an outer ``vmap``, ``jax.grad`` through the
-transform w.r.t. the parameters (eager and under ``jit``), float32, and a Python float argument.
+- the call: an eager call then the same under ``jit``, ``jit`` first then eager, an outer
+  ``vmap``, ``jax.grad`` through the transform w.r.t. the parameters (eager and under ``jit``),
+  float32, and a Python float argument;
+- the model;
+- the transform's variant;
+- how the arguments change between two calls of one transformed function (the argument axes
+  that found issue 41's stale bi-Laplacian in torch): none (one call, the times ``t`` read from
+  the closure), the closure's own times passed as ``t`` and then new times, new arrays of equal
+  values, parameters replaced in a mutable container the function reads (JAX's closest
+  analogue of an in-place update), and the parameters passed as an argument and then replaced
+  by new arrays (an out-of-place step), whose gradients are checked too.
 
-The default run covers every transform on the MLP (eager then jit), two sparse transforms on
-the CNN, and each context once; the whole product (344 cases, about 27 minutes on 2 busy
-cores) is ``@pytest.mark.slow``, in ``make test-slow`` and CI. The brute force runs under
-``jit`` and once per process for the transforms that share it (eager, ``vmap(hessian)`` of the
-U-Net took 16 s per case).
+Every call is checked against the brute force at the state it is made in. The axes are covered
+pairwise (:mod:`tests.pairwise`), not as their product; the default run is the MLP with every
+transform and every value of every other axis at least once, the pairwise cover of all the
+variants and models is marked ``slow``. The brute force runs under ``jit`` and once per process
+for each state.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -26,168 +35,92 @@ import numpy as np
 import pytest
 
 import divjac.jax as dj
+from tests.jax.transforms import KEY_SEED, NOT_TRANSFORMS, TABLE, VARIANTS, Brute, probes_for
 from tests.jax.zoo import ZOO, Model
+from tests.pairwise import all_pairs, each_value, missing_pairs
 
-K = 3  # probes of the stochastic methods
+DELTA = 0.05  # the parameters' update between two calls
 
-# name -> (transform of (f or u), what it computes, whether it takes u, whether it takes probes)
-TRANSFORMS: dict[
-    str, tuple[Callable[[Callable[..., Any]], Callable[..., Any]], str, bool, bool]
-] = {
-    "jacobian-fwd": (lambda f: dj.jacobian(f, 1, mode="fwd"), "jacobian", False, False),
-    "jacobian-rev": (lambda f: dj.jacobian(f, 1, mode="rev"), "jacobian", False, False),
-    "jacobian-sparse": (lambda f: dj.jacobian(f, 1, mode="sparse"), "jacobian", False, False),
-    "jacobian-auto": (lambda f: dj.jacobian(f, 1), "jacobian", False, False),
-    "divergence-exact-fwd": (
-        lambda f: dj.divergence(f, 1, method="exact", mode="fwd"),
-        "divergence",
-        False,
-        False,
-    ),
-    "divergence-exact-rev": (
-        lambda f: dj.divergence(f, 1, method="exact", mode="rev"),
-        "divergence",
-        False,
-        False,
-    ),
-    "divergence-sparse": (
-        lambda f: dj.divergence(f, 1, method="sparse"),
-        "divergence",
-        False,
-        False,
-    ),
-    "divergence-auto": (lambda f: dj.divergence(f, 1), "divergence", False, False),
-    "divergence-hutchinson": (
-        lambda f: dj.divergence(f, 1, method="hutchinson", num_probes=K),
-        "hutchinson-divergence",
-        False,
-        True,
-    ),
-    "value_and_divergence": (
-        lambda f: dj.value_and_divergence(f, 1),
-        "value-divergence",
-        False,
-        False,
-    ),
-    "grad_divergence": (lambda f: dj.grad_divergence(f, 1), "grad-divergence", False, False),
-    "laplacian-exact": (lambda u: dj.laplacian(u, 1, method="exact"), "laplacian", True, False),
-    "laplacian-sparse": (lambda u: dj.laplacian(u, 1, method="sparse"), "laplacian", True, False),
-    "laplacian-auto": (lambda u: dj.laplacian(u, 1), "laplacian", True, False),
-    "laplacian-hutchinson": (
-        lambda u: dj.laplacian(u, 1, method="hutchinson", num_probes=K),
-        "hutchinson-laplacian",
-        True,
-        True,
-    ),
-    "hessian_diagonal-exact": (
-        lambda u: dj.hessian_diagonal(u, 1, method="exact"),
-        "hessian-diagonal",
-        True,
-        False,
-    ),
-    "hessian_diagonal-sparse": (
-        lambda u: dj.hessian_diagonal(u, 1, method="sparse"),
-        "hessian-diagonal",
-        True,
-        False,
-    ),
-    "hessian_diagonal-hutchinson": (
-        lambda u: dj.hessian_diagonal(u, 1, method="hutchinson", num_probes=K),
-        "hutchinson-diagonal",
-        True,
-        True,
-    ),
-    "hessian": (lambda u: dj.hessian(u, 1), "hessian", True, False),
+CONTEXTS = ("eager-then-jit", "jit-then-eager", "vmap", "grad", "jit-grad", "float32",
+            "python-float")  # fmt: skip
+ARGUMENTS = ("plain", "reached", "equal", "in_place", "functional")
+AXES: dict[str, tuple[Any, ...]] = {
+    "variant": tuple(VARIANTS),
+    "model": tuple(ZOO),
+    "context": CONTEXTS,
+    "argument": ARGUMENTS,
 }
-TRANSFORMS_TAKING_U = {kind: takes_u for _, kind, takes_u, _ in TRANSFORMS.values()}
-CORE = ("jacobian-auto", "divergence-auto", "divergence-hutchinson", "laplacian-auto", "hessian")
-CONTEXTS = (
-    "eager-then-jit",
-    "jit-then-eager",
-    "vmap",
-    "grad",
-    "jit-grad",
-    "float32",
-    "python-float",
-)
 
 
-def _scalar(model: Model) -> Callable[..., jax.Array]:
-    """``u``: one scalar per sample from the model's output."""
-
-    def u(p: Any, x: jax.Array, scale: float = 1.0) -> jax.Array:
-        y = jnp.sin(model.f(p, x, scale))
-        return jnp.sum(y.reshape(y.shape[0], -1), axis=1)
-
-    return u
+def test_every_public_transform_is_in_the_table() -> None:
+    """A transform added to ``divjac.jax.__all__`` is in the matrix the day it lands."""
+    assert set(dj.__all__) - NOT_TRANSFORMS == set(TABLE)
+    assert all(TABLE.values())
 
 
-def _brute_force(
-    kind: str, fun: Callable[..., Any], params: Any, x: jax.Array, extra: tuple, probes: Any
-) -> Any:
-    """What the transform computes, from ``vmap(jacfwd)`` / ``vmap(hessian)`` of one sample."""
-    B, sample = x.shape[0], x.shape[1:]
-    n = math.prod(sample)
+def _allowed(a: str, va: Any, b: str, vb: Any) -> bool:
+    """The pairs that make a case: ``jit``, ``vmap`` and ``grad`` of a variant that returns
+    arrays (not a pattern; a sparse array is not differentiated); ``grad`` w.r.t. parameters
+    that are an argument (not read from a container)."""
+    pair = {a: va, b: vb}
+    context = pair.get("context")
+    if "variant" in pair and context is not None:
+        variant = VARIANTS[pair["variant"]]
+        if context in ("grad", "jit-grad") and not variant.differentiable:
+            return False
+        if context == "vmap" and not variant.differentiable:
+            return False
+    return not (context in ("grad", "jit-grad") and pair.get("argument") == "in_place")
 
-    def one(p: Any, xs: jax.Array) -> jax.Array:
-        return fun(p, xs[None], *extra)[0]
 
-    if kind in ("jacobian", "divergence", "value-divergence", "hutchinson-divergence"):
-        J = jax.vmap(jax.jacfwd(one, 1), (None, 0))(params, x)
-        square = J.reshape(B, n, n)
-        if kind == "jacobian":
-            return J
-        if kind == "hutchinson-divergence" and n > K:
-            v = probes.reshape(K, B, n)
-            return jnp.einsum("kbi,bij,kbj->b", v, square, v) / K
-        div = jnp.trace(square, axis1=1, axis2=2)
-        return (fun(params, x, *extra), div) if kind == "value-divergence" else div
-    if kind == "grad-divergence":
+@dataclass(frozen=True)
+class Case:
+    variant: str
+    model: str
+    context: str
+    argument: str
 
-        def trace(xs: jax.Array) -> jax.Array:
-            return jnp.trace(jax.jacfwd(one, 1)(params, xs).reshape(n, n))
+    @property
+    def id(self) -> str:
+        return f"{self.variant}-{self.model}-{self.context}-{self.argument}"
 
-        return jax.vmap(jax.grad(trace))(x)
-    H = jax.vmap(jax.hessian(one, 1), (None, 0))(params, x)
-    square = H.reshape(B, n, n)
-    if kind == "hessian":
-        return H
-    # A budget of K >= n probes is the exact sum (n directions, no error).
-    if kind == "laplacian" or (kind == "hutchinson-laplacian" and n <= K):
-        return jnp.trace(square, axis1=1, axis2=2)
-    if kind == "hessian-diagonal" or (kind == "hutchinson-diagonal" and n <= K):
-        return jnp.diagonal(square, axis1=1, axis2=2).reshape(x.shape)
-    v = probes.reshape(K, B, n)
-    if kind == "hutchinson-laplacian":
-        return jnp.einsum("kbi,bij,kbj->b", v, square, v) / K
-    return (jnp.einsum("kbi,bij,kbj->bi", v, square, v) / K).reshape(x.shape)
+
+FIRST = tuple(variants[0].id for variants in TABLE.values())
+DEFAULT = [
+    Case(**row) for row in each_value({**AXES, "variant": FIRST, "model": ("mlp",)}, _allowed)
+]
+"""The default run: the MLP, every transform (its first variant) and every value of every
+other axis at least once."""
+SLOW = [c for c in (Case(**row) for row in all_pairs(AXES, _allowed)) if c not in DEFAULT]
+"""The pairwise cover of all the axes (every model)."""
+
+
+# --- the brute force ----------------------------------------------------------------------------
+
+
+def default_times(B: int, dtype: Any) -> jax.Array:
+    return jnp.linspace(0.2, 0.6, B, dtype=dtype)
+
+
+def new_times(B: int, dtype: Any) -> jax.Array:
+    return jnp.linspace(-0.3, 0.5, B, dtype=dtype)
+
+
+def timed(model: Model) -> Callable[..., jax.Array]:
+    """``g(p, x, t, *extra)``: the model at ``x * (1 + t / 2)``, per sample ``t``."""
+
+    def g(p: Any, x: jax.Array, t: jax.Array, *extra: Any) -> jax.Array:
+        return model.f(p, x * (1 + t / 2).reshape(-1, *[1] * (x.ndim - 1)), *extra)
+
+    return g
+
+
+def _shifted(params: Any, shift: float) -> Any:
+    return jax.tree_util.tree_map(lambda a: a + jnp.asarray(shift, a.dtype), params)
 
 
 def _total(tree: Any) -> jax.Array:
     return sum(jnp.sum(leaf) for leaf in jax.tree_util.tree_leaves(tree))
-
-
-def _probes(x: jax.Array) -> jax.Array:
-    """The stochastic methods' fixed Rademacher probes for the batch ``x``."""
-    signs = np.random.default_rng(1).choice([-1.0, 1.0], size=(K, *x.shape))
-    return jnp.asarray(signs, x.dtype)
-
-
-@functools.cache
-def _reference(model_name: str, kind: str, dtype: Any, extra: tuple, form: str) -> Any:
-    """The brute force for a case, under ``jit`` (eager ``vmap(hessian)`` of the U-Net takes
-    seconds per call) and computed once per process for the transforms that share it: ``form``
-    is "value", "vmap" (over a stack of two batches) or "grad" (w.r.t. the parameters)."""
-    model = ZOO[model_name]
-    fun = _scalar(model) if TRANSFORMS_TAKING_U[kind] else model.f
-    params, x = model.init(dtype)
-    probes = _probes(x) if kind.startswith("hutchinson") else None
-    expected = jax.jit(lambda p, x: _brute_force(kind, fun, p, x, extra, probes))
-    if form == "vmap":
-        return jax.vmap(expected, (None, 0))(params, _stacked(x))
-    if form == "grad":
-        return jax.jit(jax.grad(lambda p: _total(expected(p, x))))(params)
-    return expected(params, x)
 
 
 def _stacked(x: jax.Array) -> jax.Array:
@@ -195,75 +128,195 @@ def _stacked(x: jax.Array) -> jax.Array:
     return jnp.stack([x, 0.5 * x + 0.1])
 
 
-def check(model_name: str, transform_name: str, context: str) -> None:
+@functools.cache
+def _reference(
+    model_name: str, variant: str, dtype: Any, extra: tuple, form: str, shift: float, times: str
+) -> Any:
+    """The brute force of a variant at a state (parameters moved by ``shift``, times ``t0``
+    or ``t1``), under ``jit``, once per process: ``form`` is "value", "vmap" (over a stack of
+    two batches) or "grad" (w.r.t. the parameters)."""
     model = ZOO[model_name]
-    build, kind, takes_u, stochastic = TRANSFORMS[transform_name]
-    dtype = jnp.float32 if context == "float32" else jnp.float64
+    params, x = model.init(dtype)
+    params = _shifted(params, shift)
+    B = x.shape[0]
+    t = default_times(B, dtype) if times == "t0" else new_times(B, dtype)
+    expect = VARIANTS[variant].expect
+    g = timed(model)
+    expected = jax.jit(lambda p, x: expect(Brute(g, p, x, t, extra)))
+    if form == "vmap":
+        return jax.vmap(expected, (None, 0))(params, _stacked(x))
+    if form == "grad":
+        return jax.jit(jax.grad(lambda p: _total(expected(p, x))))(params)
+    return expected(params, x)
+
+
+# --- the calls ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Step:
+    """One call: its arguments (after the randomness, before the extra ones), the position of
+    the parameters among them (``None``: read from a container), the state it is made in,
+    and what to do before it."""
+
+    args: tuple[Any, ...]
+    shift: float
+    times: str
+    before: Callable[[], None] = lambda: None
+    params_at: int | None = 0
+    check_grad: bool = False
+    fresh_jit: bool = False  # the function reads a container: a new jit sees its update
+
+
+@dataclass
+class Setup:
+    fn: Callable[..., Any]
+    argnums: int
+    steps: list[Step] = field(default_factory=list)
+
+
+def _setup(case: Case, params: Any, x: jax.Array, dtype: Any) -> Setup:
+    """The function of the case's argument axis and its calls."""
+    model = ZOO[case.model]
+    g = timed(model)
+    B = x.shape[0]
+    t0, t1 = default_times(B, dtype), new_times(B, dtype)
+    if case.argument == "plain":
+
+        def plain(p: Any, x: jax.Array, *extra: Any) -> jax.Array:
+            return g(p, x, t0, *extra)
+
+        return Setup(plain, 1, [Step((params, x), 0.0, "t0")])
+
+    def reaching(p: Any, x: jax.Array, t: jax.Array | None, *extra: Any) -> jax.Array:
+        return g(p, x, t0 if t is None else t, *extra)  # t0 in the closure
+
+    if case.argument == "reached":  # the closure's own times as t, then new times
+        return Setup(
+            reaching, 1, [Step((params, x, t0), 0.0, "t0"), Step((params, x, t1), 0.0, "t1")]
+        )
+    if case.argument == "equal":  # new arrays of equal values
+        copies = jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), (params, x, t1))
+        return Setup(reaching, 1, [Step((params, x, t1), 0.0, "t1"), Step(copies, 0.0, "t1")])
+    if case.argument == "in_place":  # the parameters replaced in the container it reads
+        holder = {"params": params}
+
+        def reading(x: jax.Array, t: jax.Array, *extra: Any) -> jax.Array:
+            return g(holder["params"], x, t, *extra)
+
+        def update() -> None:
+            holder["params"] = _shifted(holder["params"], DELTA)
+
+        return Setup(
+            reading,
+            0,
+            [
+                Step((x, t1), 0.0, "t1", params_at=None, fresh_jit=True),
+                Step((x, t1), DELTA, "t1", before=update, params_at=None, fresh_jit=True),
+            ],
+        )
+    assert case.argument == "functional"  # the parameters, then new ones (an out-of-place step)
+    new = _shifted(params, DELTA)
+    return Setup(
+        reaching,
+        1,
+        [Step((params, x, t1), 0.0, "t1"), Step((new, x, t1), DELTA, "t1", check_grad=True)],
+    )
+
+
+def _lead(variant: Any, x: jax.Array) -> tuple[Any, ...]:
+    if variant.randomness == "probes":
+        return (probes_for(x)[: variant.drawn],)
+    if variant.randomness == "key":
+        return (jax.random.key(KEY_SEED),)
+    return ()
+
+
+def check(case: Case) -> None:
+    """Each call of the case's transformed function gives the brute force's numbers at the
+    state it is made in, in the case's context."""
+    model, variant = ZOO[case.model], VARIANTS[case.variant]
+    dtype = jnp.float32 if case.context == "float32" else jnp.float64
     tol = {"rtol": 2e-4, "atol": 2e-5} if dtype == jnp.float32 else {"rtol": 1e-9, "atol": 1e-11}
     params, x = model.init(dtype)
-    transformed = build(_scalar(model) if takes_u else model.f)
-    extra = (0.7,) if context == "python-float" else ()
-    lead = (_probes(x),) if stochastic else ()
+    extra = (0.7,) if case.context == "python-float" else ()
+    setup = _setup(case, params, x, dtype)
+    fn = setup.fn
+    if variant.scalar:
+        inner = fn
 
-    def call(p: Any, x: jax.Array) -> Any:
-        return transformed(*lead, p, x, *extra)
+        def fn(*args: Any) -> jax.Array:
+            y = jnp.sin(inner(*args))
+            return jnp.sum(y.reshape(y.shape[0], -1), axis=1)
 
-    def same(got: Any, want: Any) -> None:
-        assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    dj.clear_caches()
+    transformed = variant.build(fn, setup.argnums, (*setup.steps[0].args, *extra))
+    lead = _lead(variant, x)
+
+    def call(*args: Any) -> Any:
+        return transformed(*lead, *args, *extra)
+
+    def same(got: Any, want: Any, what: str) -> None:
+        if variant.compare == "covers":
+            got = variant.out(got)
+            assert got.shape == want.shape, what
+            assert not bool(jnp.any(want & ~got)), f"{what}: the pattern misses nonzeros"
+            return
+        got = variant.out(got)
+        assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want), what
         for g, w in zip(
             jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True
         ):
-            assert g.dtype == w.dtype, (g.dtype, w.dtype)
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), **tol)
+            assert g.dtype == w.dtype, (what, g.dtype, w.dtype)
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), err_msg=what, **tol)
 
-    if context in ("eager-then-jit", "float32", "python-float"):
-        want = _reference(model_name, kind, dtype, extra, "value")
-        same(call(params, x), want)
-        same(jax.jit(call)(params, x), want)
-    elif context == "jit-then-eager":
-        want = _reference(model_name, kind, dtype, extra, "value")
-        same(jax.jit(call)(params, x), want)
-        same(call(params, x), want)
-    elif context == "vmap":
-        want = _reference(model_name, kind, dtype, extra, "vmap")
-        same(jax.vmap(call, (None, 0))(params, _stacked(x)), want)
-    else:
-        assert context in ("grad", "jit-grad")
-        grad = jax.grad(lambda p: _total(call(p, x)))
-        got = (jax.jit(grad) if context == "jit-grad" else grad)(params)
-        same(got, _reference(model_name, kind, dtype, extra, "grad"))
+    jitted = jax.jit(call) if variant.traceable else call
+    for k, step in enumerate(setup.steps):
+        step.before()
+        what = f"call {k + 1}"
+        if step.fresh_jit and variant.traceable:
+            jitted = jax.jit(lambda *a: call(*a))
 
+        def want(form: str, step: Step = step) -> Any:
+            return _reference(case.model, case.variant, dtype, extra, form, step.shift, step.times)
 
-DEFAULT = (
-    [
-        ("mlp", t, "eager-then-jit")
-        for t in (
-            "jacobian-auto",
-            "jacobian-rev",
-            "divergence-exact-fwd",
-            "divergence-hutchinson",
-            "value_and_divergence",
-            "grad_divergence",
-            "laplacian-exact",
-            "hessian_diagonal-hutchinson",
-            "hessian",
-        )
-    ]
-    + [("cnn", "divergence-sparse", "jit-then-eager")]
-    + [("mlp", "divergence-auto", c) for c in ("vmap", "jit-grad", "float32", "python-float")]
-)
-FULL = [(m, t, "eager-then-jit") for m in ZOO for t in TRANSFORMS] + [
-    (m, t, c) for m in ZOO for t in CORE for c in CONTEXTS if c != "eager-then-jit"
-]
-SLOW = [case for case in FULL if case not in DEFAULT]
+        if case.context in ("eager-then-jit", "float32", "python-float"):
+            same(call(*step.args), want("value"), what)
+            same(jitted(*step.args), want("value"), f"{what} (jit)")
+        elif case.context == "jit-then-eager":
+            same(jitted(*step.args), want("value"), f"{what} (jit)")
+            same(call(*step.args), want("value"), what)
+        elif case.context == "vmap":
+            axes = [None] * len(step.args)
+            axes[setup.argnums] = 0
+            stacked = list(step.args)
+            stacked[setup.argnums] = _stacked(x)
+            same(jax.vmap(call, tuple(axes))(*stacked), want("vmap"), f"{what} (vmap)")
+        else:
+            assert case.context in ("grad", "jit-grad") and step.params_at == 0
+            grad = jax.grad(lambda p, *rest: _total(call(p, *rest)))
+            got = (jax.jit(grad) if case.context == "jit-grad" else grad)(*step.args)
+            same(got, want("grad"), f"{what} (grad)")
+        if step.check_grad and variant.differentiable and case.context not in ("grad", "jit-grad"):
+            got = jax.grad(lambda p, *rest: _total(call(p, *rest)))(*step.args)
+            same(got, want("grad"), f"{what}: gradient w.r.t. the new parameters")
 
 
-@pytest.mark.parametrize(("model", "transform", "context"), DEFAULT)
-def test_context(model: str, transform: str, context: str) -> None:
-    check(model, transform, context)
+@pytest.mark.parametrize("case", DEFAULT, ids=lambda c: c.id)
+def test_context_matrix(case: Case) -> None:
+    check(case)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("model", "transform", "context"), SLOW)
-def test_context_matrix(model: str, transform: str, context: str) -> None:
-    check(model, transform, context)
+@pytest.mark.parametrize("case", SLOW, ids=lambda c: c.id)
+def test_context_matrix_pairwise(case: Case) -> None:
+    check(case)
+
+
+def test_the_matrix_covers_its_axes() -> None:
+    """The default run holds every variant and every value of every axis on the MLP, the slow
+    run every pair of values of two axes."""
+    for name, values in {**AXES, "variant": FIRST, "model": ("mlp",)}.items():
+        assert {getattr(c, name) for c in DEFAULT} == set(values), name
+    rows = [{name: getattr(c, name) for name in AXES} for c in DEFAULT + SLOW]
+    assert not missing_pairs(AXES, rows, _allowed)

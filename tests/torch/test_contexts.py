@@ -1,13 +1,23 @@
-"""The context matrix of the torch transforms (issue 22): every transform x method x mode of a
-model zoo (:mod:`tests.torch.zoo`) under ``no_grad``, ``inference_mode`` (with inference-tensor
-inputs, and a model built under it), ``enable_grad`` inside ``no_grad``, inference-tensor inputs
-with grad on (made under ``inference_mode``, differentiated outside it), an input that requires
-grad, float32 and ``torch.compile``, each against a float64 brute force: per-sample
-``torch.func.jacrev`` / ``hessian`` loops, and the stochastic methods with fixed probes against
-the same probes applied to the brute-force Jacobian or Hessian.
+"""The context matrix of the torch transforms (issues 22 and 41): every public transform, with
+every method and mode (the table of :mod:`tests.torch.transforms`), on a model zoo
+(:mod:`tests.torch.zoo`), against a float64 brute force, along six axes:
 
-The default run covers every context on the MLP and the inference-mode and no-grad contexts of
-every model; the rest of the product is marked ``slow``
+- the grad mode around the call: grad on, ``no_grad``, ``inference_mode`` (with inference-tensor
+  inputs), ``enable_grad`` inside ``no_grad``, inference-tensor inputs with grad on (made under
+  ``inference_mode``, differentiated outside it), an input that requires grad, a model built
+  (and called) under ``inference_mode``;
+- float64 or float32; called plainly or under ``torch.compile``;
+- how the arguments change between two calls of one transformed function (the argument axes
+  that found issue 41's stale bi-Laplacian): none (one call, the times ``t`` read from the
+  module's buffer), the buffer itself passed as ``t`` and then new times, new tensors of equal
+  values, an in-place update of the parameters, and the parameters passed functionally
+  (``torch.func.functional_call``): the module's own, then new tensors after an out-of-place
+  step, whose gradients are checked too.
+
+Every call is checked against the brute force at the state it is made in. The axes are covered
+pairwise (:mod:`tests.pairwise`: every two values of any two axes in some case), not as their
+product. The default run is the MLP with every variant once and every value of every axis at
+least once; the pairwise cover of all the models is marked ``slow``
 (``pytest -m slow tests/torch/test_contexts.py``).
 """
 
@@ -21,13 +31,22 @@ from typing import Any
 
 import pytest
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import divjac.torch as dj
 from divjac import OptionError, StateUpdateError
-from divjac._core.estimators import estimate_trace
+from tests.pairwise import all_pairs, each_value, missing_pairs
 
-from .zoo import ZOO, RunningScale
+from .transforms import (
+    NOT_TRANSFORMS,
+    SEED,
+    TABLE,
+    VARIANTS,
+    K,
+    Truth,
+    Variant,
+    reference_mode,
+)
+from .zoo import ZOO, RunningScale, Timed, new_times, timed
 
 pytestmark = pytest.mark.filterwarnings(
     # torch's own notice when dynamo traces autograd ops; and the nested-tensor notice of
@@ -36,372 +55,358 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:enable_nested_tensor:UserWarning",
 )
 
-K = 6  # probes of the stochastic methods (a budget that Hutch++ and XTrace accept)
+DELTA = 0.05  # the parameters' update between two calls (in place, or out of place)
 
 
-def _drawn(method: str) -> int:
-    """The random vectors a stochastic divergence draws for a budget of ``K`` matvecs."""
-    return {"hutchinson": K, "hutch++": K * 2 // 3, "xtrace": K // 2}[method]
-
-
-def _one(f: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda xs: f(xs[None])[0]
-
-
-def _u(f: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A scalar per sample built on ``f`` (for the second-order transforms)."""
-    return lambda x: torch.sin(f(x)).flatten(1).sum(1)
+def test_every_public_transform_is_in_the_table() -> None:
+    """A transform added to ``divjac.torch.__all__`` is in the matrix the day it lands."""
+    assert set(dj.__all__) - NOT_TRANSFORMS == set(TABLE)
+    assert all(TABLE.values())
 
 
 # --- the brute force ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Truth:
-    """Per-sample float64 derivatives of a zoo model by ``torch.func`` loops over samples."""
-
-    jac: torch.Tensor  # (B, n_out, n_in), flat
-    value: torch.Tensor
-    grad_div: torch.Tensor  # (B, *in)
-    hess: torch.Tensor  # of _u, (B, n_in, n_in)
-    probes: torch.Tensor  # (K, B, *in), Rademacher
-
-    @property
-    def div(self) -> torch.Tensor:
-        return self.jac.diagonal(0, 1, 2).sum(-1)
-
-    def core_probes(self) -> torch.Tensor:
-        return self.probes.flatten(2).permute(1, 2, 0)  # (B, n, K)
-
-    def stochastic(self, method: str, *, transposed: bool = False) -> torch.Tensor:
-        """The estimate of ``method`` with :attr:`probes`, on the brute-force Jacobian (or its
-        transpose)."""
-        probes = self.core_probes()
-        jac = self.jac.transpose(1, 2) if transposed else self.jac
-        if method == "hutchinson" and probes.shape[-1] >= probes.shape[1]:
-            return jac.diagonal(dim1=1, dim2=2).sum(1)  # a budget of n probes: exact
-        if method == "hutchinson":
-            return ((jac @ probes) * probes).sum(1).mean(-1)
-        return estimate_trace(method, lambda V: jac @ V, probes[..., : _drawn(method)])[0]
-
-    def hutchinson_hessian(self, diagonal: bool) -> torch.Tensor:
-        probes = self.core_probes()
-        if probes.shape[-1] >= probes.shape[1]:  # a budget of n probes is the exact sweep
-            exact = self.hess.diagonal(dim1=1, dim2=2)
-            return exact if diagonal else exact.sum(1)
-        terms = (self.hess @ probes) * probes  # (B, n, K)
-        return terms.mean(-1) if diagonal else terms.sum(1).mean(-1)
-
-
 @functools.cache
-def truth(name: str) -> Truth:
-    model = ZOO[name]
-    f, x = model.make(), model.input()
-    f1, u1 = _one(f), _one(_u(f))
-    B = x.shape[0]
-    # Reverse passes one row at a time (torch.autograd.functional, not vectorized): torch's
-    # vmap-batched derivatives are wrong for some kernels (the Hessian of linalg.solve in
-    # torch 2.13 for every sample but the first). The math form of attention: torch.func has
-    # no batching rule for the fused kernels' backward.
-    jacobian = torch.autograd.functional.jacobian
-    with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
-        jac = torch.stack([jacobian(f1, x[b]) for b in range(B)]).reshape(B, -1, x[0].numel())
-
-        def grad_of_div(s: torch.Tensor) -> torch.Tensor:
-            s = s.detach().clone().requires_grad_()
-            div = jacobian(f1, s, create_graph=True).reshape(s.numel(), -1).trace()
-            return torch.autograd.grad(div, s)[0]
-
-        grad_div = torch.stack([grad_of_div(x[b]) for b in range(B)])
-        hess = torch.stack([torch.autograd.functional.hessian(u1, x[b]) for b in range(B)])
-        value = f(x)
-    g = torch.Generator().manual_seed(2)
-    probes = (2 * torch.randint(0, 2, (K, *x.shape), generator=g) - 1).to(x.dtype)
-    n = x[0].numel()
-    return Truth(
-        jac.detach(), value.detach(), grad_div.detach(), hess.reshape(B, n, n).detach(), probes
-    )
-
-
-# --- the transforms -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Case:
-    """One transform, method and mode: what it computes and what the brute force says."""
-
-    id: str
-    run: Callable[[Any, torch.Tensor, torch.Tensor], Any]  # (f, x, probes) -> result
-    expect: Callable[[Truth], Any]
-    scalar: bool = False  # run takes the scalar u = _u(f) of the model f
-
-
-def _cases() -> list[Case]:
-    cases = []
-    for mode in ("auto", "fwd", "rev", "sparse"):
-        cases.append(
-            Case(
-                f"jacobian-{mode}",
-                lambda f, x, p, mode=mode: (
-                    dj.jacobian(f, mode=mode)(x)
-                    .flatten(1, x.ndim - 1)
-                    .reshape(x.shape[0], -1, x[0].numel())
-                ),
-                lambda t: t.jac,
-            )
-        )
-    for method in ("auto", "exact", "sparse"):
-        for mode in ("auto", "fwd", "rev"):
-            cases.append(
-                Case(
-                    f"divergence-{method}-{mode}",
-                    lambda f, x, p, method=method, mode=mode: dj.divergence(
-                        f, method=method, mode=mode
-                    )(x),
-                    lambda t: t.div,
-                )
-            )
-    # Hutch++ and XTrace sketch the Jacobian that the passes apply: J in columns (fwd), J^T in
-    # rows (rev): two unbiased estimates, each a deterministic function of the probes.
-    for method, mode in (("hutchinson", "auto"), ("hutch++", "fwd"), ("hutch++", "rev"),
-                         ("xtrace", "fwd"), ("xtrace", "rev")):  # fmt: skip
-        cases.append(
-            Case(
-                "divergence-hutchinson"
-                if method == "hutchinson"
-                else f"divergence-{method}-{mode}",
-                lambda f, x, p, method=method, mode=mode: dj.divergence(
-                    f, method=method, mode=mode, num_probes=K
-                )(p[: _drawn(method)], x),
-                lambda t, method=method, mode=mode: t.stochastic(method, transposed=mode == "rev"),
-            )
-        )
-    for mode in ("auto", "fwd", "rev"):
-        cases.append(
-            Case(
-                f"value_and_divergence-{mode}",
-                lambda f, x, p, mode=mode: dj.value_and_divergence(f, mode=mode)(x),
-                lambda t: (t.value, t.div),
-            )
-        )
-        cases.append(
-            Case(
-                f"grad_divergence-{mode}",
-                lambda f, x, p, mode=mode: dj.grad_divergence(f, mode=mode)(x),
-                lambda t: t.grad_div,
-            )
-        )
-    for method in ("auto", "exact", "sparse"):
-        cases.append(
-            Case(
-                f"laplacian-{method}",
-                lambda u, x, p, method=method: dj.laplacian(u, method=method)(x),
-                lambda t: t.hess.diagonal(0, 1, 2).sum(-1),
-                scalar=True,
-            )
-        )
-        cases.append(
-            Case(
-                f"hessian_diagonal-{method}",
-                lambda u, x, p, method=method: dj.hessian_diagonal(u, method=method)(x).flatten(1),
-                lambda t: t.hess.diagonal(0, 1, 2),
-                scalar=True,
-            )
-        )
-    cases.append(
-        Case(
-            "laplacian-hutchinson",
-            lambda u, x, p: dj.laplacian(u, method="hutchinson", num_probes=K)(p, x),
-            lambda t: t.hutchinson_hessian(diagonal=False),
-            scalar=True,
-        )
-    )
-    cases.append(
-        Case(
-            "hessian_diagonal-hutchinson",
-            lambda u, x, p: dj.hessian_diagonal(u, method="hutchinson", num_probes=K)(p, x).flatten(
-                1
-            ),
-            lambda t: t.hutchinson_hessian(diagonal=True),
-            scalar=True,
-        )
-    )
-    return cases
-
-
-CASES = {case.id: case for case in _cases()}
+def truth(model: str, shift: float, times: str) -> tuple[Truth, dict[str, torch.Tensor]]:
+    """The brute force of the :class:`Timed` model with every parameter moved by ``shift``, at
+    its default times (``times="t0"``) or :func:`new_times` (``"t1"``); and its parameters
+    (leaves, for the gradients of the functional calls)."""
+    module = timed(ZOO[model])
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(shift)
+    x = ZOO[model].input()
+    t = module.t0 if times == "t0" else new_times(x.shape[0])
+    return Truth(lambda x: module(x, t), x), dict(module.named_parameters())
 
 
 # --- the contexts -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Context:
-    """How a transform is called: the grad mode around it, the input and the model."""
-
-    id: str
-    dtype: torch.dtype = torch.float64
-    grad: str = "grad"  # "grad", "no_grad", "inference", "enable_grad"
-    requires_grad: bool = False
-    model_in_inference: bool = False  # the model (its parameters) built under inference mode
-    input_in_inference: bool = False  # the input and probes made under inference mode
-    compiled: bool = False
-
-    def around(self) -> contextlib.AbstractContextManager[Any]:
-        if self.grad == "no_grad":
-            return torch.no_grad()
-        if self.grad == "inference":
-            return torch.inference_mode()
-        if self.grad == "enable_grad":
-            return _enable_grad_in_no_grad()
-        return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _enable_grad_in_no_grad() -> Iterator[None]:
-    with torch.no_grad(), torch.enable_grad():
-        yield
-
-
-CONTEXTS = {
-    c.id: c
-    for c in (
-        Context("grad"),
-        Context("no_grad", grad="no_grad"),
-        Context("inference_mode", grad="inference"),
-        Context("inference_mode_model", grad="inference", model_in_inference=True),
-        Context("enable_grad", grad="enable_grad"),
-        Context("inference_input", input_in_inference=True),  # called outside inference mode
-        Context("input_requires_grad", requires_grad=True),
-        Context("float32", dtype=torch.float32),
-        Context("compile", compiled=True),
-    )
+GRADS = ("grad", "no_grad", "inference", "enable_grad", "inference_input", "requires_grad",
+         "inference_model")  # fmt: skip
+GRAD_OFF = ("no_grad", "inference", "inference_model")
+INFERENCE_INPUTS = ("inference", "inference_input", "inference_model")
+ARGUMENTS = ("plain", "reached", "equal", "in_place", "functional")
+AXES: dict[str, tuple[Any, ...]] = {
+    "variant": tuple(VARIANTS),
+    "model": tuple(ZOO),
+    "grad": GRADS,
+    "dtype": ("float64", "float32"),
+    "compiled": (False, True),
+    "argument": ARGUMENTS,
 }
-
-# The cases run in each context (every case runs with grad on): the ones whose passes a
-# context changes (tape or torch.func, graph or not) under no_grad and inference_mode, and one
-# per transform in the other contexts.
-_SENSITIVE = {"jacobian-auto", "jacobian-fwd", "jacobian-rev", "divergence-auto-auto",
-              "divergence-auto-fwd", "divergence-auto-rev", "divergence-hutchinson",
-              "value_and_divergence-auto", "grad_divergence-auto", "laplacian-auto",
-              "laplacian-hutchinson", "hessian_diagonal-auto"}  # fmt: skip
-_CORE = {"jacobian-auto", "divergence-auto-auto", "divergence-hutchinson",
-         "value_and_divergence-auto", "grad_divergence-auto", "laplacian-auto"}  # fmt: skip
-# torch.compile (the stochastic methods take their probes as a tensor argument).
-_COMPILED = {"jacobian-auto", "divergence-auto-auto", "divergence-exact-fwd",
-             "divergence-hutchinson", "value_and_divergence-auto", "laplacian-exact"}  # fmt: skip
-
-
-def _included(model: str, case: str, context: str) -> bool:
-    """The matrix: every case and context of the MLP; of the other models every case with
-    grad on, the context-sensitive ones under no_grad and inference_mode, one per transform
-    in the other contexts, two compiled."""
-    if context == "compile":
-        return case in (_COMPILED if model == "mlp" else {"jacobian-auto", "divergence-auto-auto"})
-    if model == "mlp" or context == "grad":
-        return True
-    if context in ("no_grad", "inference_mode"):
-        return case in _SENSITIVE
-    return case in _CORE
-
-
-def _fast(model: str, case: str, context: str) -> bool:
-    """The default run: every context of the MLP (one compiled case), and three cases of
-    every model under inference_mode and no_grad."""
-    if context == "compile":
-        return model == "mlp" and case == "divergence-auto-auto"
-    if model == "mlp":
-        return True
-    return context in ("inference_mode", "no_grad") and case in (
-        "jacobian-auto",
-        "divergence-auto-auto",
-        "laplacian-auto",
-    )
-
 
 # Not run: dynamo fails inside torch.func.jvp (torch 2.13: its fake group_norm hits the
 # _fw_primal assert) and leaves torch.func's interpreter stack behind, which breaks every later
 # torch.func call of the process.
 _BROKEN = {("unet", "compile")}
+COMPILED_BY_DEFAULT = ("divergence-auto-auto", "laplacian-exact")
 
 
-def _params() -> list[Any]:
-    found = []
-    for model in ZOO:
-        for case in CASES:
-            for context in CONTEXTS:
-                if not _included(model, case, context) or (model, context) in _BROKEN:
-                    continue
-                marks: list[Any] = [] if _fast(model, case, context) else [pytest.mark.slow]
-                found.append(pytest.param(model, case, context, marks=marks))
-    return found
+def _allowed(a: str, va: Any, b: str, vb: Any) -> bool:
+    """The pairs of axis values that make a case: a compiled call of a variant that compiles
+    (not a pattern or a sparse tensor, nor a generator's draws), of a model dynamo traces, of
+    ordinary inputs."""
+    pair = {a: va, b: vb}
+    if pair.get("compiled") is True:
+        if "variant" in pair and not VARIANTS[pair["variant"]].compiles:
+            return False
+        if (pair.get("model"), "compile") in _BROKEN:
+            return False
+        # With grad on, torch itself refuses inference-tensor inputs to a model, compiled or
+        # not ("Inference tensors cannot be saved for backward"); divjac's eager passes
+        # take copies (the inference_input context), a compiled program gets torch's error.
+        if pair.get("grad") == "inference_input":
+            return False
+    return True
 
 
-def _model_and_input(name: str, context: Context) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    model, t = ZOO[name], truth(name)
-    with torch.inference_mode(context.model_in_inference):
-        f = model.make(context.dtype)
-    x, probes = model.input(context.dtype), t.probes.to(context.dtype)
-    if context.grad == "inference" or context.input_in_inference:  # inference tensors
+@dataclass(frozen=True)
+class Case:
+    variant: str
+    model: str
+    grad: str
+    dtype: str
+    compiled: bool
+    argument: str
+
+    @property
+    def id(self) -> str:
+        return "-".join(
+            [self.variant, self.model, self.grad, self.dtype]
+            + (["compiled"] if self.compiled else [])
+            + [self.argument]
+        )
+
+
+def _rows(rows: list[dict[str, Any]]) -> list[Case]:
+    return [Case(**row) for row in rows]
+
+
+_EAGER = {**AXES, "compiled": (False,)}
+_COMPILED = {
+    **AXES,
+    "variant": tuple(v for v in VARIANTS if VARIANTS[v].compiles),
+    "model": tuple(m for m in ZOO if (m, "compile") not in _BROKEN),
+    "grad": tuple(g for g in GRADS if _allowed("grad", g, "compiled", True)),
+    "compiled": (True,),
+}
+FIRST = tuple(variants[0].id for variants in TABLE.values())
+DEFAULT = list(
+    dict.fromkeys(
+        _rows(each_value({**_EAGER, "model": ("mlp",)}, _allowed))
+        + [
+            Case(v, "mlp", "grad", "float64", False, argument)
+            for v in FIRST
+            for argument in ("reached", "functional")
+        ]
+        + [Case(v, "mlp", "grad", "float64", True, "in_place") for v in COMPILED_BY_DEFAULT]
+    )
+)
+"""The default run: the MLP, every variant once and every value of every axis at least once;
+every transform with the two argument axes that found issue 41's stale bi-Laplacian; two
+compiled calls (a compilation costs seconds)."""
+SLOW = [
+    c
+    for c in _rows(all_pairs(_EAGER, _allowed)) + _rows(each_value(_COMPILED, _allowed))
+    if c not in DEFAULT
+]
+"""A pairwise cover of all the axes: the uncompiled cases pairwise, and the compiled ones with
+every value of every axis (so that every pair with ``compiled=True`` is held too, and a failed
+compilation hides no argument axis of an uncompiled case)."""
+
+
+@contextlib.contextmanager
+def _around(grad: str) -> Iterator[None]:
+    if grad == "no_grad":
+        with torch.no_grad():
+            yield
+    elif grad in ("inference", "inference_model"):
         with torch.inference_mode():
-            x, probes = x.clone(), probes.clone()
-    if context.requires_grad:
-        x.requires_grad_()
-    return f, x, probes
+            yield
+    elif grad == "enable_grad":
+        with torch.no_grad(), torch.enable_grad():
+            yield
+    else:
+        yield
 
 
-def _close(got: Any, want: Any, dtype: torch.dtype) -> None:
+def _close(got: Any, want: Any, dtype: torch.dtype, what: str = "") -> None:
     if isinstance(want, tuple):
-        assert isinstance(got, tuple) and len(got) == len(want)
-        for g, w in zip(got, want, strict=True):
-            _close(g, w, dtype)
+        assert isinstance(got, tuple) and len(got) == len(want), what
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            _close(g, w, dtype, f"{what}[{i}]")
         return
     tol = {"rtol": 1e-7, "atol": 1e-9} if dtype == torch.float64 else {"rtol": 2e-4, "atol": 2e-5}
-    assert got.dtype == dtype
-    torch.testing.assert_close(got.detach().to(torch.float64), want.reshape(got.shape), **tol)
+    assert got.dtype == dtype, what
+    torch.testing.assert_close(
+        got.detach().to(torch.float64),
+        want.detach().reshape(got.shape),
+        msg=lambda m: f"{what}: {m}",
+        **tol,
+    )
 
 
 def _leaves(result: Any) -> list[torch.Tensor]:
     return list(result) if isinstance(result, tuple) else [result]
 
 
-@pytest.mark.parametrize(("model", "case", "context"), _params())
-def test_context_matrix(model: str, case: str, context: str) -> None:
-    """The transform gives the brute force's numbers in the context; under ``no_grad`` and
-    ``inference_mode`` its results carry no graph, with grad on they carry the parameters'."""
-    ctx, the_case = CONTEXTS[context], CASES[case]
-    f, x, probes = _model_and_input(model, ctx)
-    run = the_case.run
-    if ctx.compiled:
-        torch._dynamo.reset()
-        run = torch.compile(the_case.run, fullgraph=True, backend="aot_eager")
-        if model == "lstm":  # refused, with divjac's reason
-            with pytest.raises(Exception, match=r"CompileError: divjac under .*recurrent layer"):
-                run(f, x, probes)
-            return
-    forward = case.endswith("-fwd") or "-fwd-" in case
-    gradient = case.startswith("grad_divergence") or ctx.requires_grad
-    if model == "solve" and forward and gradient and ctx.grad not in ("no_grad", "inference"):
-        # torch differentiates linalg's forward derivatives wrong: a gradient through
-        # forward passes of a solve is refused, naming the kernel
-        with ctx.around(), pytest.raises(OptionError, match=r"mode='fwd'.*_linalg_solve"):
-            run(_u(f) if the_case.scalar else f, x, probes)
+def _inference_copy(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    with torch.inference_mode():
+        return tuple(t.clone() for t in tensors)
+
+
+@dataclass
+class Step:
+    """One call: its arguments (after the randomness), the brute-force state it is made in
+    (parameters moved by ``shift``, times ``t0`` or ``t1``), and what to do before it."""
+
+    args: tuple[Any, ...]
+    shift: float
+    times: str
+    before: Callable[[], None] = lambda: None
+    new_params: dict[str, torch.Tensor] | None = None  # whose gradients are checked
+
+
+def _steps(case: Case, module: Timed, x: torch.Tensor, t: torch.Tensor) -> list[Step]:
+    """The calls of the case's argument axis (x and t as the grad context made them)."""
+    inference_inputs = case.grad in INFERENCE_INPUTS
+    if case.argument == "plain":
+        return [Step((x,), 0.0, "t0")]
+    if case.argument == "reached":  # the buffer as t, then new times
+        return [Step((x, module.t0), 0.0, "t0"), Step((x, t), 0.0, "t1")]
+    if case.argument == "equal":  # new tensors, equal values
+        x2, t2 = _inference_copy(x, t) if inference_inputs else (x.detach().clone(), t.clone())
+        x2.requires_grad_(x.requires_grad)
+        return [Step((x, t), 0.0, "t1"), Step((x2, t2), 0.0, "t1")]
+    if case.argument == "in_place":
+
+        def update() -> None:
+            with torch.inference_mode() if case.grad == "inference_model" else torch.no_grad():
+                for p in module.parameters():
+                    p.add_(DELTA)
+
+        return [Step((x, t), 0.0, "t1"), Step((x, t), DELTA, "t1", before=update)]
+    assert case.argument == "functional"
+    own = dict(module.named_parameters())
+    new = {k: (p.detach() + DELTA).requires_grad_() for k, p in own.items()}
+    return [Step((own, x, t), 0.0, "t1"), Step((new, x, t), DELTA, "t1", new_params=new)]
+
+
+def _function(case: Case, variant: Variant, module: Timed) -> tuple[Callable[..., Any], int]:
+    """The function the transform takes and the position of ``x`` in its arguments."""
+    fn: Callable[..., Any] = module
+    argnums = 0
+    if case.argument == "functional":
+
+        def fn(params: dict[str, torch.Tensor], *args: Any) -> Any:
+            return torch.func.functional_call(module, params, args)
+
+        argnums = 1
+    if variant.scalar:
+        inner = fn
+        fn = lambda *args: torch.sin(inner(*args)).flatten(1).sum(1)  # noqa: E731
+    return fn, argnums
+
+
+def _lead(variant: Variant, probes: torch.Tensor) -> tuple[Any, ...]:
+    if variant.randomness == "probes":
+        return (probes[: variant.drawn],)
+    if variant.randomness == "generator":
+        return (torch.Generator().manual_seed(SEED),)
+    return ()
+
+
+def _check_result(
+    case: Case, variant: Variant, result: Any, step: Step, dtype: torch.dtype, k: int
+) -> None:
+    what = f"call {k + 1}"
+    t, params = truth(case.model, step.shift, step.times)
+    want = variant.expect(t, dtype)
+    got = variant.out(result)
+    if variant.compare == "covers":
+        assert got.shape == want.shape
+        assert not bool((want & ~got).any()), f"{what}: the pattern misses nonzeros"
         return
-    with ctx.around():
-        result = run(_u(f) if the_case.scalar else f, x, probes)
-    _close(result, the_case.expect(truth(model)), ctx.dtype)
-    has_params = any(p.requires_grad for p in getattr(f, "parameters", list)())
+    _close(got, want, dtype, what)
+    if not variant.differentiable:
+        return
+    grad_on = case.grad not in GRAD_OFF
     for leaf in _leaves(result):
-        if ctx.grad in ("no_grad", "inference"):
-            assert not leaf.requires_grad
-        elif (has_params or ctx.requires_grad) and not ctx.model_in_inference:
-            assert leaf.requires_grad
-    if ctx.requires_grad and case == "divergence-auto-auto":  # backpropagates to the input
-        (grad,) = torch.autograd.grad(result.sum(), x)
-        _close(grad, truth(model).grad_div, ctx.dtype)
+        assert leaf.requires_grad == grad_on, what
+    if step.new_params is not None and grad_on:
+        names = list(step.new_params)
+        got_grads = torch.autograd.grad(
+            sum(leaf.sum() for leaf in _leaves(result)),
+            [step.new_params[n] for n in names],
+            allow_unused=True,
+        )
+        with reference_mode():
+            total = sum(leaf.sum() for leaf in _leaves(variant.expect(t, dtype)))
+            want_grads = torch.autograd.grad(
+                total, [params[n] for n in names], allow_unused=True, retain_graph=True
+            )
+        for name, g, w in zip(names, got_grads, want_grads, strict=True):
+            if w is None:
+                continue
+            assert g is not None, f"{what}: no gradient w.r.t. the new parameter {name!r}"
+            _close(g, w, dtype, f"{what}: gradient w.r.t. {name!r}")
+
+
+def check(case: Case) -> None:
+    """Each call of the case's transformed function gives the brute force's numbers at the
+    state it is made in; under ``no_grad`` and ``inference_mode`` its results carry no graph,
+    with grad on they carry the parameters', and their gradients w.r.t. parameters passed
+    functionally are the brute force's."""
+    variant, model = VARIANTS[case.variant], ZOO[case.model]
+    dtype = getattr(torch, case.dtype)
+    dj.clear_caches()
+    with torch.inference_mode(case.grad == "inference_model"):
+        module = timed(model, dtype)
+    x, t = model.input(dtype), new_times(model.shape[0], dtype)
+    probes = truth(case.model, 0.0, "t0")[0].probes.to(dtype)
+    if case.grad in INFERENCE_INPUTS:  # inference tensors
+        x, t, probes = _inference_copy(x, t, probes)
+    if case.grad == "requires_grad":
+        x.requires_grad_()
+    fn, argnums = _function(case, variant, module)
+    steps = _steps(case, module, x, t)
+    with _around(case.grad):
+        transformed = variant.build(fn, argnums, steps[0].args)
+    run = transformed
+    if case.compiled:
+        torch._dynamo.reset()
+        run = torch.compile(lambda *a: transformed(*a), fullgraph=True, backend="aot_eager")
+        if case.model == "lstm":  # refused, with divjac's reason
+            with pytest.raises(Exception, match=r"CompileError: divjac under .*recurrent layer"):
+                run(*_lead(variant, probes), *steps[0].args)
+            return
+    forward = "-fwd" in case.variant
+    gradient = case.variant.startswith("grad_divergence") or case.grad == "requires_grad"
+    if case.model == "solve" and forward and gradient:
+        # torch differentiates linalg's forward derivatives wrong: a gradient through
+        # forward passes of a solve is refused, naming the kernel (under torch.compile,
+        # wrapped by dynamo)
+        with _around(case.grad), pytest.raises(Exception, match=r"mode='fwd'.*_linalg_solve") as e:
+            run(*_lead(variant, probes), *steps[0].args)
+        assert case.compiled or e.type is OptionError
+        return
+    if case.variant == "hessian-fwd" and case.model in ("unet", "transformer"):
+        # attention's backward has no forward derivative: refused, naming the kernel
+        with _around(case.grad), pytest.raises(Exception, match=r"mode='fwd'.*attention"):
+            run(*_lead(variant, probes), *steps[0].args)
+        return
+    for k, step in enumerate(steps):
+        step.before()
+        with _around(case.grad):
+            result = run(*_lead(variant, probes), *step.args)
+        _check_result(case, variant, result, step, dtype, k)
+    if case.grad == "requires_grad" and case.variant == "divergence-auto-auto":
+        # backpropagates to the input
+        (grad,) = torch.autograd.grad(result.sum(), steps[-1].args[argnums])
+        _close(grad, truth(case.model, 0.0, steps[-1].times)[0].grad_div, dtype)
+
+
+@pytest.mark.parametrize("case", DEFAULT, ids=lambda c: c.id)
+def test_context_matrix(case: Case) -> None:
+    check(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW, ids=lambda c: c.id)
+def test_context_matrix_pairwise(case: Case) -> None:
+    check(case)
+
+
+def test_the_matrix_covers_its_axes() -> None:
+    """The default run holds every variant and every value of every axis on the MLP, the slow
+    run every pair of values of two axes."""
+    for name, values in AXES.items():
+        held = {getattr(c, name) for c in DEFAULT}
+        assert held == ({"mlp"} if name == "model" else set(values)), name
+    assert {(c.variant, c.argument) for c in DEFAULT} >= {(v, "reached") for v in FIRST}
+    rows = [{name: getattr(c, name) for name in AXES} for c in DEFAULT + SLOW]
+    assert not missing_pairs(AXES, rows, _allowed)
 
 
 # --- defect 1: inference mode -------------------------------------------------------------------
+
+
+@functools.cache
+def plain_truth(name: str) -> Truth:
+    """The brute force of the zoo model itself (not :class:`Timed`)."""
+    model = ZOO[name]
+    return Truth(model.make(), model.input())
+
+
+def _mlp(*, inference_inputs: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The zoo's MLP, its input and the fixed probes (inference tensors, or not)."""
+    f, x, probes = ZOO["mlp"].make(), ZOO["mlp"].input(), plain_truth("mlp").probes
+    if inference_inputs:
+        x, probes = _inference_copy(x, probes)
+    return f, x, probes
 
 
 def test_inference_mode_divergence_of_an_mlp_is_not_zero() -> None:
@@ -409,15 +414,15 @@ def test_inference_mode_divergence_of_an_mlp_is_not_zero() -> None:
     exact and stochastic divergence, ``jacobian`` and ``value_and_divergence`` give the numbers
     they give with grad on (they gave zeros through the autograd tape, which inference mode
     does not record)."""
-    f, x, probes = _model_and_input("mlp", CONTEXTS["inference_mode"])
-    t = truth("mlp")
+    f, x, probes = _mlp(inference_inputs=True)
+    t = plain_truth("mlp")
     with torch.inference_mode():
         for method in ("auto", "exact", "sparse"):
             for mode in ("auto", "rev"):
                 _close(dj.divergence(f, method=method, mode=mode)(x), t.div, torch.float64)
         _close(
             dj.divergence(f, method="hutchinson", num_probes=K)(probes, x),
-            t.stochastic("hutchinson"),
+            t.stochastic("hutchinson", t.jac),
             torch.float64,
         )
         _close(dj.jacobian(f)(x), t.jac, torch.float64)
@@ -431,7 +436,7 @@ def test_probes_made_under_inference_mode_train_outside_it(k: int) -> None:
     it: the few probes the tape pulls one by one are kept for the backward, which torch
     refuses of an inference tensor; divjac takes a copy. The step's parameter gradients equal
     those with ordinary probes."""
-    f, x, probes = _model_and_input("mlp", CONTEXTS["inference_input"])
+    f, x, probes = _mlp(inference_inputs=True)
     assert probes.is_inference() and x.is_inference()
     params = [p for p in f.parameters() if p.requires_grad]
     grads = []
@@ -444,20 +449,26 @@ def test_probes_made_under_inference_mode_train_outside_it(k: int) -> None:
             torch.testing.assert_close(g, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_a_call_under_inference_mode_then_with_gradients(case: str) -> None:
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_call_under_inference_mode_then_with_gradients(variant: str) -> None:
     """A CNF evaluated under ``inference_mode`` and then trained: what the first call cached
     (seed matrices, traces, programs) is reused by the second, which records a graph. A
     cached inference tensor made it fail ("Inference tensors cannot be saved for backward")."""
-    the_case = CASES[case]
-    f, x, probes = _model_and_input("mlp", CONTEXTS["grad"])
-    g = _u(f) if the_case.scalar else f
+    v = VARIANTS[variant]
+    f, x, probes = _mlp(inference_inputs=False)
+    g = (lambda x: torch.sin(f(x)).flatten(1).sum(1)) if v.scalar else f
+    want = v.expect(plain_truth("mlp"), torch.float64)
     dj.clear_caches()
     with torch.inference_mode():
-        _close(the_case.run(g, x, probes), the_case.expect(truth("mlp")), torch.float64)
-    result = the_case.run(g, x, probes)
-    _close(result, the_case.expect(truth("mlp")), torch.float64)
-    assert all(leaf.requires_grad for leaf in _leaves(result))  # and it carries the graph
+        first = v.build(g, 0, (x,))(*_lead(v, probes), x)
+    result = v.build(g, 0, (x,))(*_lead(v, probes), x)
+    for got in (first, result):
+        if v.compare == "covers":
+            assert not bool((want & ~v.out(got)).any())
+        else:
+            _close(v.out(got), want, torch.float64)
+    if v.differentiable:  # and it carries the graph
+        assert all(leaf.requires_grad for leaf in _leaves(result))
 
 
 # --- defect 4: a forward that updates a buffer it reads -----------------------------------------
@@ -468,7 +479,7 @@ _REFUSING = {
     "divergence-rev": lambda f, x: dj.divergence(f, mode="rev")(x),
     "divergence-fwd": lambda f, x: dj.divergence(f, mode="fwd")(x),
     "value_and_divergence": lambda f, x: dj.value_and_divergence(f)(x),
-    "laplacian": lambda f, x: dj.laplacian(_u(f))(x),
+    "laplacian": lambda f, x: dj.laplacian(lambda x: torch.sin(f(x)).flatten(1).sum(1))(x),
 }
 
 
@@ -483,9 +494,7 @@ def test_buffer_updated_by_forward_is_refused_before_any_update(transform: str, 
     f = RunningScale().double()
     before = f.scale.clone()
     x = torch.randn(3, 4, dtype=torch.float64)
-    with CONTEXTS[
-        {"grad": "grad", "no_grad": "no_grad", "inference": "inference_mode"}[grad]
-    ].around():
+    with _around(grad):
         with pytest.raises(StateUpdateError, match="'scale' of RunningScale"):
             _REFUSING[transform](f, x)
         with pytest.raises(StateUpdateError):  # and again: nothing was cached

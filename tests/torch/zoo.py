@@ -130,3 +130,30 @@ ZOO = {
     )
 }
 """The differentiable models of the matrix (:class:`RunningScale` is refused, separately)."""
+
+
+class Timed(nn.Module):
+    """A zoo model ``f`` as ``gain * f(x * (1 + t / 2))``, per sample ``t``: ``t`` defaults to
+    the buffer ``t0`` (default times, which the function can reach whatever ``t`` is passed),
+    and ``gain`` is a parameter of its own (so that every model, a plain function too, has
+    parameters to update or pass functionally)."""
+
+    def __init__(self, inner: Callable[[torch.Tensor], torch.Tensor], batch: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.gain = nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
+        self.register_buffer("t0", torch.linspace(0.2, 0.6, batch, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor | None = None) -> torch.Tensor:
+        t = self.t0 if t is None else t
+        return self.gain * self.inner(x * (1 + t / 2).reshape(-1, *[1] * (x.ndim - 1)))
+
+
+def new_times(batch: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Times other than :class:`Timed`'s default ``t0``."""
+    return torch.linspace(-0.3, 0.5, batch, dtype=torch.float64).to(dtype)
+
+
+def timed(model: Model, dtype: torch.dtype = torch.float64) -> Timed:
+    """The zoo model wrapped in :class:`Timed`, in ``dtype``, in eval mode."""
+    return Timed(model.make(dtype), model.shape[0]).to(dtype).eval()
