@@ -29,6 +29,7 @@ from torch import nn
 
 from .._core import detection
 from .._errors import UnsupportedOperationError
+from ._compat import dict_version
 
 __all__ = [
     "Reached",
@@ -56,14 +57,6 @@ _MODULE_STATE = frozenset(vars(nn.Module()))  # nn.Module's own bookkeeping
 
 # --- telling fast that nothing changed -----------------------------------------------------------
 
-_dict_version: Any  # the version tag CPython gives every dict state (torch.compile's guards)
-try:
-    from torch._C._dynamo import guards as _guards
-
-    _dict_version = _guards.dict_version
-except (ImportError, AttributeError):  # pragma: no cover - no fast checks: the walk every call
-    _dict_version = None
-
 # Kinds of checks (first item of each).
 _VALUE, _TENSOR, _TUPLE, _REF, _SAME, _EMPTY = range(6)  # what a slot holds
 _DICT, _LIST, _OBJECT, _FUNCTION, _CLASS, _MODULE, _META = range(6, 13)  # objects
@@ -79,7 +72,7 @@ class _Tag(int):
 
 
 def _version(d: dict[Any, Any]) -> int:
-    return int(_dict_version(d))
+    return int(dict_version(d))
 
 
 def _is_value(obj: Any) -> bool:
@@ -162,10 +155,10 @@ class Checks:
         if any(map(_is_none, modules)) or list(map(type, modules)) != classes:
             return False
         dicts = list(map(_dict_of, modules))
-        if list(map(_dict_version, dicts)) != versions:
+        if list(map(dict_version, dicts)) != versions:
             return False
         nested = itertools.chain.from_iterable(map(_module_dicts, dicts))
-        if list(map(_dict_version, nested)) != inner:
+        if list(map(dict_version, nested)) != inner:
             return False
         return all(map(_object_holds, self._others))
 
@@ -386,7 +379,7 @@ class _Walk:
         self.logs = logs
         self.lists: list[tuple[Any, ...] | None] = []  # see Reached.lists
         self.checks: list[tuple[Any, ...]] = []
-        self.checkable = _dict_version is not None
+        self.checkable = dict_version is not None
         self.opaque: str | None = None  # a type: the signature misses an object of it
         self.sig: list[Any] = []  # hashable values
         self.modules: list[nn.Module] = []

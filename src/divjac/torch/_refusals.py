@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import torch
 
 from .._errors import UnsupportedOperationError
+from ._compat import OpOverload
 
 __all__ = ["functorch_refusals"]
 
@@ -53,7 +54,7 @@ def _applied(err: BaseException) -> str:
     for frame, _ in traceback.walk_tb(err.__traceback__):
         names = frame.f_locals
         candidate = names.get("op")
-        if isinstance(candidate, torch._ops.OpOverload) and candidate.namespace not in (
+        if isinstance(candidate, OpOverload) and candidate.namespace not in (
             "aten",
             "prims",
         ):

@@ -12,26 +12,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._compat import BatchNorm, is_wrapped, kernel_flags
+
 __all__ = [
-    "BatchNorm",
     "KeptState",
     "NoFastPaths",
-    "outside_transforms",
     "plain_kernels",
     "quiet_batch_norm",
 ]
-
-
-@contextlib.contextmanager
-def outside_transforms() -> Iterator[None]:
-    """Leave any active ``torch.func`` transforms for a while (tracing works on plain tensors)."""
-    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
-
-    with temporarily_clear_interpreter_stack():
-        yield
-
-
-BatchNorm = nn.modules.batchnorm._BatchNorm
 
 
 def _updates_running_stats(m: nn.Module) -> bool:
@@ -82,9 +70,7 @@ def quiet_batch_norm(
 def plain_kernels(*, cudnn: bool = False) -> Iterator[None]:
     """oneDNN off, and cuDNN with ``cudnn`` (only these flags: ``torch.backends.*.flags`` also
     reset others)."""
-    flags = [(torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled)]
-    if cudnn:
-        flags.append((torch._C._get_cudnn_enabled, torch._C._set_cudnn_enabled))
+    flags = kernel_flags(cudnn=cudnn)
     before = [get() for get, _ in flags]
     for _, set_flag in flags:
         set_flag(False)
@@ -126,7 +112,6 @@ class KeptState:
             (m, dict(m._buffers), dict(m._parameters)) for m in modules
         ]
         self._kept: list[tuple[torch.Tensor, int | None, torch.Tensor | None]] = []
-        is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
         for t in tensors:
             if t.device.type == "meta" or is_wrapped(t):
                 continue
