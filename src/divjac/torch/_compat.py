@@ -17,7 +17,8 @@ import contextlib
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal
+from types import BuiltinMethodType, FrameType, MethodType
+from typing import Any, Literal, cast
 
 import torch
 import torch.fx
@@ -36,6 +37,7 @@ __all__ = [
     "decomposition_table",
     "dict_version",
     "fake_tensors",
+    "function_applied",
     "has_operator",
     "in_aten_trace",
     "is_compiled_module",
@@ -158,6 +160,26 @@ def kernel_flags(*, cudnn: bool) -> list[Flag]:
     if cudnn:
         flags.append((torch._C._get_cudnn_enabled, torch._C._set_cudnn_enabled))
     return flags
+
+
+def function_applied(frame: FrameType) -> type[torch.autograd.Function] | None:
+    """The ``autograd.Function`` that a frame of a traceback applies, else ``None``: the frame
+    of ``Function.apply`` itself (torch 2.13: written in Python, the class is its ``cls``), or
+    a frame holding a bound ``apply`` of one (torch 2.14's ``apply`` is in C++, with no frame
+    of its own: found where the function it was passed as is held)."""
+    names = frame.f_locals
+    if frame.f_code.co_name == "apply" and _is_function_class(names.get("cls")):
+        return cast(type[torch.autograd.Function], names["cls"])
+    for value in names.values():
+        if isinstance(value, BuiltinMethodType | MethodType) and value.__name__ == "apply":
+            owner = value.__self__
+            if _is_function_class(owner):
+                return cast(type[torch.autograd.Function], owner)
+    return None
+
+
+def _is_function_class(cls: Any) -> bool:
+    return isinstance(cls, type) and issubclass(cls, torch.autograd.Function)
 
 
 # --- torch.compile -------------------------------------------------------------------------------

@@ -16,10 +16,8 @@ import contextlib
 import traceback
 from collections.abc import Iterator
 
-import torch
-
 from .._errors import UnsupportedOperationError
-from ._compat import OpOverload
+from ._compat import OpOverload, function_applied
 
 __all__ = ["functorch_refusals"]
 
@@ -59,11 +57,7 @@ def _applied(err: BaseException) -> str:
             "prims",
         ):
             op = str(candidate)
-        cls = names.get("cls")
-        if (
-            frame.f_code.co_name == "apply"
-            and isinstance(cls, type)
-            and issubclass(cls, torch.autograd.Function)
-        ):
+        cls = function_applied(frame)
+        if cls is not None:
             function = f"{cls.__module__}.{cls.__qualname__}"
     return op or function or "an operation"
