@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from torch import nn
 from torch.func import jacrev
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from divjac.torch import _taylor, _taylor_generic, laplacian
@@ -64,11 +65,12 @@ def _brute(
     collapse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, J v_k, sum_k w_k v_k^T H v_k)`` sample by sample from dense Jacobians and
-    Hessians (differentiable: built by autograd on the captured parameters)."""
+    Hessians (differentiable: built by autograd on the captured parameters); attention in its
+    math form (torch 2.14 on the CPU runs a flash kernel, whose backward has no derivative)."""
     K, B = v.shape[0], x.shape[0]
     v = v.expand(K, *x.shape)
     ys, firsts, seconds = [], [], []
-    with _Composed():
+    with _Composed(), sdpa_kernel(SDPBackend.MATH):
         for b in range(B):
             _sample(f, x, v, b, ys, firsts, seconds)
     y, first, second = torch.stack(ys), torch.stack(firsts, 1), torch.stack(seconds, 1)

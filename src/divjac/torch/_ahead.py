@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import torch
-from torch.utils import _pytree as pytree
+
+from ._compat import mark_constant_result, outside_compile_tracing, pytree
 
 __all__: list[str] = []
 
@@ -53,14 +54,7 @@ def _constant(fn: Callable[..., R], *args: Any) -> R:
     return cast(R, pytree.tree_map(_dataclass, objects, is_leaf=_is_fields)[0])
 
 
-def _constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` marked as ``torch._dynamo.assume_constant_result`` marks it (dynamo evaluates its
-    calls as constants), without importing dynamo (seconds) with divjac."""
-    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
-    return fn
-
-
-@_constant_result
+@mark_constant_result
 def _evaluate(fn: Callable[..., Any], positions: tuple[Any, ...], *leaves: Any) -> Any:
     parts = pytree.tree_map(lambda i: leaves[i], positions)
     args = pytree.tree_map(_dataclass, parts, is_leaf=_is_fields)
@@ -69,7 +63,7 @@ def _evaluate(fn: Callable[..., Any], positions: tuple[Any, ...], *leaves: Any) 
         # Outside dynamo's tracing context: a trace of the setup makes fake tensors of its own
         # (with dynamo's, found by make_fx, a parameter was a foreign real tensor: the fake
         # trace always failed, and the function was taken for one that needs its values).
-        with torch._guards.tracing(None):
+        with outside_compile_tracing():
             result = fn(*args)
     finally:
         _Ahead.active = False
@@ -94,7 +88,7 @@ def _taker(slot: int) -> Callable[[], Any]:
     name = f"_divjac_setup_object_{slot}"
     take.__name__ = take.__qualname__ = name
     take.__code__ = take.__code__.replace(co_name=name)
-    return _constant_result(take)
+    return mark_constant_result(take)
 
 
 def _unsourced(a: Any) -> Any:

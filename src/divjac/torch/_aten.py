@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
+
+from ._compat import OpOverload, pytree
 
 __all__ = [
     "Decomposed",
@@ -166,7 +167,7 @@ def lacks_forward_derivative(node: Any, live: set[Any]) -> bool:
 
     target = node.target
     if (
-        not isinstance(target, torch._ops.OpOverload)
+        not isinstance(target, OpOverload)
         or torch.Tag.nondeterministic_seeded in target.tags  # draws: no derivative to push
         or not any(inexact(v) for v in outputs(node))
     ):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -21,7 +20,6 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from .._backend import Backend, Linear, Point
 from .._core import plan
@@ -29,6 +27,7 @@ from .._core.detection import LRU
 from .._errors import CompileError, FastPathWarning, OptionError, warn_at_caller
 from . import _ddp, _inductor, _taylor, _taylor_sparse
 from ._ahead import _Ahead, _compiling, _constant, _prepared
+from ._compat import is_compiled_module, is_generator, original_module, pytree, under_transform
 from ._detect import trace
 from ._kernels import _differentiable_kernels
 from ._passes import _checkpointed, _on_graph, _Passes, _recomputed, _split_aux, _Tape
@@ -140,7 +139,7 @@ def _context(backend: TorchBackend, point: Point[Traced]) -> tuple[Any, ...]:
     return (
         _on_graph(point),
         torch.is_inference_mode_enabled(),
-        torch._C._functorch.peek_interpreter_stack() is None,
+        not under_transform(),
         type(xb),
         xb.shape,
         xb.dtype,
@@ -233,11 +232,10 @@ class TorchBackend(Backend[Traced]):
         return torch.stack(list(arrays))
 
     def functional(self, fun: Callable[..., Any]) -> Callable[..., Any]:
-        """A ``torch.compile``d module (an ``OptimizedModule``) is its original module."""
-        eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # none before torch.compile
-        if eval_frame is not None and isinstance(fun, eval_frame.OptimizedModule):
-            return cast(Callable[..., Any], fun._orig_mod)
-        return fun
+        """A ``torch.compile``d module (an ``OptimizedModule``) is its original module. Any
+        other ``fun`` is returned from here, not from a call (dynamo, tracing this under
+        ``torch.compile``, then keeps its source, which reading its closure needs)."""
+        return cast(Callable[..., Any], original_module(fun)) if is_compiled_module(fun) else fun
 
     def recomputes_chunks(self, point: Point[Traced]) -> bool:
         """Passes on the autograd graph are checkpointed chunk by chunk (:func:`_checkpointed`)."""
@@ -353,11 +351,7 @@ class TorchBackend(Backend[Traced]):
         if _compiling():
             return _Passes(point, reverse)
         _ddp.check_synchronized(point.traced.modules)
-        if (
-            reverse
-            and torch._C._functorch.peek_interpreter_stack() is None
-            and not torch.is_inference_mode_enabled()
-        ):
+        if reverse and not under_transform() and not torch.is_inference_mode_enabled():
             return _Tape(point)
         return _Passes(point, reverse)
 
@@ -469,10 +463,8 @@ class TorchBackend(Backend[Traced]):
         return dense.reshape(B, n_out, n_in)
 
     def is_randomness(self, x: Any) -> bool:
-        """A ``torch.Generator``, or ``None`` for torch's global generator (of ``x``'s device).
-        A tensor is told apart first: torch 2.14's dynamo refuses ``isinstance`` of a tensor
-        with the generator's class (a custom type check)."""
-        return x is None or (not isinstance(x, torch.Tensor) and isinstance(x, torch.Generator))
+        """A ``torch.Generator``, or ``None`` for torch's global generator (of ``x``'s device)."""
+        return x is None or is_generator(x)
 
     def draw(
         self,
@@ -587,7 +579,7 @@ def _measurable(point: Point[Traced]) -> bool:
     return (
         in_n == out_n >= MEASURED_FROM
         and not _compiling()
-        and torch._C._functorch.peek_interpreter_stack() is None
+        and not under_transform()
         and not point.traced.draws_random
         and not (torch.distributed.is_available() and torch.distributed.is_initialized())
     )

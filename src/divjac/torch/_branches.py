@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from .._errors import InternalError, RetraceWarning, warn_at_caller
+from ._compat import OpOverload
 from ._reach import Reached
 
 __all__ = ["MAX_BRANCHES", "Branch", "Branches", "branch"]
@@ -89,7 +90,7 @@ def _decides(node: torch.fx.Node) -> bool:
     """Whether a node takes a value out of the tensors (``.item()``, ``bool``, ``equal``) or
     has a data-dependent shape (``nonzero``, boolean masks)."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(target, OpOverload):
         return False
     if target is torch.ops.aten.index.Tensor:  # data-dependent with a boolean index only
         indices = node.args[1]
@@ -123,7 +124,7 @@ def branch(gm: torch.fx.GraphModule, reached: Reached, inputs: list[torch.Tensor
             target = node.target
             if (
                 node.op == "call_function"
-                and isinstance(target, torch._ops.OpOverload)
+                and isinstance(target, OpOverload)
                 and (torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable)
             ):
                 return None

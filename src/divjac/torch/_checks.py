@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ._compat import dict_version
+
 __all__ = ["Checks", "any_dead"]
 
 # Containers longer than this are not walked (their contents are not guarded).
@@ -23,14 +25,6 @@ _ATOMS = frozenset(
     {bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout}
 )
 
-_dict_version: Any  # the version tag CPython gives every dict state (torch.compile's guards)
-try:
-    from torch._C._dynamo import guards as _guards
-
-    _dict_version = _guards.dict_version
-except (ImportError, AttributeError):  # pragma: no cover - no fast checks: the walk every call
-    _dict_version = None
-
 # Kinds of checks (first item of each).
 _VALUE, _TENSOR, _TUPLE, _REF, _SAME, _EMPTY = range(6)  # what a slot holds
 _DICT, _LIST, _OBJECT, _FUNCTION, _CLASS, _MODULE, _META = range(6, 13)  # objects
@@ -39,7 +33,7 @@ _MODULE_DICTS = ("_parameters", "_buffers", "_modules", "_forward_pre_hooks", "_
 
 
 def _version(d: dict[Any, Any]) -> int:
-    return int(_dict_version(d))
+    return int(dict_version(d))
 
 
 def _full(cell: types.CellType) -> bool:
@@ -108,10 +102,10 @@ class Checks:
         if any(map(_is_none, modules)) or list(map(type, modules)) != classes:
             return False
         dicts = list(map(_dict_of, modules))
-        if list(map(_dict_version, dicts)) != versions:
+        if list(map(dict_version, dicts)) != versions:
             return False
         nested = itertools.chain.from_iterable(map(_module_dicts, dicts))
-        if list(map(_dict_version, nested)) != inner:
+        if list(map(dict_version, nested)) != inner:
             return False
         return all(map(_object_holds, self._others))
 

@@ -7,8 +7,8 @@ import weakref
 
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
 
+from ._compat import OpOverload, pytree
 from ._reach import Reached
 
 __all__ = [
@@ -49,7 +49,7 @@ def _mutated_constants(gm: torch.fx.GraphModule) -> set[str]:
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             roots[node] = str(node.target)
-        elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        elif node.op == "call_function" and isinstance(node.target, OpOverload):
             schema = node.target._schema
             views = any(r.alias_info is not None for r in schema.returns)
             bound = zip(schema.arguments, node.args, strict=False)

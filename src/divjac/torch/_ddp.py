@@ -22,7 +22,6 @@ synchronized (grad mode off, ``no_sync()``, one process).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import sys
@@ -33,18 +32,14 @@ from typing import Any
 import torch
 from torch import distributed as dist, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils import _pytree as pytree
 
 from .._errors import DDPError
+from ._compat import active_ddp_module, ddp_forward, pytree
 from ._refusals import functorch_refusals
 
 __all__ = ["check_synchronized", "transform", "unwrapped"]
 
 Transform = Callable[..., Any]
-
-# What a call needs of the wrapper's forward (torch 2.13): DDP.forward is these, around the
-# module's forward.
-_MACHINERY = ("_pre_forward", "_post_forward", "_inside_ddp_forward", "_use_python_reducer")
 
 _PATTERN = (
     "wrap a module whose forward computes the divergence instead: class Loss(nn.Module) with "
@@ -79,25 +74,23 @@ def transform(
 
 
 def _synchronized(ddp: DDP, inner: Transform, fname: str) -> Transform:
-    missing = [name for name in _MACHINERY if not hasattr(ddp, name)]
-    if missing:
+    try:
+        pre_forward, inside, post_forward = ddp_forward(ddp)
+    except AttributeError as err:
         raise DDPError(
-            f"{fname}(ddp): this torch's DistributedDataParallel lacks {missing}, which divjac "
-            f"runs its calls through to synchronize gradients exactly once per step. Instead, "
-            f"{_PATTERN}."
-        )
+            f"{fname}(ddp): this torch's DistributedDataParallel lacks {err.args[0]}, which "
+            f"divjac runs its calls through to synchronize gradients exactly once per step. "
+            f"Instead, {_PATTERN}."
+        ) from None
 
     def call(*args: Any, **kwargs: Any) -> Any:
         with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
-            args, kwargs = ddp._pre_forward(*args, **kwargs)
-            inside = (
-                contextlib.nullcontext() if ddp._use_python_reducer else ddp._inside_ddp_forward()
-            )
-            with inside:
+            args, kwargs = pre_forward(*args, **kwargs)
+            with inside():
                 out = inner(*args, **kwargs)
             if _syncs(ddp) and not (ddp.find_unused_parameters or ddp.static_graph):
                 _check_reached(ddp, out, fname)
-            return ddp._post_forward(out)
+            return post_forward(out)
 
     return call
 
@@ -160,7 +153,7 @@ def check_synchronized(modules: Callable[[], Sequence[nn.Module]]) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     owner = _owner(modules())
-    if owner is None or not _syncs(owner) or DDP._active_ddp_module is owner:
+    if owner is None or not _syncs(owner) or active_ddp_module() is owner:
         return
     name = type(owner.module).__name__
     raise DDPError(

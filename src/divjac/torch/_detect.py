@@ -34,19 +34,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import sys
 import types
-import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.fx
 from torch import nn
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils import _pytree as pytree
 
 from .._core import detection
 from .._core.detection import LRU
@@ -56,6 +52,17 @@ from ._branches import (
     MAX_BRANCHES as _MAX_BRANCHES,  # noqa: F401 (tests read it here)
     Branches,
     branch,
+)
+from ._compat import (
+    BatchNorm,
+    aten_trace,
+    compiled_inlined,
+    fake_tensors,
+    in_aten_trace,
+    is_wrapped,
+    outside_transforms,
+    pytree,
+    traced_node,
 )
 from ._constants import (
     captured_floats,
@@ -76,10 +83,8 @@ from ._reach import (
 )
 from ._retraces import check_own_changes, warn_numbers_retraced, warn_uncached
 from ._running import (
-    BatchNorm,
     KeptState,
     NoFastPaths,
-    outside_transforms,
     plain_kernels,
     quiet_batch_norm,
     quiet_fake_tensors,
@@ -165,11 +170,6 @@ def _weak(obj: Any) -> Any:
         return weakref.WeakMethod(obj) if inspect.ismethod(obj) else weakref.ref(obj)
     except TypeError:  # builtins cannot be weakly referenced (and are never freed)
         return obj
-
-
-def _is_wrapped(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a ``torch.func`` wrapper (its values are not plain data)."""
-    return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
 def trace(
@@ -413,7 +413,7 @@ def _actual_inputs(
 ) -> list[torch.Tensor] | None:
     """The graph's inputs from the actual values (``None`` under a ``torch.func`` transform,
     where they are not plain data)."""
-    if any(_is_wrapped(t) for t in tensors):
+    if any(is_wrapped(t) for t in tensors):
         return None
     inputs = [t.detach() for t in tensors]
     x = inputs[x_pos]
@@ -456,13 +456,11 @@ def _trace_graph(
     the caller's generators; oneDNN is off (PyTorch then decomposes LSTMs into operations with
     rules rather than into ``mkldnn_rnn_layer``).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     shapes = [tuple(t.shape) for t in tensors]
     shapes[x_pos] = detection.batch_first_shape(shapes[x_pos], batch_axis)
-    strides = [None if _is_wrapped(t) else _dense_strides(t.shape, t.stride()) for t in tensors]
+    strides = [None if is_wrapped(t) else _dense_strides(t.shape, t.stride()) for t in tensors]
     x = tensors[x_pos]
-    if not _is_wrapped(x):  # the batch-first view's (its batch moved first, or a new axis)
+    if not is_wrapped(x):  # the batch-first view's (its batch moved first, or a new axis)
         moved = list(x.stride())
         moved.insert(0, moved.pop(batch_axis) if batch_axis is not None else x.numel())
         strides[x_pos] = _dense_strides(shapes[x_pos], tuple(moved))
@@ -484,11 +482,11 @@ def _trace_graph(
                     torch.random.fork_rng(rng_devices, device_type=device_type),
                     plain_kernels(),
                     NoFastPaths(),
-                    _compiled_inlined(),
+                    compiled_inlined(),
                     quiet_fake_tensors(),
                 ):
                     if mode == "fake":
-                        with FakeTensorMode(allow_non_fake_inputs=True):
+                        with fake_tensors():
                             inputs = [
                                 torch.empty_strided(s, st, dtype=t.dtype, device=t.device)
                                 if st is not None
@@ -506,20 +504,6 @@ def _trace_graph(
     raise errors[-1] if len(errors) > 2 else errors[0]
 
 
-@contextlib.contextmanager
-def _compiled_inlined() -> Iterator[None]:
-    """``torch.compile``'d modules and functions that ``f`` calls traced through their own code
-    (dynamo refuses a symbolic trace of them by default; loaded only when the caller has),
-    without dynamo's notice about global module hooks (the trace's own, removed after it)."""
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is None:
-        yield
-        return
-    with dynamo.config.patch(error_on_nested_fx_trace=False), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Using `torch.compile\\(module\\)` when there are global")
-        yield
-
-
 def _functional_trace(
     fn: Callable[..., Any], inputs: Sequence[torch.Tensor], mode: Literal["fake", "real"]
 ) -> torch.fx.GraphModule:
@@ -532,22 +516,15 @@ def _functional_trace(
     functionalization, its tensor constants made inputs, and that graph functionalized; the
     constants go back in, and the writes into them are dropped (detection and the graph's
     evaluations never update the caller's tensors)."""
-    from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
-
     calls: list[Decomposed] = []
 
     def traced(f: Callable[..., Any], functional: bool) -> Callable[..., torch.fx.GraphModule]:
         calls.clear()
-        return make_fx(
-            dispatch_functionalize(f, FunctionalTensorMode(_allow_token_discovery=True))
-            if functional
-            else f,
-            tracing_mode=mode,
-            decomposition_table={
-                op: _recorded(op, fn, calls) for op, fn in decompositions().items()
-            },
-            _allow_non_fake_inputs=True,
-            _error_on_data_dependent_ops=False,
+        return aten_trace(
+            f,
+            functional=functional,
+            mode=mode,
+            decompositions={op: _recorded(op, fn, calls) for op, fn in decompositions().items()},
         )
 
     try:
@@ -601,20 +578,11 @@ def _recorded(op: Any, fn: Callable[..., Any], calls: list[Decomposed]) -> Calla
     """The decomposition ``fn`` of ``op``, recording each call into ``calls`` with the graph
     nodes of its traced arguments (what :attr:`Traced.forward_less` probes: the graph keeps
     no node of a decomposed operation)."""
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
     def run(*args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
-        mode = get_proxy_mode()
-        if mode is not None:
-
-            def node(a: Any) -> Any:
-                if not isinstance(a, torch.Tensor):
-                    return a
-                slot = get_proxy_slot(a, mode.tracer, None)
-                return a if slot is None else slot.proxy.node
-
-            nodes, named = pytree.tree_map(node, (args, kwargs))
+        if in_aten_trace():
+            nodes, named = pytree.tree_map(traced_node, (args, kwargs))
             calls.append(Decomposed(op, tuple(nodes), dict(named), {"val": out}))
         return out
 

@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
 
 from .._core import rules as D
 from .._core.detection import EntryLimit
 from .._core.rules import Deps
 from .._errors import InternalError
 from ._aten import bind, inexact, is_tensor, outputs, packet, shape
+from ._compat import OpOverload, pytree
 
 __all__ = ["Graph", "Moved"]
 
@@ -121,7 +121,7 @@ class Graph:
         if target is operator.getitem:
             parent = self.value(node.args[0])
             return None if parent is None else parent[node.args[1]]
-        if not isinstance(target, torch._ops.OpOverload):
+        if not isinstance(target, OpOverload):
             return None
         if torch.Tag.nondeterministic_seeded in target.tags:
             return None
@@ -204,7 +204,7 @@ class Graph:
             return a
 
         target = node.target
-        if not isinstance(target, torch._ops.OpOverload):
+        if not isinstance(target, OpOverload):
             return None
         try:
             args = pytree.tree_map(encode, node.args)

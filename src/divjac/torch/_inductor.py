@@ -11,15 +11,13 @@ a product with a parameter, ``backend="aot_eager"`` and torch 2.14.1 do not.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
 
 from .._backend import Point
 from .._errors import CompileError
 from ._aten import inexact
+from ._compat import compiler_name, pytree, release
 from ._traced import Traced
 
 __all__ = ["refuse_crashing_sweep"]
@@ -40,7 +38,7 @@ def refuse_crashing_sweep(point: Point[Traced], fname: str) -> None:
     naming the ways out. Raised in the setup ahead of dynamo's trace, which propagates it
     (wrapped) with or without ``fullgraph``: raised in its trace, without ``fullgraph`` dynamo
     broke the graph there and compiled the passes' own frames, and crashed."""
-    if _release() >= _FIXED or _compiler_name() != "inductor":
+    if release() >= _FIXED or compiler_name() != "inductor":
         return
     node = _grad_free_product(point)
     if node is None:
@@ -53,23 +51,6 @@ def refuse_crashing_sweep(point: Point[Traced], fname: str) -> None:
         "with backend='aot_eager', compute the Laplacian outside the compiled region, or "
         "upgrade torch (docs/scaling.md)."
     )
-
-
-def _release() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
-def _compiler_name() -> str | None:
-    """The name of the backend dynamo is tracing for (``None`` where it cannot be read)."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        compiler: Any = InstructionTranslator.current_tx().output.compiler_fn
-    except Exception:  # not tracing, or dynamo's internals moved
-        return None
-    compiler = getattr(compiler, "_torchdynamo_orig_backend", compiler)
-    return getattr(compiler, "compiler_name", None)
 
 
 def _grad_free_product(point: Point[Traced]) -> torch.fx.Node | None:

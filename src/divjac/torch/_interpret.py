@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
 
 from .._core import rules as D
 from .._core.rules import Deps, Op, Rule
 from .._errors import InternalError
 from ._aten import bind, host, inexact, is_tensor, outputs, packet, shape
+from ._compat import HigherOrderOperator, OpOverload, decomposition_table, pytree
 from ._graph import Graph
 from ._table import TABLE, tensor_args
 from ._table_nn import is_convolution
@@ -51,12 +51,10 @@ def decompositions() -> dict[Any, Callable[..., Any]]:
     kernels into operations with rules (index operations with constant indices, arithmetic).
     Cleared when a rule is registered (an operation with a rule is kept whole).
     """
-    from torch._decomp import decomposition_table
-
     return {
         op: fn
-        for op, fn in decomposition_table.items()
-        if isinstance(op, torch._ops.OpOverload)
+        for op, fn in decomposition_table().items()
+        if isinstance(op, OpOverload)
         and not (op.namespace == "aten" and packet(op) in TABLE)
         and REGISTRY.get(op._schema.name) is None
         and torch.Tag.pointwise not in op.tags
@@ -146,7 +144,7 @@ class Interpreter(Graph):
                 if found is not None and inexact(node.meta.get("val")):
                     self._deps[node] = found
             return
-        if not isinstance(target, torch._ops.HigherOrderOperator | torch._ops.OpOverload):
+        if not isinstance(target, HigherOrderOperator | OpOverload):
             return  # arithmetic on sizes and other Python values
         vals = outputs(node)
         if not any(inexact(v) for v in vals):
@@ -173,7 +171,7 @@ class Interpreter(Graph):
         """The dependency sets of every output: a registered rule, the table's, element-wise
         (pointwise operations), else the dense fallback over every argument."""
         target = node.target
-        overload = isinstance(target, torch._ops.OpOverload)
+        overload = isinstance(target, OpOverload)
         user = REGISTRY.get(target._schema.name) if overload else None  # type: ignore[union-attr]
         # The table holds ATen operations (a custom operator may have an ATen one's name).
         aten = overload and target.namespace == "aten"  # type: ignore[union-attr]

@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._ahead import _compiling
 from ._aten import located, packet, storage_positions
+from ._compat import decomposition_table
 from ._detect import plain_kernels
 from ._running import NoFastPaths
 from ._traced import LAYOUTS, Traced
@@ -218,10 +219,8 @@ def composed_norm(target: Any) -> Callable[..., Any] | None:
     normalization is differentiable (the saved and running statistics it also returns are
     not), while a group normalization's mean and inverse deviation are (torch 2.13's
     derivatives); ``None``: not such a kernel."""
-    from torch._decomp import decomposition_table
-
     name = packet(target)
-    decomposed = decomposition_table.get(target) if _NORM_KERNEL.fullmatch(name) else None
+    decomposed = decomposition_table().get(target) if _NORM_KERNEL.fullmatch(name) else None
     if decomposed is None or name == "native_group_norm":
         return decomposed
 

@@ -20,12 +20,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from .._backend import Finish, Linear, Point, Seed
 from .._errors import OptionError
 from ._ahead import _compiling
+from ._compat import pytree
 from ._kernels import _differentiable_kernels, _without_overlap
 from ._traced import Traced
 

@@ -45,10 +45,10 @@ from ._checks import (
     _TUPLE,
     _VALUE,
     Checks,
-    _dict_version,
     _full,
     _version,
 )
+from ._compat import dict_version
 
 __all__ = [
     "Reached",
@@ -243,7 +243,7 @@ class _Walk:
         self.logs = logs
         self.lists: list[tuple[Any, ...] | None] = []  # see Reached.lists
         self.checks: list[tuple[Any, ...]] = []
-        self.checkable = _dict_version is not None
+        self.checkable = dict_version is not None
         self.opaque: str | None = None  # a type: the signature misses an object of it
         self.sig: list[Any] = []  # hashable values
         self.modules: list[nn.Module] = []

@@ -16,9 +16,8 @@ import contextlib
 import traceback
 from collections.abc import Iterator
 
-import torch
-
 from .._errors import UnsupportedOperationError
+from ._compat import OpOverload, function_applied
 
 __all__ = ["functorch_refusals"]
 
@@ -53,16 +52,12 @@ def _applied(err: BaseException) -> str:
     for frame, _ in traceback.walk_tb(err.__traceback__):
         names = frame.f_locals
         candidate = names.get("op")
-        if isinstance(candidate, torch._ops.OpOverload) and candidate.namespace not in (
+        if isinstance(candidate, OpOverload) and candidate.namespace not in (
             "aten",
             "prims",
         ):
             op = str(candidate)
-        cls = names.get("cls")
-        if (
-            frame.f_code.co_name == "apply"
-            and isinstance(cls, type)
-            and issubclass(cls, torch.autograd.Function)
-        ):
+        cls = function_applied(frame)
+        if cls is not None:
             function = f"{cls.__module__}.{cls.__qualname__}"
     return op or function or "an operation"

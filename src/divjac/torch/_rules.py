@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 from .._core.rules import Rule, RuleError
+from ._compat import OpOverload, has_operator
 from ._detect import CACHE, clear_memos
 from ._interpret import REGISTRY, decompositions
 
@@ -56,7 +55,7 @@ def register_rule(op: object, rule: Rule, /) -> None:
     name: object
     if isinstance(op, str):
         name = op if "::" in op else f"aten::{op}"
-    elif isinstance(op, torch._ops.OpOverload):
+    elif isinstance(op, OpOverload):
         name = op._schema.name
     else:  # an OpOverloadPacket, or what torch.library.custom_op returns
         name = getattr(op, "_qualified_op_name", None) or getattr(op, "_qualname", None)
@@ -65,7 +64,7 @@ def register_rule(op: object, rule: Rule, /) -> None:
             f"register_rule: op must be a torch operator (torch.ops.mylib.myop, an overload of "
             f"it, a torch.library.custom_op) or its name 'mylib::myop', got {op!r}"
         )
-    if not torch._C._jit_get_schemas_for_operator(name):
+    if not has_operator(name):
         raise RuleError(
             f"register_rule: torch has no operator named {name!r}, so the rule would never be "
             "used. Check the spelling (a bare name is an ATen operation: 'sin' is "

@@ -13,27 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._compat import FAKE_TENSOR_LOGGER, BatchNorm, is_wrapped, kernel_flags
+
 __all__ = [
-    "BatchNorm",
     "KeptState",
     "NoFastPaths",
-    "outside_transforms",
     "plain_kernels",
     "quiet_batch_norm",
     "quiet_fake_tensors",
 ]
-
-
-@contextlib.contextmanager
-def outside_transforms() -> Iterator[None]:
-    """Leave any active ``torch.func`` transforms for a while (tracing works on plain tensors)."""
-    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
-
-    with temporarily_clear_interpreter_stack():
-        yield
-
-
-BatchNorm = nn.modules.batchnorm._BatchNorm
 
 
 def _updates_running_stats(m: nn.Module) -> bool:
@@ -84,9 +72,7 @@ def quiet_batch_norm(
 def plain_kernels(*, cudnn: bool = False) -> Iterator[None]:
     """oneDNN off, and cuDNN with ``cudnn`` (only these flags: ``torch.backends.*.flags`` also
     reset others)."""
-    flags = [(torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled)]
-    if cudnn:
-        flags.append((torch._C._get_cudnn_enabled, torch._C._set_cudnn_enabled))
+    flags = kernel_flags(cudnn=cudnn)
     before = [get() for get, _ in flags]
     for _, set_flag in flags:
         set_flag(False)
@@ -102,7 +88,7 @@ def quiet_fake_tensors() -> Iterator[None]:
     """Fake tensors' logs of the errors they raise dropped: an operation that fails on them
     (the function's own shape error) logs its traceback at ERROR level (about 45 lines, torch
     2.13-2.14) before raising what the trace handles or re-raises."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
     quiet = _NoRaisedErrors()
     logger.addFilter(quiet)
     try:
@@ -149,7 +135,6 @@ class KeptState:
             (m, dict(m._buffers), dict(m._parameters)) for m in modules
         ]
         self._kept: list[tuple[torch.Tensor, int | None, torch.Tensor | None]] = []
-        is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
         for t in tensors:
             if t.device.type == "meta" or is_wrapped(t):
                 continue

@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
 
 from .._core import rules as D
 from .._core.rules import Deps, Op, Rule
 from ._aten import bind, dim, dims, is_tensor, packet, shape
+from ._compat import pytree
 from ._graph import Graph
 
 __all__ = ["TABLE", "Extract", "add", "tensor_args"]

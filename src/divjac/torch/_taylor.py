@@ -49,12 +49,12 @@ from typing import Any, cast
 import torch
 import torch.fx
 from torch.func import jvp, vmap
-from torch.utils import _pytree as pytree
 
 from .._backend import Point
 from .._errors import InternalError
 from . import _taylor_moves, _taylor_reductions, _taylor_rules
 from ._aten import inexact
+from ._compat import pytree
 from ._detect import reach, trace
 from ._kernels import PlainLayouts, _ComposedNorms
 from ._passes import _Generators

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from .._core import detection, rules as D
 from .._core.detection import EntryLimit, Propagated
@@ -26,9 +25,10 @@ from ._aten import (
     lacks_forward_derivative,
 )
 from ._checks import any_dead
+from ._compat import OpOverload, outside_transforms, pytree
 from ._interpret import Interpreter, is_convolution
 from ._reach import module_signature
-from ._running import outside_transforms, quiet_batch_norm
+from ._running import quiet_batch_norm
 
 __all__ = ["DECOMPOSED", "LAYOUTS", "TensorSpec", "Traced"]
 
@@ -152,7 +152,7 @@ class Traced(detection.Traced):
         """Whether the function draws random numbers (dropout in training mode, ``randn``)."""
         return any(
             node.op == "call_function"
-            and isinstance(node.target, torch._ops.OpOverload)
+            and isinstance(node.target, OpOverload)
             and torch.Tag.nondeterministic_seeded in node.target.tags
             for node in self.gm.graph.nodes
         )
@@ -171,8 +171,7 @@ class Traced(detection.Traced):
         differentiated input."""
         return self._on_path(
             lambda target: (
-                isinstance(target, torch._ops.OpOverload)
-                and target.namespace not in ("aten", "prims")
+                isinstance(target, OpOverload) and target.namespace not in ("aten", "prims")
             )
         )
 

@@ -61,7 +61,7 @@ def _compare(
             div = divergence(net, method=method)(x)
         return (div**2).mean()
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(loss, fullgraph=True, backend=backend)
     start = time.perf_counter()
     step(compiled, x)

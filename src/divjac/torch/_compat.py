@@ -1,0 +1,282 @@
+"""Every private or version-dependent PyTorch API divjac uses, and nothing else.
+
+divjac reads PyTorch's internals: ``torch.func``'s interpreter stack, fake and functional
+tensors and ``make_fx``'s tracer for its ATen graphs, dynamo's configuration and guards under
+``torch.compile``, the decomposition table, ``DistributedDataParallel``'s forward machinery.
+They change between releases, so they are reached here only, through small accessors named
+after what they give; a branch on the torch version belongs here and nowhere else. A new torch
+release means reading this module. ``tests/torch/test_compat_seam.py`` fails if a private torch
+name (a ``torch._x`` or ``torch.fx.experimental`` path) appears in any other module of divjac.
+
+Run on torch 2.13.0 and 2.14.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from types import BuiltinMethodType, FrameType, MethodType
+from typing import Any, Literal, cast
+
+import torch
+import torch.fx
+from torch import nn
+from torch._ops import HigherOrderOperator, OpOverload
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "FAKE_TENSOR_LOGGER",
+    "BatchNorm",
+    "HigherOrderOperator",
+    "OpOverload",
+    "active_ddp_module",
+    "aten_trace",
+    "compiled_inlined",
+    "compiler_name",
+    "ddp_forward",
+    "decomposition_table",
+    "dict_version",
+    "fake_tensors",
+    "function_applied",
+    "has_operator",
+    "in_aten_trace",
+    "is_compiled_module",
+    "is_generator",
+    "is_wrapped",
+    "kernel_flags",
+    "mark_constant_result",
+    "original_module",
+    "outside_compile_tracing",
+    "outside_transforms",
+    "pytree",
+    "release",
+    "traced_node",
+    "under_transform",
+]
+
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+"""The logger of torch's fake tensors (which logs the errors they raise at ERROR level)."""
+
+BatchNorm = nn.modules.batchnorm._BatchNorm
+"""The base class of the batch normalizations (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``)."""
+
+
+def is_generator(x: Any) -> bool:
+    """Whether ``x`` is a ``torch.Generator``. A tensor is ruled out first: torch 2.14 gives
+    ``torch.Generator`` a metaclass with an ``__instancecheck__`` of its own, which dynamo
+    refuses to run on a tensor (``torch.compile(fullgraph=True)`` of any transform broke)."""
+    return not isinstance(x, torch.Tensor) and isinstance(x, torch.Generator)
+
+
+# --- torch.func --------------------------------------------------------------------------------
+
+
+def is_wrapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``torch.func`` wrapper (its values are not plain data)."""
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
+def under_transform() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``, ...) is active."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+@contextlib.contextmanager
+def outside_transforms() -> Iterator[None]:
+    """Leave any active ``torch.func`` transforms for a while (tracing works on plain tensors)."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    with temporarily_clear_interpreter_stack():
+        yield
+
+
+# --- ATen graphs ---------------------------------------------------------------------------------
+
+
+def decomposition_table() -> Mapping[Any, Callable[..., Any]]:
+    """PyTorch's decompositions of ATen operations, by overload."""
+    from torch._decomp import decomposition_table as table
+
+    return table
+
+
+def has_operator(name: str) -> bool:
+    """Whether torch has an operator of the qualified ``name`` (``"aten::sin"``)."""
+    return bool(torch._C._jit_get_schemas_for_operator(name))
+
+
+def fake_tensors() -> contextlib.AbstractContextManager[Any]:
+    """A mode in which new tensors are fake (no memory, no compute); real ones may be mixed in."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def aten_trace(
+    fn: Callable[..., Any],
+    *,
+    functional: bool,
+    mode: Literal["fake", "real"],
+    decompositions: Mapping[Any, Callable[..., Any]],
+) -> Callable[..., torch.fx.GraphModule]:
+    """``make_fx`` of ``fn`` (functionalized with ``functional``), tracing on fake or real
+    tensors: inputs need not be fake, and an operation that depends on data (``.item()``) is
+    traced on its value rather than refused."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(
+        dispatch_functionalize(fn, FunctionalTensorMode(_allow_token_discovery=True))
+        if functional
+        else fn,
+        tracing_mode=mode,
+        decomposition_table=dict(decompositions),
+        _allow_non_fake_inputs=True,
+        _error_on_data_dependent_ops=False,
+    )
+
+
+def in_aten_trace() -> bool:
+    """Whether a ``make_fx`` trace is under way."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode() is not None
+
+
+def traced_node(a: Any) -> Any:
+    """The graph node of the tensor ``a`` in the ``make_fx`` trace under way, else ``a``."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    mode = get_proxy_mode()
+    if mode is None or not isinstance(a, torch.Tensor):
+        return a
+    slot = get_proxy_slot(a, mode.tracer, None)
+    return a if slot is None else slot.proxy.node
+
+
+Flag = tuple[Callable[[], bool], Callable[[bool], None]]
+
+
+def kernel_flags(*, cudnn: bool) -> list[Flag]:
+    """The getter and setter of oneDNN's global switch, and of cuDNN's with ``cudnn`` (these
+    flags alone: ``torch.backends.*.flags`` also reset others)."""
+    flags: list[Flag] = [(torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled)]
+    if cudnn:
+        flags.append((torch._C._get_cudnn_enabled, torch._C._set_cudnn_enabled))
+    return flags
+
+
+def function_applied(frame: FrameType) -> type[torch.autograd.Function] | None:
+    """The ``autograd.Function`` that a frame of a traceback applies, else ``None``: the frame
+    of ``Function.apply`` itself (torch 2.13: written in Python, the class is its ``cls``), or
+    a frame holding a bound ``apply`` of one (torch 2.14's ``apply`` is in C++, with no frame
+    of its own: found where the function it was passed as is held)."""
+    names = frame.f_locals
+    if frame.f_code.co_name == "apply" and _is_function_class(names.get("cls")):
+        return cast(type[torch.autograd.Function], names["cls"])
+    for value in names.values():
+        if isinstance(value, BuiltinMethodType | MethodType) and value.__name__ == "apply":
+            owner = value.__self__
+            if _is_function_class(owner):
+                return cast(type[torch.autograd.Function], owner)
+    return None
+
+
+def _is_function_class(cls: Any) -> bool:
+    return isinstance(cls, type) and issubclass(cls, torch.autograd.Function)
+
+
+# --- torch.compile -------------------------------------------------------------------------------
+
+
+def mark_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` marked as ``torch._dynamo.assume_constant_result`` marks it (dynamo evaluates its
+    calls as constants), without importing dynamo (seconds) with divjac."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+def outside_compile_tracing() -> contextlib.AbstractContextManager[Any]:
+    """Outside dynamo's tracing context (tensors made inside are not dynamo's fakes)."""
+    return torch._guards.tracing(None)
+
+
+@contextlib.contextmanager
+def compiled_inlined() -> Iterator[None]:
+    """``torch.compile``'d modules and functions traced through their own code by ``make_fx``
+    (dynamo refuses a symbolic trace of them by default; loaded only when the caller has),
+    without dynamo's notice about global module hooks (the trace's own, removed after it)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        yield
+        return
+    with dynamo.config.patch(error_on_nested_fx_trace=False), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Using `torch.compile\\(module\\)` when there are global")
+        yield
+
+
+def is_compiled_module(fun: Any) -> bool:
+    """Whether ``fun`` is a ``torch.compile``d module (an ``OptimizedModule``)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # none before torch.compile
+    return eval_frame is not None and isinstance(fun, eval_frame.OptimizedModule)
+
+
+def original_module(compiled: Any) -> Any:
+    """The module a ``torch.compile``d module compiles."""
+    return compiled._orig_mod
+
+
+dict_version: Any  # Callable[[dict], int] | None
+"""The version tag CPython gives every state of a dict (read by ``torch.compile``'s guards);
+``None`` where this torch does not expose it."""
+try:
+    from torch._C._dynamo import guards as _guards
+
+    dict_version = _guards.dict_version
+except (ImportError, AttributeError):  # pragma: no cover - no fast checks: the walk every call
+    dict_version = None
+
+
+# --- DistributedDataParallel ---------------------------------------------------------------------
+
+_DDP_MACHINERY = ("_pre_forward", "_post_forward", "_inside_ddp_forward", "_use_python_reducer")
+
+
+def ddp_forward(ddp: Any) -> tuple[Callable[..., Any], Callable[[], Any], Callable[[Any], Any]]:
+    """The parts of a ``DistributedDataParallel`` wrapper's forward around its module's: the
+    step before (taking and returning ``(args, kwargs)``), the context the module runs in and
+    the step after (taking and returning the output). Raises ``AttributeError`` naming the
+    parts this torch's wrapper lacks."""
+    missing = [name for name in _DDP_MACHINERY if not hasattr(ddp, name)]
+    if missing:
+        raise AttributeError(missing)
+
+    def inside() -> Any:
+        return contextlib.nullcontext() if ddp._use_python_reducer else ddp._inside_ddp_forward()
+
+    return ddp._pre_forward, inside, ddp._post_forward
+
+
+def active_ddp_module() -> Any:
+    """The ``DistributedDataParallel`` wrapper whose forward is running, else ``None``."""
+    return nn.parallel.DistributedDataParallel._active_ddp_module
+
+
+def release() -> tuple[int, int]:
+    """torch's ``(major, minor)`` release."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def compiler_name() -> str | None:
+    """The name of the backend dynamo is tracing for (``None`` where it cannot be read)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        compiler: Any = InstructionTranslator.current_tx().output.compiler_fn
+    except Exception:  # not tracing, or dynamo's internals moved
+        return None
+    compiler = getattr(compiler, "_torchdynamo_orig_backend", compiler)
+    return getattr(compiler, "compiler_name", None)
