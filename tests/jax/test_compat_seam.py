@@ -6,18 +6,21 @@ The rule, checked on the syntax tree of every module of ``src/divjac`` but the s
   ``jax.interpreters``, ``jax.extend`` (the jaxpr types, whose classes JAX 0.12 merged),
   ``jax.core`` (its ``Tracer``), ``jax.lib``, ``jaxlib``;
 - no call of ``Primitive.get_bind_params`` (JAX's internal re-binding protocol);
+- no string naming a JAX tracer class (``"JVPTracer"``, ``"BatchTracer"``: private classes,
+  recognized by name);
 - in a module that imports JAX, no subscript or ``.get`` with a string key naming a parameter of
   :data:`divjac.jax._compat.VERSIONED_PARAMS` (the nested programs of a call, a loop or a
   ``cond``, and how a loop splits its operands: ``num_consts`` became ``ft_in`` in JAX 0.12).
   Modules that do not import JAX (the framework-free rules of ``divjac._core``) hold their own
   parameters by those names and are not checked for them.
 
-Strings (docstrings, messages, module names to trust) are not names and are not checked.
+Other strings (docstrings, messages, module names to trust) are not checked.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import divjac
@@ -87,6 +90,8 @@ def violations(source: str) -> list[str]:
                 found.append(f"{line}: .get_bind_params")
             elif dotted is not None and _private(dotted) and not _private(dotted.rsplit(".", 1)[0]):
                 found.append(f"{line}: {dotted}")  # the shortest private path only
+        elif isinstance(node, ast.Constant) and re.fullmatch(r"[A-Z]\w*Tracer", str(node.value)):
+            found.append(f"{line}: {node.value!r}")
         if params and _key(node) in VERSIONED_PARAMS:
             found.append(f"{line}: parameter {_key(node)!r}")
     return found
@@ -117,6 +122,7 @@ def f(eqn, p):
     jax.core.Tracer, jax.interpreters.ad, jax.lax.scan, jnp.sin
     eqn.primitive.get_bind_params(eqn.params)
     eqn.params["num_consts"], p.get("call_jaxpr"), eqn.params["dimension_numbers"]
+    type(p).__name__ == "BatchTracer", "a Tracer leaked"
 """
     found = [v.split(": ", 1)[1] for v in violations(source)]
     assert sorted(found) == sorted(
@@ -129,6 +135,7 @@ def f(eqn, p):
             ".get_bind_params",
             "parameter 'num_consts'",
             "parameter 'call_jaxpr'",
+            "'BatchTracer'",
         ]
     )
     # A module without JAX keeps its own parameters by those names (divjac._core's rules).

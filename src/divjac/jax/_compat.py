@@ -34,6 +34,8 @@ __all__ = [
     "called",
     "closed_jaxpr",
     "custom_jvp_rule",
+    "is_batch",
+    "is_differentiation",
     "is_program",
     "jaxpr_as_fun",
     "linear_solve_parts",
@@ -42,6 +44,7 @@ __all__ = [
     "scan_parts",
     "sub_jaxprs",
     "trace_context",
+    "unwrap",
     "while_parts",
 ]
 
@@ -152,6 +155,24 @@ def linear_solve_parts(eqn: Any) -> tuple[Any, Any]:
 def bind_params(eqn: Any) -> dict[str, Any]:
     """The keyword arguments that bind the equation's primitive again."""
     return eqn.primitive.get_bind_params(eqn.params)
+
+
+def is_differentiation(leaf: Any) -> bool:
+    """Whether ``leaf`` is a tracer of a differentiation (``jvp``, ``linearize``, ``grad``)."""
+    return type(leaf).__name__ in ("JVPTracer", "LinearizeTracer")
+
+
+def is_batch(leaf: Any) -> bool:
+    """Whether ``leaf`` is a tracer of ``vmap``."""
+    return type(leaf).__name__ == "BatchTracer"
+
+
+def unwrap(leaf: Any) -> Any:
+    """The value a tracer wraps: a differentiation's primal, a ``vmap``'s batched value;
+    ``None`` for other tracers."""
+    if is_differentiation(leaf):
+        return leaf.primal
+    return getattr(leaf, "val", None)
 
 
 def trace_context() -> Hashable:

@@ -398,10 +398,9 @@ trace cannot see."""
 def is_differentiated(leaf: Any) -> bool:
     """Whether ``leaf`` is a tracer of a differentiation, at any depth of nested traces."""
     while isinstance(leaf, _compat.Tracer):
-        name = type(leaf).__name__
-        if name in ("JVPTracer", "LinearizeTracer"):
+        if _compat.is_differentiation(leaf):
             return True
-        leaf = getattr(leaf, "val", None)  # a vmap's tracer: look through it
+        leaf = _compat.unwrap(leaf)  # a vmap's tracer: look through it
     return False
 
 

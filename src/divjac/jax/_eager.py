@@ -161,13 +161,9 @@ def _staged(leaf: Any) -> bool:
     if not isinstance(leaf, _compat.Tracer):
         return False
     while isinstance(leaf, _compat.Tracer):
-        name = type(leaf).__name__
-        if name in ("JVPTracer", "LinearizeTracer"):
-            leaf = leaf.primal
-        elif name == "BatchTracer":
-            leaf = leaf.val
-        else:
+        if not (_compat.is_differentiation(leaf) or _compat.is_batch(leaf)):
             return True  # jit's, shard_map's or another staging trace's
+        leaf = _compat.unwrap(leaf)
     return False
 
 
