@@ -23,7 +23,11 @@ import ast
 import re
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+
 import divjac
+from divjac.jax import _compat
 from divjac.jax._compat import VERSIONED_PARAMS
 
 ROOT = Path(divjac.__file__).parent
@@ -140,3 +144,23 @@ def f(eqn, p):
     )
     # A module without JAX keeps its own parameters by those names (divjac._core's rules).
     assert violations("def rule(op):\n    return op.params['branches']\n") == []
+
+
+def test_scan_parts_split_a_scans_operands():
+    """``[*consts, *carry, *xs]``: the captured array, the closed-over argument and the loop
+    input are constants, the carry read by the body is carried (the one passed through
+    untouched is forwarded, not carried), on every JAX (0.12 describes them by flat trees)."""
+    captured = jnp.arange(4.0)
+
+    def f(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+        def body(c, xi):
+            return (c[0] * xi + w + captured, c[1]), (c[0], c[1] * 2)
+
+        return jax.lax.scan(body, (x, x), jnp.ones((3, 4)), reverse=True)
+
+    eqn = jax.make_jaxpr(f)(jnp.ones(4), jnp.ones(4)).jaxpr.eqns[-1]
+    parts = _compat.scan_parts(eqn)
+    assert (parts.n_consts, parts.n_carry, parts.length, parts.reverse) == (3, 1, 3, True)
+    body, consts = _compat.open_jaxpr(parts.body)
+    assert len(body.invars) == len(eqn.invars) and not consts
+    assert eqn.invars[-1].aval.shape == (3, 4)
