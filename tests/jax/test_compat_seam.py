@@ -20,11 +20,15 @@ Other strings (docstrings, messages, module names to trust) are not checked.
 from __future__ import annotations
 
 import ast
+import functools
+import gc
 import re
+import weakref
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import divjac
 from divjac.jax import _compat
@@ -164,3 +168,19 @@ def test_scan_parts_split_a_scans_operands():
     body, consts = _compat.open_jaxpr(parts.body)
     assert len(body.invars) == len(eqn.invars) and not consts
     assert eqn.invars[-1].aval.shape == (3, 4)
+
+
+def test_a_program_without_its_constants_pins_none_and_rebuilds():
+    """What the eager program cache keeps of a closed program holds no reference to its
+    captured arrays (JAX 0.12's ``closed.jaxpr`` is the program itself, constants included)."""
+    weights = jnp.arange(3.0) + 1.0
+    alive = weakref.ref(weights)
+    closed = jax.make_jaxpr(functools.partial(jnp.multiply, weights))(jnp.ones(3))
+    bare, consts = _compat.without_consts(closed), list(closed.consts)
+    want = _compat.jaxpr_as_fun(closed)(jnp.ones(3))
+    got = _compat.jaxpr_as_fun(_compat.closed_jaxpr(bare, consts))(jnp.ones(3))
+    np.testing.assert_allclose(got[0], want[0])
+    del weights, closed, consts, want, got
+    gc.collect()
+    assert alive() is None, "the bare program keeps the captured array alive"
+    assert bare is not None

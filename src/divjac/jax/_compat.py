@@ -46,6 +46,7 @@ __all__ = [
     "trace_context",
     "unwrap",
     "while_parts",
+    "without_consts",
 ]
 
 Tracer = jax.core.Tracer
@@ -86,6 +87,14 @@ def closed_jaxpr(jaxpr: Any, consts: list[Any]) -> Any:
     if _CONSTS_IN_JAXPR:
         return jaxpr.with_consts(consts)
     return _core.ClosedJaxpr(jaxpr, consts)
+
+
+def without_consts(program: Any) -> Any:
+    """The jaxpr of a closed program without its constants' values (what a cache may keep
+    without pinning them): :func:`closed_jaxpr` with the constants rebuilds the program."""
+    if _CONSTS_IN_JAXPR:
+        return program.with_consts([])
+    return program.jaxpr
 
 
 def nested_programs(eqn: Any) -> Iterator[tuple[Any, list[Any]]]:

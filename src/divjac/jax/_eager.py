@@ -345,7 +345,7 @@ class _Program:
         differentiated: bool,
     ) -> None:
         fixed = {i: c for i, c in enumerate(closed.consts) if i not in weights}
-        jaxpr, n_consts = closed.jaxpr, len(closed.consts)  # not the traced weights themselves
+        jaxpr, n_consts = _compat.without_consts(closed), len(closed.consts)  # no weights
         static = [None if d else leaf for leaf, d in zip(leaves, dynamic, strict=True)]
         # The result's tree, with the position of each slot among its leaves (set when traced).
         self._layout: list[tuple[Any, list[int | None]]] = []
