@@ -616,11 +616,28 @@ def _second_order_refused(u, x, name):
 
 def test_exp1_second_order_is_refused_naming_expn():
     """``jax.scipy.special.exp1`` is ``expn(1, x)``, whose jitted JVP rule calls ``expn`` with
-    the order as a traced value: JAX's ``jax.hessian`` of it fails, so no second-order result
-    exists; divjac names ``expn`` (no raw JAX TypeError). First order stays exact against
+    the order as a traced value: up to JAX 0.11 JAX's ``jax.hessian`` of it fails, so no
+    second-order result exists, and divjac names ``expn`` (no raw JAX TypeError). A JAX whose
+    Hessian of it succeeds (0.12 on) gets divjac's second-order results, equal to
+    ``exp1'' = exp(-x) (1/x + 1/x^2)``. First order stays exact against
     ``exp1' = -exp(-x)/x``."""
     x = jnp.abs(jax.random.normal(jax.random.key(0), (2, 3))) + 0.2
-    _second_order_refused(lambda s: jnp.sum(jss.exp1(s)), x, "expn")
+    u = lambda s: jnp.sum(jss.exp1(s))  # noqa: E731
+    try:
+        jax.hessian(u)(x[0])
+    except (TypeError, jax.errors.UnexpectedTracerError):
+        _second_order_refused(u, x, "expn")
+    else:
+        ub = jax.vmap(u)
+        want = jnp.sum(jnp.exp(-x) * (1 / x + 1 / x**2), axis=1)
+        for second in (
+            laplacian(ub),
+            laplacian(ub, method="exact"),
+            laplacian(ub, method="sparse"),
+            jax.jit(laplacian(ub)),
+            lambda x: hessian_diagonal(ub)(x).sum(1),
+        ):
+            np.testing.assert_allclose(second(x), want, rtol=1e-12)
     want = jax.vmap(jnp.diag)(-jnp.exp(-x) / x)
     np.testing.assert_allclose(jacobian(jss.exp1)(x), want, rtol=1e-12)
 

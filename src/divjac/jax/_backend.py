@@ -19,12 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import sparse as jsparse
-from jax.extend import core as jcore
 
 from .._backend import Array, Backend, Finish, Linear, Point, Seed
 from .._core import plan
 from .._errors import OptionError
-from . import _sharding, _sparse_taylor, _taylor
+from . import _compat, _sharding, _sparse_taylor, _taylor
 from ._detect import Traced, is_array, trace
 from ._sink import pushes, varying_axes, varying_like
 
@@ -105,7 +104,7 @@ def _has_while(jaxpr: Any) -> bool:
             return True
         if name.startswith("custom_"):
             continue
-        if any(_has_while(sub) for sub in jcore.jaxprs_in_params(eqn.params)):
+        if any(_has_while(sub) for sub in _compat.sub_jaxprs(eqn)):
             return True
     return False
 
@@ -174,7 +173,7 @@ class JaxBackend(Backend[Traced]):
         """From the array's sharding (a concrete array, or a tracer of an explicitly sharded
         mesh axis); a tracer under ``jit`` of an ``Auto`` mesh carries none (1). Inside
         ``shard_map`` the array is already the shard's own."""
-        if isinstance(xb, jax.core.Tracer):
+        if isinstance(xb, _compat.Tracer):
             sharding = jax.typeof(xb).sharding
         else:
             sharding = getattr(xb, "sharding", None)
@@ -191,7 +190,7 @@ class JaxBackend(Backend[Traced]):
         a sharded array; this process's default device for a tracer), where it reports them
         (not on CPU). Only addressable devices are asked: under ``jax.distributed`` the other
         processes' devices cannot report, and their shards have the same shape."""
-        sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+        sharding = None if isinstance(x, _compat.Tracer) else getattr(x, "sharding", None)
         devices = (
             jax.local_devices()[:1] if sharding is None else list(sharding.addressable_devices)
         )
@@ -394,23 +393,24 @@ class JaxBackend(Backend[Traced]):
     def densify(
         self, values: jax.Array, rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int, int]
     ) -> jax.Array:
-        """One scatter at the sorted, unique flat positions ``rows * n_in + cols``."""
+        """One scatter at the sorted, unique flat positions ``rows * n_in + cols``, sharded as
+        ``values`` along the batch where its mesh axis is ``Explicit`` (JAX does not infer the
+        sharding of a scatter of sharded updates into a new array)."""
         batch, n_out, n_in = shape
         if values.shape[1] == 0:  # no nonzero (a piecewise constant function): no scatter
             return jnp.zeros(shape, values.dtype)
         flat = (rows * n_in + cols).astype(_index_dtype((n_out * n_in,)))
-        dnums = lax.ScatterDimensionNumbers(
-            update_window_dims=(0,), inserted_window_dims=(1,), scatter_dims_to_operand_dims=(1,)
-        )
         zeros = jnp.zeros_like(values[:, :1])  # sharded like the batch of values
-        dense = lax.scatter(
-            jnp.broadcast_to(zeros, (batch, n_out * n_in)),
-            jnp.asarray(flat[:, None]),
-            values,
-            dnums,
-            indices_are_sorted=True,
-            unique_indices=True,
-            mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+        dense = (
+            jnp.broadcast_to(zeros, (batch, n_out * n_in))
+            .at[:, flat]
+            .set(
+                values,
+                indices_are_sorted=True,
+                unique_indices=True,
+                mode="promise_in_bounds",
+                out_sharding=_sharding.sharded_like(values, slice(1)),
+            )
         )
         return self.reshape_batch(dense, shape)
 

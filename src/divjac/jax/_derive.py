@@ -15,10 +15,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jcore
 
 from .._core import rules as D
 from .._core.rules import Deps
+from . import _compat
 from ._jaxpr import Runner, Scope, evaluate, is_inexact, shape, single_eqn_fun
 
 __all__ = ["per_slice", "via_jvp", "via_vjp"]
@@ -40,7 +40,7 @@ def _guarded(derive: Callable[..., list[Deps] | None]) -> Callable[..., list[Dep
     """
 
     def wrapper(it: Runner, scope: Scope, eqn: Any) -> list[Deps] | None:
-        key = (eqn.primitive.name, id(eqn.params.get("call_jaxpr")))
+        key = (eqn.primitive.name, id(_compat.called(eqn)))
         if key in it.deriving:
             raise _Recursive(key)
         it.deriving.add(key)
@@ -174,7 +174,7 @@ def _maps_itself(eqn: Any, axes: list[int | None]) -> bool:
     return the very same equation on the whole inputs, with the outputs mapped on axis 0.
     """
     fn, var_in = single_eqn_fun(eqn)
-    var_axes = tuple(a for v, a in zip(eqn.invars, axes, strict=True) if isinstance(v, jcore.Var))
+    var_axes = tuple(a for v, a in zip(eqn.invars, axes, strict=True) if isinstance(v, _compat.Var))
     try:
         mapped = jax.make_jaxpr(jax.vmap(fn, in_axes=var_axes))(*map(_struct, var_in)).jaxpr
     except Exception:
@@ -185,9 +185,9 @@ def _maps_itself(eqn: Any, axes: list[int | None]) -> bool:
     return (
         again.primitive is eqn.primitive
         and _same_params(again.params, eqn.params)
-        and [isinstance(v, jcore.Var) for v in again.invars]
-        == [isinstance(v, jcore.Var) for v in eqn.invars]
-        and [v for v in again.invars if isinstance(v, jcore.Var)] == list(mapped.invars)
+        and [isinstance(v, _compat.Var) for v in again.invars]
+        == [isinstance(v, _compat.Var) for v in eqn.invars]
+        and [v for v in again.invars if isinstance(v, _compat.Var)] == list(mapped.invars)
         and list(again.outvars) == list(mapped.outvars)
     )
 
@@ -209,7 +209,9 @@ def _agrees_on_slices(eqn: Any, axes: list[int | None], length: int) -> bool:
         return False
     rng = np.random.default_rng(0)
     try:
-        whole_in = [_random(v.aval, rng) if isinstance(v, jcore.Var) else None for v in eqn.invars]
+        whole_in = [
+            _random(v.aval, rng) if isinstance(v, _compat.Var) else None for v in eqn.invars
+        ]
     except TypeError:  # opaque dtypes (PRNG keys): cannot be drawn
         return False
     whole = evaluate(eqn, whole_in)
@@ -242,7 +244,7 @@ def per_slice(scope: Scope, eqn: Any) -> list[Deps] | None:
         return None
     (length,) = lead.pop()
     axes = [
-        0 if isinstance(v, jcore.Var) and shape(v.aval)[:1] == (length,) else None
+        0 if isinstance(v, _compat.Var) and shape(v.aval)[:1] == (length,) else None
         for v in eqn.invars
     ]
     if not (_maps_itself(eqn, axes) and _agrees_on_slices(eqn, axes, length)):

@@ -13,11 +13,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jcore
 
 from .._core import detection, rules as D
 from .._core.detection import LRU, EntryLimit, Propagated
 from .._errors import StateUpdateError
+from . import _compat
 from ._interpret import Interpreter
 from ._table import TABLE
 
@@ -47,7 +47,7 @@ def is_array(x: Any) -> bool:
     return known
 
 
-_ARRAYS = (jax.Array, np.ndarray, np.generic, jax.core.Tracer)
+_ARRAYS = (jax.Array, np.ndarray, np.generic, _compat.Tracer)
 _ARRAY_TYPES: dict[type, bool] = {}
 
 
@@ -133,7 +133,7 @@ _VARIANTS = 8
 
 def digest(value: Any) -> Hashable:
     """A digest of a concrete array's values (``None`` for tracers: unknown values)."""
-    if isinstance(value, jax.core.Tracer) or not getattr(value, "is_fully_addressable", True):
+    if isinstance(value, _compat.Tracer) or not getattr(value, "is_fully_addressable", True):
         return None
     if jnp.issubdtype(getattr(value, "dtype", np.float32), jax.dtypes.prng_key):
         with jax.ensure_compile_time_eval():  # a concrete key stays concrete under a trace
@@ -174,10 +174,9 @@ def fingerprint(closed: Any) -> Hashable:
         return digest(c)
 
     def param(p: Any) -> Hashable:
-        if isinstance(p, jcore.ClosedJaxpr):
-            return ("closed", program(p.jaxpr), tuple(const(c) for c in p.consts))
-        if isinstance(p, jcore.Jaxpr):
-            return ("open", program(p))
+        if _compat.is_program(p):
+            jaxpr, consts = _compat.open_jaxpr(p)
+            return ("program", program(jaxpr), tuple(const(c) for c in consts))
         if isinstance(p, tuple | list):
             return (type(p).__name__, tuple(param(q) for q in p))
         if isinstance(p, dict):
@@ -197,7 +196,7 @@ def fingerprint(closed: Any) -> Hashable:
         ids: dict[Any, int] = {}
 
         def var(v: Any) -> Hashable:
-            if isinstance(v, jcore.Literal):
+            if isinstance(v, _compat.Literal):
                 return ("literal", aval(v.aval), literal(v.val))
             return ids.setdefault(v, len(ids))
 
@@ -322,10 +321,10 @@ def _live_peak(jaxpr: Any) -> int:
     last: dict[Any, int] = {}
     for i, eqn in enumerate(jaxpr.eqns):
         for var in eqn.invars:
-            if not isinstance(var, jcore.Literal):
+            if not isinstance(var, _compat.Literal):
                 last[var] = i
     for var in jaxpr.outvars:
-        if not isinstance(var, jcore.Literal):
+        if not isinstance(var, _compat.Literal):
             last[var] = len(jaxpr.eqns)
     ending: list[int] = [0] * (len(jaxpr.eqns) + 1)
     peak = alive = 0
@@ -335,7 +334,7 @@ def _live_peak(jaxpr: Any) -> int:
             size = _elements(var)
             made += size
             ending[max(last.get(var, i), i)] += size
-        nested = max((_live_peak(sub) for sub in jcore.jaxprs_in_params(eqn.params)), default=0)
+        nested = max((_live_peak(sub) for sub in _compat.sub_jaxprs(eqn)), default=0)
         peak = max(peak, alive + max(made, nested))
         alive += made - ending[i]
     return peak
@@ -349,8 +348,8 @@ def _kept_elements(jaxpr: Any) -> int:
     total = 0
     for eqn in jaxpr.eqns:
         total += sum(_elements(var) for var in eqn.outvars if var in kept)
-        repeat = int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
-        for sub in jcore.jaxprs_in_params(eqn.params):
+        repeat = _compat.scan_parts(eqn).length if eqn.primitive.name == "scan" else 1
+        for sub in _compat.sub_jaxprs(eqn):
             total += repeat * _kept_elements(sub)
     return total
 
@@ -376,10 +375,10 @@ def _materialized(jaxpr: Any) -> set[Any]:
     readers: dict[Any, list[str]] = {}
     for eqn in jaxpr.eqns:
         for var in eqn.invars:
-            if not isinstance(var, jcore.Literal):
+            if not isinstance(var, _compat.Literal):
                 readers.setdefault(var, []).append(eqn.primitive.name)
     for var in jaxpr.outvars:
-        if not isinstance(var, jcore.Literal):
+        if not isinstance(var, _compat.Literal):
             readers.setdefault(var, []).append("")  # the program's result is written out
     return {
         var
@@ -398,11 +397,10 @@ trace cannot see."""
 
 def is_differentiated(leaf: Any) -> bool:
     """Whether ``leaf`` is a tracer of a differentiation, at any depth of nested traces."""
-    while isinstance(leaf, jax.core.Tracer):
-        name = type(leaf).__name__
-        if name in ("JVPTracer", "LinearizeTracer"):
+    while isinstance(leaf, _compat.Tracer):
+        if _compat.is_differentiation(leaf):
             return True
-        leaf = getattr(leaf, "val", None)  # a vmap's tracer: look through it
+        leaf = _compat.unwrap(leaf)  # a vmap's tracer: look through it
     return False
 
 

@@ -35,10 +35,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jcore
 
 from .._core import rules
 from .._core.detection import LRU
+from . import _compat
 from ._detect import GRADIENT, digest, fingerprint, is_array, is_differentiated
 from ._freshness import state
 from ._jaxpr import is_inexact
@@ -158,16 +158,12 @@ def _staged(leaf: Any) -> bool:
     """Whether ``leaf`` is being staged out into a program (a ``jit`` or another staging trace
     below it), rather than an eager ``grad``'s or ``vmap``'s tracer of a concrete value, under
     which the transform would otherwise run op by op. Unknown tracers count as staged."""
-    if not isinstance(leaf, jax.core.Tracer):
+    if not isinstance(leaf, _compat.Tracer):
         return False
-    while isinstance(leaf, jax.core.Tracer):
-        name = type(leaf).__name__
-        if name in ("JVPTracer", "LinearizeTracer"):
-            leaf = leaf.primal
-        elif name == "BatchTracer":
-            leaf = leaf.val
-        else:
+    while isinstance(leaf, _compat.Tracer):
+        if not (_compat.is_differentiation(leaf) or _compat.is_batch(leaf)):
             return True  # jit's, shard_map's or another staging trace's
+        leaf = _compat.unwrap(leaf)
     return False
 
 
@@ -217,8 +213,8 @@ def _literals_as_constants(closed: Any) -> tuple[Any, int]:
     for eqn in jaxpr.eqns:
         invars = list(eqn.invars)
         for k, v in enumerate(invars):
-            if isinstance(v, jcore.Literal) and not np.shape(v.val) and is_inexact(v.aval):
-                invars[k] = jcore.Var(v.aval)
+            if isinstance(v, _compat.Literal) and not np.shape(v.val) and is_inexact(v.aval):
+                invars[k] = _compat.Var(v.aval)
                 new_vars.append(invars[k])
                 values.append(v.val)
         eqns.append(eqn if invars == list(eqn.invars) else eqn.replace(invars=invars))
@@ -226,7 +222,7 @@ def _literals_as_constants(closed: Any) -> tuple[Any, int]:
     if not new_vars:
         return closed, n
     lifted = jaxpr.replace(constvars=[*jaxpr.constvars, *new_vars], eqns=eqns)
-    return jcore.ClosedJaxpr(lifted, [*closed.consts, *values]), n
+    return _compat.closed_jaxpr(lifted, [*closed.consts, *values]), n
 
 
 def _value(c: Any) -> Hashable:
@@ -253,7 +249,7 @@ def _is_weight(c: Any) -> bool:
     """A constant passed as an argument of the compiled program: floating-point arrays
     (weights), random keys and scalars (counters such as an nnx ``Rngs`` count). The others,
     index arrays and masks that detection may read, are part of the key."""
-    if isinstance(c, jax.core.Tracer):  # an outer grad's or vmap's: never compiled in
+    if isinstance(c, _compat.Tracer):  # an outer grad's or vmap's: never compiled in
         return True
     dtype = getattr(c, "dtype", None)
     if dtype is None:
@@ -306,7 +302,7 @@ def _array_signature(a: Any) -> Hashable:
     kind = type(a)
     concrete = _CONCRETE.get(kind)
     if concrete is None:  # a JAX array with its values (not a tracer, not NumPy's)
-        concrete = _CONCRETE[kind] = isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
+        concrete = _CONCRETE[kind] = isinstance(a, jax.Array) and not isinstance(a, _compat.Tracer)
     if concrete:
         return a.aval, a.sharding
     return a.shape, a.dtype, getattr(a, "weak_type", False), getattr(a, "sharding", None)
@@ -349,7 +345,7 @@ class _Program:
         differentiated: bool,
     ) -> None:
         fixed = {i: c for i, c in enumerate(closed.consts) if i not in weights}
-        jaxpr, n_consts = closed.jaxpr, len(closed.consts)  # not the traced weights themselves
+        jaxpr, n_consts = _compat.without_consts(closed), len(closed.consts)  # no weights
         static = [None if d else leaf for leaf, d in zip(leaves, dynamic, strict=True)]
         # The result's tree, with the position of each slot among its leaves (set when traced).
         self._layout: list[tuple[Any, list[int | None]]] = []
@@ -357,7 +353,7 @@ class _Program:
         def run(given: list[Any], ours: list[Any], dyn: list[Any]) -> list[Any]:
             values = dict(zip(weights, given, strict=True))
             consts = [values[i] if i in values else fixed[i] for i in range(n_consts)]
-            program = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, consts))
+            program = _compat.jaxpr_as_fun(_compat.closed_jaxpr(jaxpr, consts))
 
             def traced_f(*a: Any, **kw: Any) -> Any:
                 flat = jax.tree_util.tree_leaves((a, kw))

@@ -42,6 +42,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _compat
+
 __all__ = ["state"]
 
 _TRUSTED = (
@@ -96,10 +98,9 @@ def _trace_context() -> Hashable:
     """JAX's configuration that tracing depends on (64-bit mode, dtype promotion, default
     device, precision), as ``jax.jit`` keys its own cache on it."""
     try:
-        from jax._src.config import trace_context
+        return _compat.trace_context()
     except ImportError as error:  # pragma: no cover - a JAX without it: always re-trace
         raise _Unknown from error
-    return trace_context()
 
 
 def _trusted(module: object) -> bool:
@@ -136,7 +137,7 @@ class _Walk:
             raise _Unknown
         if isinstance(v, _SCALARS):
             return (type(v), v.hex() if isinstance(v, float) else v)
-        if isinstance(v, jax.core.Tracer):
+        if isinstance(v, _compat.Tracer):
             raise _Unknown
         if isinstance(v, jax.Array):
             self.arrays.append(v)

@@ -15,13 +15,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from jax.extend import core as jcore
 
 from .._core import rules as D
 from .._core.detection import EntryLimit
 from .._core.rules import Deps, Op
+from . import _compat
 from ._derive import per_slice, via_jvp, via_vjp
-from ._jaxpr import Scope, concrete, is_inexact, open_jaxpr, shape
+from ._jaxpr import Scope, concrete, is_inexact, shape
 from ._table import TABLE
 
 __all__ = ["Interpreter", "last_uses"]
@@ -31,10 +31,10 @@ def last_uses(jaxpr: Any) -> list[list[Any]]:
     """Per equation, the variables no later equation reads (its inputs read for the last time,
     its outputs never read), the program's outputs excepted: their dependency sets are
     released once it ran, so that a detection holds only what is still to be read."""
-    kept = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    kept = {v for v in jaxpr.outvars if not isinstance(v, _compat.Literal)}
     last: dict[Any, int] = {}
     for i, eqn in enumerate(jaxpr.eqns):
-        last.update((v, i) for v in eqn.invars if not isinstance(v, jcore.Literal))
+        last.update((v, i) for v in eqn.invars if not isinstance(v, _compat.Literal))
         last.update((v, i) for v in eqn.outvars)
     done: list[list[Any]] = [[] for _ in jaxpr.eqns]
     for var, i in last.items():
@@ -47,13 +47,13 @@ def live_equations(jaxpr: Any) -> list[bool]:
     """Per equation, whether the program's outputs read what it makes. Dead equations (the
     value of a loss whose gradient is the function) are not propagated: their dependency sets
     would be paid for, and a dense one would end a screening that the output never sees."""
-    needed = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    needed = {v for v in jaxpr.outvars if not isinstance(v, _compat.Literal)}
     live = [False] * len(jaxpr.eqns)
     for i in range(len(jaxpr.eqns) - 1, -1, -1):
         eqn = jaxpr.eqns[i]
         if any(v in needed for v in eqn.outvars):
             live[i] = True
-            needed.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+            needed.update(v for v in eqn.invars if not isinstance(v, _compat.Literal))
     return live
 
 
@@ -103,7 +103,7 @@ class Interpreter:
         With ``captured``, ``jaxpr`` is the traced program and its constants are what the
         function captured: the reads of their values are recorded in :attr:`read_consts`.
         """
-        jaxpr, closed_consts = open_jaxpr(jaxpr)
+        jaxpr, closed_consts = _compat.open_jaxpr(jaxpr)
         consts = closed_consts if consts is None else list(consts)
         scope = Scope(self, jaxpr)
         for position, (var, const) in enumerate(zip(jaxpr.constvars, consts, strict=True)):

@@ -9,11 +9,11 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jcore
 
 from .._core import rules as D
 from .._core.rules import Deps
 from .._errors import InternalError
+from . import _compat
 
 __all__ = [
     "Runner",
@@ -21,7 +21,6 @@ __all__ = [
     "concrete",
     "evaluate",
     "is_inexact",
-    "open_jaxpr",
     "shape",
     "single_eqn_fun",
 ]
@@ -36,16 +35,9 @@ def shape(aval: Any) -> tuple[int, ...]:
     return tuple(int(s) for s in getattr(aval, "shape", ()))
 
 
-def open_jaxpr(jaxpr: Any) -> tuple[jcore.Jaxpr, list[Any]]:
-    """(jaxpr, consts) of a ClosedJaxpr or an open Jaxpr."""
-    if isinstance(jaxpr, jcore.ClosedJaxpr):
-        return jaxpr.jaxpr, list(jaxpr.consts)
-    return jaxpr, []
-
-
 def concrete(value: Any) -> np.ndarray | None:
     """A NumPy copy of a concrete value, ``None`` for tracers and opaque values."""
-    if isinstance(value, jax.core.Tracer):
+    if isinstance(value, _compat.Tracer):
         return None
     try:
         return np.asarray(value)
@@ -55,12 +47,12 @@ def concrete(value: Any) -> np.ndarray | None:
 
 def single_eqn_fun(eqn: Any) -> tuple[Callable[..., list[Any]], list[Any]]:
     """The equation as a function of its variable inputs (literals stay inside)."""
-    var_in = [v for v in eqn.invars if isinstance(v, jcore.Var)]
-    params = eqn.primitive.get_bind_params(eqn.params)
+    var_in = [v for v in eqn.invars if isinstance(v, _compat.Var)]
+    params = _compat.bind_params(eqn)
 
     def fn(*args: Any) -> list[Any]:
         it = iter(args)
-        full = [next(it) if isinstance(v, jcore.Var) else v.val for v in eqn.invars]
+        full = [next(it) if isinstance(v, _compat.Var) else v.val for v in eqn.invars]
         out = eqn.primitive.bind(*full, **params)
         return list(out) if eqn.primitive.multiple_results else [out]
 
@@ -70,7 +62,7 @@ def single_eqn_fun(eqn: Any) -> tuple[Callable[..., list[Any]], list[Any]]:
 def evaluate(eqn: Any, inputs: Sequence[Any]) -> list[np.ndarray] | None:
     """Evaluate one equation on concrete values (outside any surrounding trace)."""
     fn, _ = single_eqn_fun(eqn)
-    values = [x for v, x in zip(eqn.invars, inputs, strict=True) if isinstance(v, jcore.Var)]
+    values = [x for v, x in zip(eqn.invars, inputs, strict=True) if isinstance(v, _compat.Var)]
     try:
         with jax.ensure_compile_time_eval():
             return [np.asarray(o) for o in fn(*values)]
@@ -107,7 +99,7 @@ class Scope:
     depend on the labels gets the value of its equation on its inputs' values.
     """
 
-    def __init__(self, interp: Runner, jaxpr: jcore.Jaxpr) -> None:
+    def __init__(self, interp: Runner, jaxpr: _compat.Jaxpr) -> None:
         self.interp = interp
         self.deps: dict[Any, Deps] = {}
         # Variables that depended on the labels and whose dependency sets were released
@@ -120,7 +112,7 @@ class Scope:
         self.captured: dict[Any, tuple[int, Any]] = {}
 
     def read(self, var: Any) -> Deps:
-        if isinstance(var, jcore.Literal):
+        if isinstance(var, _compat.Literal):
             return D.empty(shape(var.aval), self.interp.n_labels)
         found = self.deps.get(var)
         if found is None and var in self.released:
@@ -134,7 +126,7 @@ class Scope:
 
     def value(self, var: Any) -> np.ndarray | None:
         """The constant value of ``var`` if it is known at trace time (folded lazily)."""
-        if isinstance(var, jcore.Literal):
+        if isinstance(var, _compat.Literal):
             return concrete(var.val)
         return self.values.get(var)
 

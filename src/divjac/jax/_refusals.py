@@ -20,9 +20,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jcore
 
 from .._errors import UnsupportedOperationError
+from . import _compat
 from ._sink import _bind
 
 __all__ = ["check_differentiable_twice", "leaked_tracers_refused"]
@@ -81,23 +81,18 @@ def check_differentiable_twice(eqn: Any) -> None:
         raise _refusal(eqn)
 
 
-def _nested_tracer(jaxpr: jcore.Jaxpr) -> bool:
+def _nested_tracer(jaxpr: _compat.Jaxpr) -> bool:
     """Whether a program nested in ``jaxpr`` has a tracer among its constants."""
-    for eqn in jaxpr.eqns:
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                if isinstance(sub, jcore.ClosedJaxpr):
-                    if any(isinstance(c, jax.core.Tracer) for c in sub.consts):
-                        return True
-                    sub = sub.jaxpr
-                if isinstance(sub, jcore.Jaxpr) and _nested_tracer(sub):
-                    return True
-    return False
+    return any(
+        any(isinstance(c, _compat.Tracer) for c in consts) or _nested_tracer(sub)
+        for eqn in jaxpr.eqns
+        for sub, consts in _compat.nested_programs(eqn)
+    )
 
 
 def _refusal(eqn: Any) -> UnsupportedOperationError:
-    name = eqn.params["call_jaxpr"].jaxpr.debug_info.func_name
-    rule = getattr(eqn.params.get("jvp_jaxpr_fun"), "debug_info", None)
+    name = _compat.open_jaxpr(_compat.called(eqn))[0].debug_info.func_name
+    rule = getattr(_compat.custom_jvp_rule(eqn), "debug_info", None)
     where = f" ({rule.func_src_info})" if rule is not None else ""
     return UnsupportedOperationError(
         f"the second-order sweep: JAX cannot differentiate the custom_jvp function {name} "

@@ -32,7 +32,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jcore
+
+from . import _compat
 
 __all__ = ["pushes", "varying_axes", "varying_like"]
 
@@ -172,7 +173,7 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     env: dict[Any, Any] = {}
 
     def read(v: Any) -> Any:
-        return v.val if isinstance(v, jcore.Literal) else env[v]
+        return v.val if isinstance(v, _compat.Literal) else env[v]
 
     for var, val in zip(jaxpr.constvars, consts, strict=True):
         env[var] = val
@@ -195,7 +196,7 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
 
 def _bind(eqn: Any, *args: Any) -> Any:
     """Evaluate the primitive of one equation on ordinary values, with its parameters."""
-    params = eqn.primitive.get_bind_params(eqn.params)
+    params = _compat.bind_params(eqn)
     return eqn.primitive.bind(*args, **params)
 
 
@@ -312,9 +313,7 @@ def _eqn(eqn: Any, ins: list[Any]) -> list[Any] | None:
     if name == "conv_general_dilated":
         return _conv(eqn, ins, out_shape)
     if name in _CALLS:
-        sub = p.get("jaxpr", p.get("call_jaxpr"))
-        closed = sub if isinstance(sub, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(sub, [])
-        return _eval(closed.jaxpr, closed.consts, ins)
+        return _eval(*_compat.open_jaxpr(_compat.called(eqn)), ins)
     return None
 
 

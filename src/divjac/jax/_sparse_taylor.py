@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core as jcore
 
 from .._core.sparse_index import compressed, positions, union
+from . import _compat
 from ._sink import _bind, _Passes, _real, varying_like
 from ._taylor import _CALLS, _CURVATURE, _inexact, _Sweep
 
@@ -52,6 +52,10 @@ _ELEMENTWISE = {
     "acosh", "asinh", "atanh", "nextafter", "rem",
 }  # fmt: skip
 _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min"}
+# Primitives that bind only inside ``shard_map`` (they read its manual mesh axes): never
+# evaluated at compile time, even on constants (JAX 0.12 marks a jitted function's integer
+# literals as varying over the mesh axes: ``pvary 0``).
+_MESH_BOUND = frozenset(["pvary", "pcast", "axis_index", "psum", "pmax", "pmin", "all_gather"])
 
 
 @dataclass(frozen=True)
@@ -111,10 +115,10 @@ def _distributed(jaxpr: Any, consts: Sequence[Any], x: jax.Array) -> Any:
     dependent: set[Any] = set(jaxpr.invars)
 
     def read(v: Any) -> Any:
-        return v.val if isinstance(v, jcore.Literal) else env[v]
+        return v.val if isinstance(v, _compat.Literal) else env[v]
 
     def depends(v: Any) -> bool:
-        return not isinstance(v, jcore.Literal) and v in dependent
+        return not isinstance(v, _compat.Literal) and v in dependent
 
     def product(v: Any, rhs: Any, eqn: Any) -> Any:
         (lc, rc), _ = eqn.params["dimension_numbers"]
@@ -134,7 +138,7 @@ def _distributed(jaxpr: Any, consts: Sequence[Any], x: jax.Array) -> Any:
         if src is not None and src.primitive.name == "broadcast_in_dim" and len(src.invars) == 1:
             (g,) = src.invars
             shape = tuple(src.params["shape"])
-            if not isinstance(g, jcore.Literal) and len(g.aval.shape) == len(shape):
+            if not isinstance(g, _compat.Literal) and len(g.aval.shape) == len(shape):
                 grown = [a for a in range(len(shape)) if g.aval.shape[a] != shape[a]]
                 (_, (lb, _)) = eqn.params["dimension_numbers"]
                 if not set(grown) & (set(lc) | set(lb)):
@@ -238,9 +242,14 @@ class _SparseSweep(_Sweep):
 
     def constant(self, eqn: Any, values: list[Any]) -> Any:
         """Integer values computed from constants only (the indices of a gather) are computed
-        now, so that the index can follow them (:func:`_moved`)."""
-        concrete = not any(isinstance(v, jax.core.Tracer) for v in values)
-        if concrete and not any(_inexact(v.aval) for v in eqn.outvars):
+        now, so that the index can follow them (:func:`_moved`); not those of the mesh
+        (:data:`_MESH_BOUND`)."""
+        concrete = not any(isinstance(v, _compat.Tracer) for v in values)
+        if (
+            concrete
+            and eqn.primitive.name not in _MESH_BOUND
+            and not any(_inexact(v.aval) for v in eqn.outvars)
+        ):
             with jax.ensure_compile_time_eval():
                 return _bind(eqn, *values)
         return _bind(eqn, *values)
@@ -403,7 +412,7 @@ def _moved(eqn: Any, idx: np.ndarray) -> np.ndarray | None:
 def _gathered_index(eqn: Any, idx: np.ndarray, indices: Any) -> np.ndarray | None:
     """The index of a gather by indices known now (computed from constants): the gather of
     each slot of the index (``None`` where the indices depend on traced values)."""
-    if isinstance(indices, jax.core.Tracer):
+    if isinstance(indices, _compat.Tracer):
         return None
     with jax.ensure_compile_time_eval():
         slots = [np.asarray(_bind(eqn, jnp.asarray(i + 1, jnp.int32), indices)) for i in idx]
@@ -414,16 +423,15 @@ def _gathered_index(eqn: Any, idx: np.ndarray, indices: Any) -> np.ndarray | Non
 def _elementwise_call(eqn: Any) -> bool:
     """A ``custom_jvp`` function (``relu``, ``softplus``, ...) made of element-wise equations on
     arrays of its operands' shape."""
-    closed = eqn.params["call_jaxpr"]
+    jaxpr, _ = _compat.open_jaxpr(_compat.called(eqn))
     shapes = {tuple(v.aval.shape) for v in eqn.invars} | {tuple(v.aval.shape) for v in eqn.outvars}
-    return len(shapes) == 1 and _elementwise_jaxpr(closed.jaxpr, shapes.pop())
+    return len(shapes) == 1 and _elementwise_jaxpr(jaxpr, shapes.pop())
 
 
 def _elementwise_jaxpr(jaxpr: Any, shape: tuple[int, ...]) -> bool:
     for e in jaxpr.eqns:
         if e.primitive.name in _CALLS or e.primitive.name == "custom_jvp_call":
-            sub = e.params.get("jaxpr", e.params.get("call_jaxpr"))
-            sub = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+            sub, _ = _compat.open_jaxpr(_compat.called(e))
             if not _elementwise_jaxpr(sub, shape):
                 return False
         elif e.primitive.name not in _ELEMENTWISE and not (

@@ -15,11 +15,11 @@ from typing import Any
 import jax
 import numpy as np
 from jax import lax
-from jax.extend import core as jcore
 
 from .._core import rules as D
 from .._core.rules import Deps, Op, Rule
 from .._errors import InternalError
+from . import _compat
 from ._derive import via_jvp, via_vjp
 from ._jaxpr import Runner, Scope, shape
 
@@ -251,8 +251,7 @@ _add(["triangular_solve"], D.triangular_solve_rule, _triangular_solve)
 
 
 def _custom_linear_solve(it: Runner, scope: Scope, eqn: Any) -> Mapping[str, Any]:
-    lengths = eqn.params["const_lengths"]
-    jaxprs = eqn.params["jaxprs"]
+    lengths, jaxprs = _compat.linear_solve_parts(eqn)
     ins = [scope.read(v) for v in eqn.invars]
     matvec_consts = ins[: lengths.matvec]
     offset = lengths.matvec + lengths.vecmat
@@ -321,7 +320,7 @@ def _index_columns(scope: Scope, var: Any) -> list[np.ndarray | None]:
     value = scope.value(var)
     if value is not None:
         return list(np.moveaxis(np.broadcast_to(value, dims), -1, 0))
-    eqn = None if isinstance(var, jcore.Literal) else scope.producers.get(var)
+    eqn = None if isinstance(var, _compat.Literal) else scope.producers.get(var)
     last = len(dims) - 1
     if eqn is not None and eqn.primitive.name == "concatenate" and eqn.params["dimension"] == last:
         return [c for v in eqn.invars for c in _index_columns(scope, v)]
@@ -427,7 +426,7 @@ def _values(scope: Scope, eqn: Any, lo: int = 0, hi: int | None = None) -> list[
 
 
 def _call(it: Runner, scope: Scope, eqn: Any) -> Mapping[str, Any]:
-    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    sub = _compat.called(eqn)
     values = _values(scope, eqn)
     return {"program": lambda ins: it.run(sub, ins, in_values=values)}
 
@@ -446,7 +445,7 @@ def _cond(it: Runner, scope: Scope, eqn: Any) -> Mapping[str, Any]:
     def branch(jaxpr: Any) -> Callable[[Sequence[Deps]], list[Deps]]:
         return lambda ins: it.run(jaxpr, ins, in_values=values)
 
-    return {"branches": [branch(b) for b in eqn.params["branches"]]}
+    return {"branches": [branch(b) for b in _compat.branches(eqn)]}
 
 
 _add(["cond"], D.cond_rule, _cond)
@@ -472,11 +471,10 @@ def _loop_body(
 
 
 def _while(it: Runner, scope: Scope, eqn: Any) -> Mapping[str, Any]:
-    p = eqn.params
-    n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+    program, n_cond, n_body = _compat.while_parts(eqn)
     values = _values(scope, eqn, n_cond, n_cond + n_body)
     n_carry = len(eqn.invars) - n_cond - n_body
-    body = _loop_body(it, p["body_jaxpr"], [*values, *[None] * n_carry])
+    body = _loop_body(it, program, [*values, *[None] * n_carry])
     return {"body": body, "n_cond": n_cond, "n_body": n_body}
 
 
@@ -484,15 +482,15 @@ _add(["while"], D.while_rule, _while)
 
 
 def _scan(it: Runner, scope: Scope, eqn: Any) -> Mapping[str, Any]:
-    p = eqn.params
-    n_consts = p["num_consts"]
+    loop = _compat.scan_parts(eqn)
+    n_consts = loop.n_consts
     values = [*_values(scope, eqn, 0, n_consts), *[None] * (len(eqn.invars) - n_consts)]
     return {
-        "body": _loop_body(it, p["jaxpr"], values),
+        "body": _loop_body(it, loop.body, values),
         "n_consts": n_consts,
-        "n_carry": p["num_carry"],
-        "length": p["length"],
-        "reverse": p["reverse"],
+        "n_carry": loop.n_carry,
+        "length": loop.length,
+        "reverse": loop.reverse,
     }
 
 
@@ -502,7 +500,7 @@ _add(["scan"], D.scan_rule, _scan)
 def _custom_jvp(it: Runner, scope: Scope, eqn: Any) -> Mapping[str, Any]:
     """The primal program and the custom JVP rule (a straight-through estimator's rule too)."""
     values = _values(scope, eqn)
-    program = eqn.params["call_jaxpr"]
+    program = _compat.called(eqn)
     return {
         "primal": lambda ins: it.run(program, ins, in_values=values),
         "derive": lambda: via_jvp(it, scope, eqn),
@@ -513,7 +511,7 @@ def _custom_vjp(it: Runner, scope: Scope, eqn: Any) -> Mapping[str, Any]:
     """The primal program and the custom VJP rule (forward mode cannot use this function)."""
     it.has_custom_vjp = True
     values = _values(scope, eqn)
-    program = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
+    program = _compat.called(eqn)
     return {
         "primal": lambda ins: it.run(program, ins, in_values=values),
         "derive": lambda: via_vjp(it, scope, eqn),
@@ -529,7 +527,7 @@ _add(["custom_vjp_call", "custom_vjp_call_jaxpr"], D.custom_rule, _custom_vjp)
 REGISTRY = D.Registry("JAX primitive")
 
 
-def register_rule(op: jcore.Primitive | str, rule: Rule, /) -> None:
+def register_rule(op: _compat.Primitive | str, rule: Rule, /) -> None:
     """Give the JAX primitive ``op`` (or its name) a sparsity rule.
 
     The rule receives an :class:`divjac.rules.Op`: the dependency sets of the equation's inputs

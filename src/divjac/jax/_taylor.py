@@ -39,9 +39,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jcore
 
-from . import _sharding
+from . import _compat, _sharding
 from ._refusals import check_differentiable_twice
 from ._sink import _Bcast, _bind, _eval, _lift, _Passes, _real, varying_like
 
@@ -158,7 +157,7 @@ class _Sweep:
         env: dict[Any, _Value] = {}
 
         def read(v: Any) -> _Value:
-            return (v.val, None, None) if isinstance(v, jcore.Literal) else env[v]
+            return (v.val, None, None) if isinstance(v, _compat.Literal) else env[v]
 
         for var, val in zip(jaxpr.constvars, consts, strict=True):
             env[var] = (val, None, None)
@@ -183,9 +182,7 @@ class _Sweep:
     def equation(self, eqn: Any, ins: list[_Value], dep: list[int]) -> list[_Value]:
         name = eqn.primitive.name
         if name in _CALLS:
-            sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            closed = sub if isinstance(sub, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(sub, [])
-            return self.eval(closed.jaxpr, closed.consts, ins)
+            return self.eval(*_compat.open_jaxpr(_compat.called(eqn)), ins)
         if (
             (name in _LINEAR and not _complex_abs(eqn))
             or (name in _BILINEAR and len(dep) == 1)
