@@ -18,7 +18,7 @@ per-sample function), along four axes:
 Every call is checked against the brute force at the state it is made in. The axes are covered
 pairwise (:mod:`tests.pairwise`), not as their product; the default run is the MLP with every
 transform and every value of every other axis at least once, the pairwise cover of all the
-variants and models is marked ``slow``. The brute force runs under ``jit`` and once per process
+variants and models is marked ``matrix`` (``make test-matrix``, not yet part of CI). The brute force runs under ``jit`` and once per process
 for each state.
 """
 
@@ -307,7 +307,7 @@ def test_context_matrix(case: Case) -> None:
     check(case)
 
 
-@pytest.mark.slow
+@pytest.mark.matrix
 @pytest.mark.parametrize("case", SLOW, ids=lambda c: c.id)
 def test_context_matrix_pairwise(case: Case) -> None:
     check(case)
