@@ -364,7 +364,8 @@ def _bilaplacian() -> list[Variant]:
 
 def _frobenius(name: str) -> list[Variant]:
     """``squared_frobenius_norm`` or ``value_divergence_and_frobenius``: the exact methods in
-    every mode, Hutchinson in columns (fwd: ``||J v||^2``) and rows (rev: ``||v^T J||^2``)."""
+    every mode, Hutchinson in columns (fwd: ``||J v||^2``) and rows (rev and auto: ``||v^T J||^2``,
+    in both frameworks)."""
     transform = getattr(dj, name)
     both = name == "value_divergence_and_frobenius"
 
@@ -384,12 +385,12 @@ def _frobenius(name: str) -> list[Variant]:
             lambda f, a, _, mo=mode: transform(f, a, method="hutchinson", mode=mo, num_probes=K),
             lambda b, mo=mode: wrap(
                 b,
-                b.frobenius(stochastic=True, rows=mo == "rev"),
+                b.frobenius(stochastic=True, rows=mo != "fwd"),
                 b.stochastic("hutchinson", b.jac),
             ),
             randomness="probes",
         )
-        for mode in ("fwd", "rev")
+        for mode in ("fwd", "rev", "auto")
     ]
     return found
 
