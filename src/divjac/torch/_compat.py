@@ -36,6 +36,7 @@ __all__ = [
     "compiled_inlined",
     "compiler_name",
     "ddp_forward",
+    "ddp_lacks",
     "decomposition_table",
     "dict_version",
     "fake_tensors",
@@ -244,14 +245,16 @@ except (ImportError, AttributeError):  # pragma: no cover - no fast checks: the 
 _DDP_MACHINERY = ("_pre_forward", "_post_forward", "_inside_ddp_forward", "_use_python_reducer")
 
 
+def ddp_lacks(ddp: Any) -> list[str]:
+    """The parts of a ``DistributedDataParallel`` wrapper's forward that :func:`ddp_forward`
+    needs and this torch's wrapper lacks."""
+    return [name for name in _DDP_MACHINERY if not hasattr(ddp, name)]
+
+
 def ddp_forward(ddp: Any) -> tuple[Callable[..., Any], Callable[[], Any], Callable[[Any], Any]]:
     """The parts of a ``DistributedDataParallel`` wrapper's forward around its module's: the
     step before (taking and returning ``(args, kwargs)``), the context the module runs in and
-    the step after (taking and returning the output). Raises ``AttributeError`` naming the
-    parts this torch's wrapper lacks."""
-    missing = [name for name in _DDP_MACHINERY if not hasattr(ddp, name)]
-    if missing:
-        raise AttributeError(missing)
+    the step after (taking and returning the output); see :func:`ddp_lacks`."""
 
     def inside() -> Any:
         return contextlib.nullcontext() if ddp._use_python_reducer else ddp._inside_ddp_forward()

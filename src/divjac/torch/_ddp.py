@@ -34,7 +34,7 @@ from torch import distributed as dist, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .._errors import DDPError
-from ._compat import active_ddp_module, ddp_forward, pytree
+from ._compat import active_ddp_module, ddp_forward, ddp_lacks, pytree
 from ._refusals import functorch_refusals
 
 __all__ = ["check_synchronized", "transform", "unwrapped"]
@@ -74,14 +74,14 @@ def transform(
 
 
 def _synchronized(ddp: DDP, inner: Transform, fname: str) -> Transform:
-    try:
-        pre_forward, inside, post_forward = ddp_forward(ddp)
-    except AttributeError as err:
+    missing = ddp_lacks(ddp)
+    if missing:
         raise DDPError(
-            f"{fname}(ddp): this torch's DistributedDataParallel lacks {err.args[0]}, which "
+            f"{fname}(ddp): this torch's DistributedDataParallel lacks {missing}, which "
             f"divjac runs its calls through to synchronize gradients exactly once per step. "
             f"Instead, {_PATTERN}."
-        ) from None
+        )
+    pre_forward, inside, post_forward = ddp_forward(ddp)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..._errors import InternalError
 from ._harness import Result
 
 SIZES = (256, 512)
@@ -113,7 +114,7 @@ def _measure(tool: str, size: int, repeat: int) -> dict[str, Any]:
     )  # fmt: skip
     if done.returncode != 0:
         if tool == "divjac":
-            raise RuntimeError(f"divjac's blur at {size}x{size} failed:\n{done.stderr[-2000:]}")
+            raise InternalError(f"divjac's blur at {size}x{size} failed:\n{done.stderr[-2000:]}")
         return {"error": done.stderr.strip().splitlines()[-1][:300] if done.stderr else "failed"}
     found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return found
