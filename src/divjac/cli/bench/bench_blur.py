@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jax  # noqa: F401  (the rows run JAX in subprocesses: skipped without it, as the others)
+
 from ..._errors import InternalError
 from ._harness import Result
 
@@ -90,13 +92,15 @@ def run(quick: bool) -> list[Result]:
         label = "jit(sparse_jacobian(batch_axis=None)), warm"
         if "error" in theirs:
             results.append(
-                Result("-", case, label, "(asdex failed)", ours["warm"], ours["warm"], extra=extra)
+                Result(
+                    "P22", case, label, "(asdex failed)", ours["warm"], ours["warm"], extra=extra
+                )
             )
             continue
         results += [
-            Result("-", case, label, "jit(asdex.jacobian), warm", ours["warm"], theirs["warm"],
+            Result("P22", case, label, "jit(asdex.jacobian), warm", ours["warm"], theirs["warm"],
                    extra=extra),
-            Result("-", case, "first call (detection, coloring, compile)",
+            Result("P22", case, "first call (detection, coloring, compile)",
                    "asdex first call (detection, coloring, compile)", ours["first"],
                    theirs["first"], extra=extra),
         ]  # fmt: skip
