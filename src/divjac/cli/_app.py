@@ -152,6 +152,14 @@ def bench(
         list[str] | None,
         typer.Option("--only", help="Run only modules whose name contains this (repeatable)."),
     ] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "--device",
+            help="Run the rows that matter on an accelerator, on it: gpu or tpu (JAX), cuda "
+            "(torch), or cpu. An absent device is an error.",
+        ),
+    ] = None,
 ) -> None:
     """Run the side-by-side benchmarks: ratio table, results.json, results.md and a PNG chart.
 
@@ -161,7 +169,7 @@ def bench(
     def body() -> Any:
         from ._bench import run_bench
 
-        return run_bench(suite, quick=quick, out=out, only=only, console=_console())
+        return run_bench(suite, quick=quick, out=out, only=only, console=_console(), device=device)
 
     _guarded(body)
 

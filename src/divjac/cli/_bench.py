@@ -3,11 +3,13 @@
 A suite is a folder of ``bench_*.py`` modules, each defining ``run(quick: bool) -> list[Result]``
 (:class:`divjac.cli.bench.Result`). The default suite is :mod:`divjac.cli.bench`, installed
 with the package; ``--suite DIR`` runs another folder's modules (the folder is put on
-``sys.path``, so its modules can import each other).
+``sys.path``, so its modules can import each other). ``--device`` runs the rows that matter on
+an accelerator, on it (:mod:`divjac.cli.bench._device`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -19,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import bench
 from ._common import UsageError, writing
@@ -41,6 +43,7 @@ class Suite:
     folder: Path
     results: list[Result] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # module: the import that failed
+    failed: dict[str, str] = field(default_factory=dict)  # module: its error (with --device)
 
     def modules(self, names: Sequence[str] | None = None) -> list[str]:
         """The ``bench_*`` modules, only those whose name contains one of ``names`` if given."""
@@ -70,14 +73,22 @@ class Suite:
         quick: bool,
         on_start: Callable[[str], object] = lambda _: None,
         on_done: Callable[[str, Sequence[Result] | None], object] = lambda _n, _r: None,
+        keep_going: bool = False,
     ) -> None:
-        """Run the modules ``names``; one that needs a package not installed is skipped."""
+        """Run the modules ``names``; one that needs a package not installed is skipped. With
+        ``keep_going``, a module that raises is recorded in :attr:`failed` and the next runs."""
         for name in names:
             on_start(name)
             try:
                 found = list(self.load(name).run(quick=quick))
             except ImportError as err:  # a framework or an alternative is not installed
                 self.skipped[name] = f"{type(err).__name__}: {err}"
+                on_done(name, None)
+                continue
+            except Exception as err:
+                if not keep_going:
+                    raise
+                self.failed[name] = f"{type(err).__name__}: {err}"
                 on_done(name, None)
                 continue
             self.results.extend(found)
@@ -137,22 +148,29 @@ def markdown(results: Sequence[Result]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def save(suite: Suite, out: Path, seconds: float) -> list[Path]:
-    """Write ``results.json``, ``results.md`` and (when a result has a target) ``results.png``."""
+def save(
+    suite: Suite, out: Path, seconds: float, device: dict[str, Any] | None = None
+) -> list[Path]:
+    """Write ``results.json``, ``results.md`` and (when a result has a target) ``results.png``;
+    ``device``: what ``--device`` ran on (its name, the framework versions)."""
     from ._plots import bench_chart
 
     out.mkdir(parents=True, exist_ok=True)
-    meta = {
+    meta: dict[str, Any] = {
+        **(device or {}),
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": platform.processor(),
         "seconds": seconds,
         "suite": str(suite.folder),
         "skipped": suite.skipped,
+        "failed": suite.failed,
     }
     results = [r.to_json() for r in suite.results]
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    (out / "results.md").write_text(markdown(suite.results))
+    versions = ", ".join(f"{k} {v}" for k, v in (device or {}).get("versions", {}).items())
+    on = f"On {device['device']}: {versions}.\n\n" if device else ""
+    (out / "results.md").write_text(on + markdown(suite.results))
     written = [out / "results.json", out / "results.md"]
     if bench_chart(suite.results, out / "results.png"):
         written.append(out / "results.png")
@@ -166,8 +184,15 @@ def run_bench(
     out: Path,
     only: Sequence[str] | None,
     console: Console,
+    device: str | None = None,
 ) -> Suite:
-    """Run the suite, print the table of ratios, write ``results.json``, ``.md`` and ``.png``."""
+    """Run the suite, print the table of ratios, write ``results.json``, ``.md`` and ``.png``.
+
+    ``device`` (``cpu``, ``cuda``, ``gpu``, ``tpu``): the built-in suite's modules that matter on
+    that device (or those of ``only``), run on it; a module that raises is reported and the
+    next one runs, and the files are written after each module (a run stopped by a timeout
+    keeps what it measured). Raises :class:`UsageError` where the device is not present.
+    """
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -177,14 +202,20 @@ def run_bench(
         TimeElapsedColumn,
     )
 
+    from .bench import _device
+
+    on = _device.check(device) if device is not None else None
     ran = Suite(find_suite(suite))
     names = ran.modules(only)
+    if device is not None and suite is None and not only:
+        names = list(_device.MODULES[device])
     if not names:
         which = f" matching {', '.join(only)}" if only else ""
         raise UsageError(f"no benchmark modules bench_*.py{which} in {str(ran.folder)!r}.")
     with writing(out):  # before minutes of benchmarks, not after
         out.mkdir(parents=True, exist_ok=True)
-    console.print(f"benchmarks from {ran.folder} ({'quick' if quick else 'full'} sizes)")
+    where = f" on {on['device']}" if on else ""
+    console.print(f"benchmarks from {ran.folder}{where} ({'quick' if quick else 'full'} sizes)")
     start = time.perf_counter()
     columns = (
         SpinnerColumn(),
@@ -201,22 +232,31 @@ def run_bench(
 
         def on_done(name: str, results: Sequence[Result] | None) -> None:
             progress.advance(task)
-            if results is None:
+            if name in ran.failed:
+                progress.console.print(f"  {name}: FAILED ({ran.failed[name]})", markup=False)
+            elif results is None:
                 progress.console.print(f"  {name}: skipped ({ran.skipped[name]})", markup=False)
             else:
                 progress.console.print(f"  {name}: {len(results)} result(s)")
+            if on is not None:
+                with writing(out):
+                    save(ran, out, time.perf_counter() - start, on)
 
-        ran.run(names, quick=quick, on_start=on_start, on_done=on_done)
+        with _device.on_device(device) if device is not None else contextlib.nullcontext():
+            ran.run(
+                names, quick=quick, on_start=on_start, on_done=on_done, keep_going=on is not None
+            )
         progress.update(task, description="done")
     seconds = time.perf_counter() - start
     console.print(table(ran.results))
     with writing(out):
-        written = save(ran, out, seconds)
+        written = save(ran, out, seconds, on)
     missed = [r for r in ran.results if r.passed is False]
     console.print(
         f"{len(ran.results)} results in {seconds:.1f} s"
         + (f", {len(missed)} below target" if missed else "")
         + (f", {len(ran.skipped)} module(s) skipped" if ran.skipped else "")
+        + (f", {len(ran.failed)} module(s) FAILED" if ran.failed else "")
         + f"; wrote {', '.join(str(p) for p in written)}"
     )
     return ran
