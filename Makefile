@@ -23,7 +23,7 @@ NEWEST_TORCH_TESTS := src/divjac/torch tests/torch $(CROSS_TESTS)
 NEWEST_JAX_TESTS := src/divjac/jax src/divjac/_core tests/jax tests/core $(CROSS_TESTS)
 NEWEST_CORE_TESTS := src/divjac/_core tests/core
 
-.PHONY: install demo test test-conformance test-slow test-matrix lint typecheck pytest test-lowest test-newest bench bench-quick clean
+.PHONY: install demo test test-conformance test-slow test-matrix test-gpu lint typecheck pytest test-lowest test-newest bench bench-quick clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,15 @@ test-slow: install
 # finds open defects (CHANGELOG).
 test-matrix: install
 	$(BIN)/python -m pytest -n 2 -m matrix tests/torch/test_contexts.py tests/jax/test_contexts.py
+
+# The device tests (tests/accelerator, marker accelerator) on the GPUs and TPUs present, skipped
+# where none is: divjac from source, on any Python that has the frameworks (no venv, no install:
+# `make test-gpu PYTHON=python3` on a device image). DIVJAC_ACCELERATOR_TESTS_ON_CPU=1 runs their
+# bodies on the CPU. One process (the device is not shared between xdist workers); pytest-timeout
+# may be absent there, so its ini option is not a config error.
+test-gpu:
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest -m accelerator -p no:cacheprovider \
+		-W ignore::pytest.PytestConfigWarning -rs tests/accelerator
 
 test-lowest: .venv-lowest-core/.divjac-installed .venv-lowest-jax/.divjac-installed
 	.venv-lowest-core/bin/python -m pytest -n 2 tests/core src/divjac/_core
