@@ -9,7 +9,6 @@ carries tens of MiB of indices).
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import numpy as np
@@ -20,10 +19,6 @@ from ._ahead import _compiling
 __all__: list[str] = []
 
 _KEPT: dict[tuple[int, torch.device], tuple[weakref.ref[np.ndarray], torch.Tensor]] = {}
-
-
-def _forget(key: tuple[int, torch.device], _: object) -> None:
-    _KEPT.pop(key, None)
 
 
 def resident(host: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -38,5 +33,7 @@ def resident(host: np.ndarray, device: torch.device) -> torch.Tensor:
         return found[1]
     with torch.inference_mode(False):
         tensor = torch.as_tensor(host, device=device)
-    _KEPT[key] = (weakref.ref(host, functools.partial(_forget, key)), tensor)
+    _KEPT[key] = (weakref.ref(host), tensor)
+    # Dropped with the array (not at exit: the interpreter clears modules first).
+    weakref.finalize(host, _KEPT.pop, key, None).atexit = False
     return tensor
