@@ -352,6 +352,13 @@ class Backend(abc.ABC, Generic[TracedT]):
     def arange(self, n: int, like: Array) -> Array:
         """``0 .. n-1`` (on the device of ``like``)."""
 
+    def on_device(self, host: np.ndarray, like: Array) -> Any:
+        """An integer array of a call's plan (an index array, a coloring) for its passes, on
+        the device of ``like``: a backend whose arrays live on a device keeps one there per
+        host array, so that a steady-state call copies nothing from the host. By default the
+        host array itself (a constant of a compiled program)."""
+        return host
+
     @abc.abstractmethod
     def one_hot(self, i: Array, n: int, like: Array) -> Array:
         """The ``i``-th unit vector of length ``n``, in the dtype of ``like``."""

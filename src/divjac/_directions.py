@@ -154,14 +154,22 @@ def _grad_spec(spec: Spec) -> Spec:
 
 
 def _basis(call: Call, colors: np.ndarray | None) -> Array:
-    """Shared directions ``[K, 1, *in]``: the unit basis, or the indicators of ``colors``."""
-    n = call.n_in
+    """Shared directions ``[K, 1, *in]``: the unit basis, or the indicators of ``colors``,
+    made on the device of the input (from the plan's colors kept there: no host data)."""
+    backend, xb = call.backend, call.xb
     if colors is None:
-        matrix = np.eye(n)
+        labels, n_colors = backend.arange(call.n_in, xb), call.n_in
     else:
+        labels = backend.on_device(colors, xb)
         n_colors = int(colors.max()) + 1 if colors.size else 0
-        matrix = (colors[None, :] == np.arange(n_colors)[:, None]).astype(float)
-    return call.backend.asarray(matrix.reshape(len(matrix), 1, *call.in_sample), like=call.xb)
+    matrix = labels[None, :] == backend.arange(n_colors, xb)[:, None]
+    return backend.asarray(matrix, like=xb).reshape(n_colors, 1, *call.in_sample)
+
+
+def _eye(call: Call, n: int) -> Array:
+    """The ``(n, n)`` identity, made on the device of the input (no host data)."""
+    i = call.backend.arange(n, call.xb)
+    return call.backend.asarray(i[:, None] == i[None, :], like=call.xb)
 
 
 def _one_sample_at_a_time(
@@ -173,9 +181,10 @@ def _one_sample_at_a_time(
     backend, B = call.backend, call.batch_size
     K, n = int(directions.shape[0]), call.n_in
     flat = directions.reshape(K, -1, n)
-    eye = backend.asarray(np.eye(B), like=call.xb)
+    eye = _eye(call, B)
     spread = (eye[:, None, :, None] * flat[None]).reshape(B * K, B, *call.in_sample)
-    w = backend.asarray(np.ones(K), like=call.xb) if weights is None else weights
+    ones = backend.asarray(backend.arange(K, call.xb) >= 0, like=call.xb)
+    w = ones if weights is None else weights
     return spread, (eye[:, None, :] * w[None, :, None]).reshape(B * K, B)
 
 
@@ -184,7 +193,7 @@ def _own_terms(call: Call, terms: Array) -> Array:
     :func:`_one_sample_at_a_time`: each sample's terms of its own directions."""
     B = call.batch_size
     m = math.prod(call.out_sample)
-    eye = call.backend.asarray(np.eye(B), like=call.xb)
+    eye = _eye(call, B)
     own = (terms.reshape(B, -1, B, m) * eye[:, None, :, None]).sum(2)  # (B, K, m)
     return call.backend.moveaxis(own, 0, 1).reshape(-1, B, *call.out_sample)
 

@@ -150,7 +150,11 @@ def _stochastic_divergence(
             _draw(call, randomness, reps, "rademacher").reshape(reps, B, n), 0, -1
         )
         estimate, stderr = est.probing(
-            matvec, colors, signs, exact=exact, num_colors=int(colors.max()) + 1
+            matvec,
+            backend.on_device(colors, call.xb),
+            signs,
+            exact=exact,
+            num_colors=int(colors.max()) + 1,
         )
     else:
         num = ds.num_probes or _caller_budget(call, randomness, ds.method)

@@ -32,8 +32,6 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-import numpy as np
-
 from ._backend import Array, Backend
 from ._call import (
     BiLaplacianMethod,
@@ -55,6 +53,7 @@ from ._directions import (
     _check_options,
     _checked_stderr_budget,
     _coordinates,
+    _eye,
     _grad_spec,
     _gradient,
     _mean_and_stderr,
@@ -357,7 +356,7 @@ def _weighted_values(
         directions = backend.moveaxis(M, -1, 0).reshape(int(M.shape[-1]), -1, *shape)
         weights = None
     else:
-        eye = backend.asarray(np.eye(n), like=call.xb)
+        eye = _eye(call, n)
         columns = backend.moveaxis(M, -1, 0)  # a_i = A e_i: (n, n) or (n, B, n)
         if per_sample:
             eye = eye[:, None, :]
@@ -365,8 +364,8 @@ def _weighted_values(
             eye, columns = eye[:, None, :], columns[:, None, :]
         directions = backend.concatenate([eye + columns, eye - columns])
         directions = directions.reshape(2 * n, -1, *shape)
-        quarter = np.concatenate([np.full(n, 0.25), np.full(n, -0.25)])
-        weights = backend.asarray(quarter, like=call.xb)
+        first = backend.asarray(backend.arange(2 * n, call.xb) < n, like=call.xb)
+        weights = first * 0.5 - 0.25  # 1/4 for the n sums, -1/4 for the n differences
     if planned.coupled:
         directions, weights = _one_sample_at_a_time(call, directions, weights)
     second = _sweep(call, directions, weights, True, opts.chunk_size)

@@ -196,7 +196,9 @@ class _JacobianPlan:
         seeds: the compressed passes of a batch-independent call; ``None``: the call couples
             samples (one pass per sample and element).
         entries: rows, columns (row-major order) and, per nonzero, the pass and the element of
-            the pass holding it: a sparse plan's decompression; ``None``: dense passes.
+            the pass holding it: a sparse plan's decompression; ``None``: dense passes. Kept
+            with the plan, the same arrays at every call (a backend keeps them on its device:
+            :meth:`~divjac._backend.Backend.on_device`).
     """
 
     reverse: bool
@@ -368,6 +370,19 @@ def _given_pattern_plan(
     )
 
 
+def _sparse_plan(call: Call, chunk_size: int | None) -> _JacobianPlan:
+    """The plan of ``sparse_jacobian``: of a coupled call (``coupling="exact"``), no seeds, and
+    its entries read from the diagonal blocks of the samples (pass = row, element = column)."""
+    found = call.detect(per_sample=True)
+    if found.pattern is None:
+        raise InternalError("a per-sample detection without its pattern")
+    reverse = call.prefer_reverse(found, measure=True)
+    if found.coupling is not None:
+        rows, cols = _nonzeros(found.pattern)
+        return _JacobianPlan(reverse, None, (rows, cols, rows, cols))
+    return _pattern_plan(call, found.pattern, "sparse", reverse, chunk_size)
+
+
 def sparse_jacobian(
     backend: Backend[Any],
     f: Callable[..., Any],
@@ -389,28 +404,16 @@ def sparse_jacobian(
         def sparse_fn(*args: Any, **kwargs: Any) -> Any:
             backend.sparse_format(layout)  # (a compiler may trace this call)
             call = prepare(spec, args, kwargs)
-            found = call.detect(per_sample=True)
-            if found.pattern is None:
-                raise InternalError("a per-sample detection without its pattern")
-            if found.coupling is not None:  # coupling="exact": the detected entries of the blocks
-                blocks, aux = _coupled_jacobian(
-                    call, call.prefer_reverse(found, measure=True), chunk_size
-                )
-                rows, cols = _nonzeros(found.pattern)
-                values = backend.take_entries(backend.moveaxis(blocks, 0, 1), rows, cols)
+            planned = backend.ahead(_sparse_plan, call, chunk_size)
+            if planned.entries is None:
+                raise InternalError("a sparse plan without its entries")
+            rows, cols, which, within = planned.entries
+            if planned.seeds is None:  # coupling="exact": the detected entries of the blocks
+                blocks, aux = _coupled_jacobian(call, planned.reverse, chunk_size)
+                passes = backend.moveaxis(blocks, 0, 1)
             else:
-                planned = _pattern_plan(
-                    call,
-                    found.pattern,
-                    "sparse",
-                    call.prefer_reverse(found, measure=True),
-                    chunk_size,
-                )
-                if planned.seeds is None or planned.entries is None:
-                    raise InternalError("a sparse plan without its seeds")
                 passes, aux = compressed(call, planned.seeds)
-                rows, cols, which, within = planned.entries
-                values = backend.take_entries(passes, which, within)
+            values = backend.take_entries(passes, which, within)
             matrix = backend.sparse_matrix(
                 rows,
                 cols,

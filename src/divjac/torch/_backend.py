@@ -31,6 +31,7 @@ from ._compat import is_compiled_module, is_generator, original_module, pytree, 
 from ._detect import trace
 from ._kernels import _differentiable_kernels
 from ._passes import _checkpointed, _on_graph, _Passes, _recomputed, _split_aux, _Tape
+from ._resident import resident
 from ._traced import TensorSpec, Traced
 
 __all__ = ["BACKEND", "TorchBackend"]
@@ -429,6 +430,9 @@ class TorchBackend(Backend[Traced]):
     def arange(self, n: int, like: torch.Tensor) -> torch.Tensor:
         return torch.arange(n, device=like.device)
 
+    def on_device(self, host: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+        return resident(host, like.device)
+
     def one_hot(self, i: torch.Tensor, n: int, like: torch.Tensor) -> torch.Tensor:
         return (torch.arange(n, device=like.device) == i).to(like.dtype)
 
@@ -446,9 +450,7 @@ class TorchBackend(Backend[Traced]):
         self, compressed: torch.Tensor, which: np.ndarray, within: np.ndarray
     ) -> torch.Tensor:
         device = compressed.device
-        return compressed[
-            torch.as_tensor(which, device=device), :, torch.as_tensor(within, device=device)
-        ].T
+        return compressed[resident(which, device), :, resident(within, device)].T
 
     def densify(
         self,
@@ -458,7 +460,8 @@ class TorchBackend(Backend[Traced]):
         shape: tuple[int, int, int],
     ) -> torch.Tensor:
         B, n_out, n_in = shape
-        flat = torch.as_tensor(rows * n_in + cols, device=values.device)
+        device = values.device
+        flat = resident(rows, device) * n_in + resident(cols, device)
         dense = values.new_zeros(B, n_out * n_in).index_copy(1, flat, values)
         return dense.reshape(B, n_out, n_in)
 
@@ -517,7 +520,7 @@ class TorchBackend(Backend[Traced]):
             with warnings.catch_warnings():  # "sparse CSR support is in beta": we only build it
                 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
                 return _csr(rows, cols, values, shape, single)
-        pair = torch.as_tensor(np.stack([rows, cols]), device=device)
+        pair = torch.stack([resident(rows, device), resident(cols, device)])
         if single:
             return torch.sparse_coo_tensor(
                 pair, values[0], (n_out, n_in), is_coalesced=True, check_invariants=False
@@ -537,13 +540,13 @@ def _csr(
     shape: tuple[int, int, int],
     single: bool,
 ) -> torch.Tensor:
-    """A batched CSR tensor (every sample shares the pattern) of values ``(B, nnz)``."""
+    """A batched CSR tensor (every sample shares the pattern) of values ``(B, nnz)``, its
+    nonzeros in row-major order (each row's first at the count of those in earlier rows)."""
     B, n_out, n_in = shape
     device = values.device
-    crow = np.zeros(n_out + 1, np.int64)
-    np.cumsum(np.bincount(rows, minlength=n_out), out=crow[1:])
-    crow_t = torch.as_tensor(crow, device=device)
-    col_t = torch.as_tensor(cols, device=device)
+    rows_t = resident(rows, device)
+    crow_t = torch.searchsorted(rows_t, torch.arange(n_out + 1, device=device))
+    col_t = resident(cols, device)
     if single:
         return torch.sparse_csr_tensor(
             crow_t, col_t, values[0], (n_out, n_in), check_invariants=False

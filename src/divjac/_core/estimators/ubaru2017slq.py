@@ -41,8 +41,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
-import numpy as np
-
 from ..._errors import NumProbesError
 from ._common import (
     Array,
@@ -226,10 +224,11 @@ def _quadrature(
         # jaxlib's LAPACK kernels wait for the thread pool they run on: with every thread in
         # one, the program never finishes (seen with 2 threads).
         h = m // 2  # (m / h >= 2, as the bound assumes: ceil(m / 2) covered 0.06 at m = 3)
-        block = np.zeros((m, m))
-        block[:h, :h] = 1.0
-        rest = np.diag([0.0] * h + [_DEAD + j * _GOLDEN for j in range(h, m)])
-        half = T * xp.asarray(block, **constant) + xp.asarray(rest, **constant)
+        i = xp.arange(m, device=device(q))  # made on the device: no host data
+        lead = i < h
+        dead = xp.where(lead, 0.0, _DEAD + xp.astype(i, T.dtype) * _GOLDEN)
+        block = xp.astype(lead[:, None] & lead[None, :], T.dtype)
+        half = T * block + xp.astype(i[:, None] == i[None, :], T.dtype) * dead
         both = _log_e1(xp.stack([T, half]), xp)
         coefficients, gauss_h = both[0], both[1][..., 0]
     else:
@@ -260,6 +259,6 @@ def _tridiagonal(alphas: Array, betas: Array) -> Array:
     ``I`` plus the off-diagonal times the unit shift and its transpose (the array API has no
     ``diag_embed``; a sum of ``3 m`` unit matrices costs ``m`` times more)."""
     xp, m = namespace(alphas), alphas.shape[-1]
-    constant = {"dtype": alphas.dtype, "device": device(alphas)}
-    eye, upper, lower = (xp.asarray(np.eye(m, k=k), **constant) for k in (0, 1, -1))
+    i = xp.arange(m, device=device(alphas))  # made on the device: no host data
+    eye, upper, lower = (xp.astype(i[:, None] + k == i[None, :], alphas.dtype) for k in (0, 1, -1))
     return alphas[..., :, None] * eye + betas[..., :, None] * upper + betas[..., None, :] * lower
