@@ -59,18 +59,18 @@ __all__ = [
 def _compiled_when_eager(
     transform: Callable[..., Callable[..., Any]],
     f: Callable[..., Any],
-    argnums: int | Sequence[int],
-    *,
+    *positional: Any,
     skip: int = 0,
     **options: Any,
 ) -> Callable[..., Any]:
-    """``transform(BACKEND, f, argnums, **options)``, run as one cached compiled program when
-    called outside ``jax.jit`` (:mod:`divjac.jax._eager`); JAX's failures to differentiate a
-    ``custom_jvp`` rule are named (:mod:`divjac.jax._refusals`)."""
+    """``transform(BACKEND, f, *positional, **options)`` (``positional``: ``argnums``, after the
+    pattern of a ``*_from_pattern`` transform, keyed by identity), run as one cached compiled
+    program when called outside ``jax.jit`` (:mod:`divjac.jax._eager`); JAX's failures to
+    differentiate a ``custom_jvp`` rule are named (:mod:`divjac.jax._refusals`)."""
     call = _eager.compiled_when_eager(
-        lambda g: transform(BACKEND, g, argnums, **options),
+        lambda g: transform(BACKEND, g, *positional, **options),
         f,
-        (transform.__name__, argnums, tuple(sorted(options.items()))),
+        (transform.__name__, positional, tuple(sorted(options.items()))),
         skip=skip,
         functional=BACKEND.functional,
         randomness=lambda r: BACKEND.is_randomness(r) or D._is_probes(BACKEND, r),
@@ -138,9 +138,8 @@ def jacobian_from_pattern(
         >>> jacobian_from_pattern(f, pattern)(jnp.ones((3, 5)))[0].tolist()[1]
         [1.0, 1.0, 0.0, 0.0, 0.0]
     """
-    return T.jacobian_from_pattern(
-        BACKEND, f, pattern, argnums, batch_axis=batch_axis, chunk_size=chunk_size, has_aux=has_aux
-    )
+    options: dict[str, Any] = dict(batch_axis=batch_axis, chunk_size=chunk_size, has_aux=has_aux)
+    return _compiled_when_eager(T.jacobian_from_pattern, f, pattern, argnums, **options)
 
 
 @documented()
@@ -251,9 +250,8 @@ def divergence_from_pattern(
         >>> divergence_from_pattern(f, pattern)(jnp.ones((2, 5))).tolist()
         [30.0, 30.0]
     """
-    return D.divergence_from_pattern(
-        BACKEND, f, pattern, argnums, batch_axis=batch_axis, chunk_size=chunk_size, has_aux=has_aux
-    )
+    options: dict[str, Any] = dict(batch_axis=batch_axis, chunk_size=chunk_size, has_aux=has_aux)
+    return _compiled_when_eager(D.divergence_from_pattern, f, pattern, argnums, **options)
 
 
 @documented()
