@@ -27,8 +27,11 @@ from divjac._core.estimators import estimate_trace, slq_log_abs_det
 K = 6  # probes of the stochastic methods (a budget that Hutch++ and XTrace accept)
 SEED = 3  # of the generator a method that draws its own probes is given
 
-OPERATOR = ((1.0, (0, 0, -1)), (0.5, (-1, -1)))
-"""The operator of ``differential_operator``'s variants, ``u_{0,0,n-1} + u_{n-1,n-1} / 2``."""
+OPERATOR = ((1.0, (0, 0, 0)), (0.5, (-1, -1)))
+"""The operator of ``differential_operator``'s variants, ``u_{000} + u_{n-1,n-1} / 2``: one
+direction per order, where the stochastic methods are exact."""
+MIXED = (0, 0, -1)
+"""The mixed partial of ``derivative``'s variant, ``d^3u/dx_0^2 dx_{n-1}``."""
 
 NOT_TRANSFORMS = {"SparsityPattern", "clear_caches", "register_rule"}
 """The names of ``divjac.torch.__all__`` that are not transforms (not in :data:`TABLE`)."""
@@ -441,7 +444,7 @@ def _bilaplacian() -> list[Variant]:
 
 def _operators() -> dict[str, list[Variant]]:
     """Each order of :data:`OPERATOR` has one direction: the stochastic methods are exact."""
-    alpha = OPERATOR[0][1]
+    alpha = MIXED
     return {
         "derivative": [
             Variant("derivative", lambda u, a, _: dj.derivative(u, alpha, a),
