@@ -221,21 +221,21 @@ def _order_value(
 def _exact_values(
     call: Call, plans: list[partials.OrderPlan], coefficients: Any, coupled: bool, chunk: Any
 ) -> Array:
-    """The operator ``[B, *out]``, one computation per order."""
-    total = None
-    for plan in plans:
-        directions = plan.directions.reshape(len(plan.directions), 1, *call.in_sample)
-        part = _order_value(
+    """The operator ``[B, *out]``, one computation per order (``plans`` not empty)."""
+    parts = [
+        _order_value(
             call,
             plan.order,
-            call.backend.asarray(directions, like=call.xb),
+            call.backend.asarray(
+                plan.directions.reshape(len(plan.directions), 1, *call.in_sample), like=call.xb
+            ),
             _weights(call, plan, coefficients),
             coupled,
             chunk,
         )
-        total = part if total is None else total + part
-    assert total is not None  # at least one term
-    return total
+        for plan in plans
+    ]
+    return sum(parts[1:], parts[0])
 
 
 # --- the stochastic estimate --------------------------------------------------------------------
@@ -272,8 +272,8 @@ def _sampled_values(
     constants = coefficients[0]
     exact = [p for p in plans if len(p.directions) == 1]
     sampled = [p for p in plans if len(p.directions) > 1]
-    mean = _exact_values(call, exact, coefficients, False, opts.chunk_size) if exact else None
-    variance = None
+    means = [_exact_values(call, exact, coefficients, False, opts.chunk_size)] if exact else []
+    variances = []
     # |w_j| |v_j|^d: the scale of each pair's term (|(v . grad)^d u| <= |v|^d |D^d u|).
     masses = [
         np.abs(p.weights * constants).sum(1) * np.linalg.norm(p.directions, axis=1) ** p.order
@@ -297,13 +297,15 @@ def _sampled_values(
         terms = _order_terms(call, plan.order, shaped, opts.chunk_size)
         terms = _weighted_terms(w_over_p, terms)
         m, err = _mean_and_stderr(call, terms, opts.return_stderr)
-        mean = m if mean is None else mean + m
+        means.append(m)
         if err is not None:
-            variance = err * err if variance is None else variance + err * err
-    assert mean is not None
+            variances.append(err * err)
+    mean = sum(means[1:], means[0])  # at least one order
     if not opts.return_stderr:
         return mean, None
-    return mean, (backend.zeros_like(mean) if variance is None else variance**0.5)
+    if not variances:  # every order exact
+        return mean, backend.zeros_like(mean)
+    return mean, sum(variances[1:], variances[0]) ** 0.5
 
 
 def _weighted_terms(weights: Array, terms: Array) -> Array:
