@@ -190,6 +190,11 @@ class Backend(abc.ABC, Generic[TracedT]):
         long ``xs`` is); a loop by default (eager frameworks)."""
         return self.stack([fn(xs[i]) for i in range(int(xs.shape[0]))])
 
+    def per_sample(self, fn: Callable[[Array], Any], xb: Array) -> Array:
+        """``stack([fn(x) for x in xb])``, ``fn`` a function of one sample (batched where the
+        framework maps a function over an axis)."""
+        return self.stack([fn(xb[i]) for i in range(int(xb.shape[0]))])
+
     fori_loop: Callable[[int, Callable[[Any, Any], Any], Any], Any] | None = None
     """``fori_loop(n, body, carry)``, ``carry = body(j, carry)`` for ``j = 0 .. n - 1`` (``carry``
     a tuple of arrays of fixed shapes), where a trace would unroll a Python loop (JAX): one loop

@@ -49,6 +49,7 @@ __all__ = [
     "LogDetMethod",
     "Method",
     "Mode",
+    "OperatorMethod",
     "Spec",
     "WeightedMethod",
     "check_differentiable",
@@ -90,6 +91,11 @@ WeightedMethod: TypeAlias = Literal["auto", "exact", "hutchinson"]
 BiLaplacianMethod: TypeAlias = Literal["auto", "exact", "hutchinson"]
 """How a bi-Laplacian is computed: exact (``"auto"``, ``"exact"``) or estimated
 (``"hutchinson"``: Gaussian directions)."""
+
+OperatorMethod: TypeAlias = Literal["auto", "exact", "hutchinson", "stde"]
+"""How a linear differential operator is computed: exact (``"auto"``, ``"exact"``: its
+directional derivatives, one computation per order) or estimated (``"hutchinson"``, ``"stde"``:
+its (direction, weight) pairs sampled in proportion to the weights)."""
 
 FrobeniusMethod: TypeAlias = Literal["auto", "exact", "sparse", "hutchinson"]
 """How a squared Frobenius norm (with or without the divergence) is computed: exact

@@ -100,6 +100,13 @@ _SECOND_RAISES = (
 _COUPLED_ALWAYS = """BatchCouplingError: ``u`` mixes samples."""
 _COEFFICIENT = """CoefficientError: neither or both of ``A`` and ``factor``, or one of the wrong
         shape or dtype."""
+_MULTI_INDEX = """MultiIndexError: ``alpha`` (or a term's) is empty, of order above 4, not integer
+        indices, or has an index out of range of the flat per-sample input; ``terms`` is empty
+        or not pairs."""
+_OPERATOR_COEFFICIENT = """CoefficientError: a coefficient is not a number, a floating
+        per-sample array ``(B,)`` or a function of one sample returning a scalar."""
+_ALPHA = """flat per-sample input indices, with repetition, of the partial derivative
+        (``(0, 0, 1)``: ``d^3u/dx0^2 dx1``); order 1 to 4."""
 _U_ANY = """batched function ``[B, *in] -> [B, *out]`` (in PyTorch also an ``nn.Module``); the
         operator applies to each output component."""
 _SECOND_PROBES = """probes per sample of a stochastic method (default: as many as the caller's
@@ -381,6 +388,68 @@ _DOCS: dict[str, _Doc] = {
                 """return ``(result, stderr)``: 0 for the exact methods; ``"hutchinson"``
                 refuses it (fourth powers of Gaussian probes: their spread covered 0.69-0.93
                 of the draws even at 64 probes, docs/calibration.md).""",
+            ),
+        ),
+    ),
+    "derivative": _Doc(
+        """Per-sample mixed partial ``d^|alpha| u / dx_alpha`` of each output component of ``u``.
+
+        ``alpha`` is a tuple of flat per-sample input indices with repetition: ``(0, 0, 1)`` is
+        ``d^3u/dx0^2 dx1``; orders 1 to 4. Exact: the combination of the ``|alpha|``-th
+        directional derivatives along integer directions supported on ``alpha``'s indices
+        that equals the mixed partial (Griewank, Utke & Walther 2000), computed as
+        :func:`differential_operator` computes one term.""",
+        ("u", "argnums", "batch_axis", "chunk_size", "has_aux", "coupling"),
+        """A function with ``u``'s signature returning the per-sample mixed partials, with the
+        shape of ``u``'s output.""",
+        (_MULTI_INDEX, *_SECOND_RAISES),
+        own_args=(("u", _U_ANY), ("alpha", _ALPHA)),
+    ),
+    "differential_operator": _Doc(
+        """Per-sample linear differential operator ``sum_t c_t d^{alpha_t} u`` up to fourth order.
+
+        ``terms`` is a sequence of pairs ``(c, alpha)``: ``alpha`` as in :func:`derivative`,
+        ``c`` a number, a per-sample array ``(B,)`` (batch first), or a function of one input
+        sample returning a scalar (a variable coefficient, evaluated on each sample, not
+        differentiated). ``"exact"`` (and ``"auto"``): the terms grouped by order, each order's
+        distinct directions carrying their summed weights; order 1 is one JVP, order 2 one
+        collapsed Taylor sweep, orders 3 and 4 a second-order sweep of the second-order sweep
+        along each direction. ``"hutchinson"`` and ``"stde"`` (the same estimator): per order,
+        ``num_probes`` (direction, weight) pairs drawn per sample with probabilities ``p_j``
+        proportional to the weights' magnitudes (number coefficients), each giving
+        ``w_j (v_j . grad)^d u / p_j`` (unbiased); an order with one direction is exact; the
+        budget is split over the sampled orders by their weights' mass (2 probes each at
+        least), and the standard error is that of the sum of the orders' means.""",
+        (
+            "u",
+            "argnums",
+            "batch_axis",
+            "return_stderr",
+            "chunk_size",
+            "has_aux",
+            "coupling",
+        ),
+        """A function with ``u``'s signature returning the operator per sample, with the
+        shape of ``u``'s output.""",
+        (_MULTI_INDEX, _OPERATOR_COEFFICIENT, *_SECOND_RAISES),
+        stochastic=True,
+        own_args=(
+            ("u", _U_ANY),
+            (
+                "terms",
+                """sequence of ``(c, alpha)``: ``c`` a number, a per-sample array ``(B,)`` or a
+                function of one input sample returning a scalar; ``alpha`` as in
+                :func:`derivative`.""",
+            ),
+            (
+                "method",
+                """``"exact"``, ``"auto"`` (exact) or ``"hutchinson"`` / ``"stde"``
+                (sampled directions).""",
+            ),
+            (
+                "num_probes",
+                """(direction, weight) pairs drawn per sample of a stochastic method, split over
+                the sampled orders (default 16).""",
             ),
         ),
     ),

@@ -78,6 +78,10 @@ class CoefficientError(DivjacError, ValueError):
     """The coefficient matrix of a second-order operator (``A`` or its factor) does not fit."""
 
 
+class MultiIndexError(DivjacError, ValueError):
+    """A derivative's multi-index ``alpha``, or an operator's terms, do not fit the input."""
+
+
 class NumProbesError(DivjacError, ValueError):
     """``num_probes`` (or the given probes) does not fit the stochastic method."""
 

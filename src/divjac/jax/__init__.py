@@ -23,12 +23,18 @@ from ._api import (
     value_divergence_and_frobenius as value_divergence_and_frobenius,
     weighted_laplacian as weighted_laplacian,
 )
+from ._api_operators import (
+    derivative as derivative,
+    differential_operator as differential_operator,
+)
 from ._table import register_rule as register_rule
 
 __all__ = [
     "SparsityPattern",
     "bilaplacian",
     "clear_caches",
+    "derivative",
+    "differential_operator",
     "divergence",
     "divergence_from_pattern",
     "grad_divergence",

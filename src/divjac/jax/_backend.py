@@ -164,6 +164,9 @@ class JaxBackend(Backend[Traced]):
             return jax.vmap(fn)(xs)
         return lax.map(fn, xs, batch_size=chunk)
 
+    def per_sample(self, fn: Callable[[jax.Array], Any], xb: jax.Array) -> jax.Array:
+        return jax.vmap(fn)(xb)
+
     @staticmethod
     def fori_loop(n: int, body: Callable[[Any, Any], Any], carry: Any) -> Any:
         """``lax.fori_loop`` of static bounds (a ``scan``: reverse-differentiable)."""

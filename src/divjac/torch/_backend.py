@@ -231,6 +231,9 @@ class TorchBackend(Backend[Traced]):
     def stack(self, arrays: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.stack(list(arrays))
 
+    def per_sample(self, fn: Callable[[torch.Tensor], Any], xb: torch.Tensor) -> torch.Tensor:
+        return torch.func.vmap(fn)(xb)
+
     def functional(self, fun: Callable[..., Any]) -> Callable[..., Any]:
         """A ``torch.compile``d module (an ``OptimizedModule``) is its original module. Any
         other ``fun`` is returned from here, not from a call (dynamo, tracing this under
