@@ -41,6 +41,7 @@ def _close(got: Any, want: np.ndarray) -> None:
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
 
+@pytest.mark.slow  # trains two networks for 3 steps, nested jacfwd to fourth order (about 45 s)
 def test_the_operator_examples_run_and_are_nested_jacfwd() -> None:
     jax = pytest.importorskip("jax")
     torch = pytest.importorskip("torch")

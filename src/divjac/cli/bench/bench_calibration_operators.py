@@ -46,6 +46,7 @@ OPERATORS: dict[str, Callable[[int], Terms]] = {
 DIMENSIONS = (2, 5, 10)
 BUDGETS = (2, 4, 8, 16, 32)
 METHODS = ("stde", "hutchinson")
+"""(The two names draw the same directions today: both are calibrated, under their names.)"""
 
 _TANH_DERIVATIVES: list[Callable[[np.ndarray], np.ndarray]] = [
     lambda t: 1 - t * t,
@@ -79,8 +80,16 @@ def _pinn(lib: Any, weights: tuple[np.ndarray, ...]) -> Callable[[Any], Any]:
     return lambda x: torch.tanh(x @ w1.T + b1) @ w2
 
 
-def operator_cells(framework: str, draws: int = 2000) -> Iterator[Cell]:
-    """Every method × operator × PINN × budget of ``"jax"`` or ``"torch"``, ``draws`` samples."""
+def operator_cells(
+    framework: str,
+    draws: int = 2000,
+    *,
+    dimensions: tuple[int, ...] = DIMENSIONS,
+    budgets: tuple[int, ...] = BUDGETS,
+    methods: tuple[str, ...] = METHODS,
+) -> Iterator[Cell]:
+    """Every method × operator × PINN × budget of ``"jax"`` or ``"torch"``, ``draws`` samples
+    (the samples of one batch, each drawing its own directions)."""
     if framework == "jax":
         import jax
 
@@ -94,7 +103,7 @@ def operator_cells(framework: str, draws: int = 2000) -> Iterator[Cell]:
         from ... import torch as lib
 
         randomness = torch.Generator().manual_seed(0)
-    for d in DIMENSIONS:
+    for d in dimensions:
         weights = _pinn_weights(d)
         x = np.random.default_rng(d).uniform(-1, 1, d)
         u = _pinn(lib, weights)
@@ -102,8 +111,8 @@ def operator_cells(framework: str, draws: int = 2000) -> Iterator[Cell]:
         for name, make in OPERATORS.items():
             terms = make(d)
             truth = exact(weights, x, terms)
-            for method in METHODS:
-                for budget in BUDGETS:
+            for method in methods:
+                for budget in budgets:
                     op = lib.differential_operator(
                         u, terms, method=method, num_probes=budget, return_stderr=True
                     )
