@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._call import OperatorMethod
 from ..._errors import NumProbesError
 from ._harness import Result
 from .bench_calibration import Cell, _pinn_weights, _score, _summary_rows, lib_array, markdown
@@ -45,7 +46,7 @@ OPERATORS: dict[str, Callable[[int], Terms]] = {
 
 DIMENSIONS = (2, 5, 10)
 BUDGETS = (2, 4, 8, 16, 32)
-METHODS = ("stde", "hutchinson")
+METHODS: tuple[OperatorMethod, ...] = ("stde", "hutchinson")
 """(The two names draw the same directions today: both are calibrated, under their names.)"""
 
 _TANH_DERIVATIVES: list[Callable[[np.ndarray], np.ndarray]] = [
@@ -86,23 +87,25 @@ def operator_cells(
     *,
     dimensions: tuple[int, ...] = DIMENSIONS,
     budgets: tuple[int, ...] = BUDGETS,
-    methods: tuple[str, ...] = METHODS,
+    methods: tuple[OperatorMethod, ...] = METHODS,
 ) -> Iterator[Cell]:
     """Every method × operator × PINN × budget of ``"jax"`` or ``"torch"``, ``draws`` samples
     (the samples of one batch, each drawing its own directions)."""
+    lib: Any
+    randomness: Any
     if framework == "jax":
         import jax
 
         jax.config.update("jax_enable_x64", True)
-        from ... import jax as lib
+        from ... import jax as dj
 
-        randomness: Any = jax.random.key(0)
+        lib, randomness = dj, jax.random.key(0)
     else:
         import torch
 
-        from ... import torch as lib
+        from ... import torch as dt
 
-        randomness = torch.Generator().manual_seed(0)
+        lib, randomness = dt, torch.Generator().manual_seed(0)
     for d in dimensions:
         weights = _pinn_weights(d)
         x = np.random.default_rng(d).uniform(-1, 1, d)
