@@ -64,6 +64,10 @@ ARGS: dict[str, str] = {
     "factor": """instead of ``A``, a factor ``S`` of ``A = S S^T``: ``(n, r)`` or ``(B, n, r)``
         (e.g. the diffusion coefficient ``sigma`` of an SDE, with ``A = sigma sigma^T``);
         ``r`` directions instead of ``2n``.""",
+    "alpha": """flat per-sample input indices, with repetition, of the partial derivative
+        (``(0, 0, 1)``: ``d^3u/dx0^2 dx1``); order 1 to 4.""",
+    "terms": """sequence of ``(c, alpha)``: ``c`` a number, a per-sample array ``(B,)`` or a
+        function of one input sample returning a scalar; ``alpha`` as in :func:`derivative`.""",
     "probing_distance": """for ``"probing"``, color a distance-limited pattern (Chebyshev
         distance on the per-sample grid) instead of choosing the distance from the budget.""",
 }
@@ -105,8 +109,6 @@ _MULTI_INDEX = """MultiIndexError: ``alpha`` (or a term's) is empty, of order ab
         or not pairs."""
 _OPERATOR_COEFFICIENT = """CoefficientError: a coefficient is not a number, a floating
         per-sample array ``(B,)`` or a function of one sample returning a scalar."""
-_ALPHA = """flat per-sample input indices, with repetition, of the partial derivative
-        (``(0, 0, 1)``: ``d^3u/dx0^2 dx1``); order 1 to 4."""
 _U_ANY = """batched function ``[B, *in] -> [B, *out]`` (in PyTorch also an ``nn.Module``); the
         operator applies to each output component."""
 _SECOND_PROBES = """probes per sample of a stochastic method (default: as many as the caller's
@@ -399,11 +401,11 @@ _DOCS: dict[str, _Doc] = {
         directional derivatives along integer directions supported on ``alpha``'s indices
         that equals the mixed partial (Griewank, Utke & Walther 2000), computed as
         :func:`differential_operator` computes one term.""",
-        ("u", "argnums", "batch_axis", "chunk_size", "has_aux", "coupling"),
+        ("u", "alpha", "argnums", "batch_axis", "chunk_size", "has_aux", "coupling"),
         """A function with ``u``'s signature returning the per-sample mixed partials, with the
         shape of ``u``'s output.""",
         (_MULTI_INDEX, *_SECOND_RAISES),
-        own_args=(("u", _U_ANY), ("alpha", _ALPHA)),
+        own_args=(("u", _U_ANY),),
     ),
     "differential_operator": _Doc(
         """Per-sample linear differential operator ``sum_t c_t d^{alpha_t} u`` up to fourth order.
@@ -416,14 +418,17 @@ _DOCS: dict[str, _Doc] = {
         collapsed Taylor sweep, orders 3 and 4 a second-order sweep of the second-order sweep
         along each direction. ``"hutchinson"`` and ``"stde"`` (the same estimator): per order,
         ``num_probes`` (direction, weight) pairs drawn per sample with probabilities ``p_j``
-        proportional to the weights' magnitudes (number coefficients), each giving
+        proportional to ``|w_j| |v_j|^d`` (``w_j``'s number coefficients), each giving
         ``w_j (v_j . grad)^d u / p_j`` (unbiased); an order with one direction is exact; the
         budget is split over the sampled orders by their weights' mass (2 probes each at
         least), and the standard error is that of the sum of the orders' means.""",
         (
             "u",
+            "terms",
             "argnums",
             "batch_axis",
+            "method",
+            "num_probes",
             "return_stderr",
             "chunk_size",
             "has_aux",
@@ -436,12 +441,6 @@ _DOCS: dict[str, _Doc] = {
         own_args=(
             ("u", _U_ANY),
             (
-                "terms",
-                """sequence of ``(c, alpha)``: ``c`` a number, a per-sample array ``(B,)`` or a
-                function of one input sample returning a scalar; ``alpha`` as in
-                :func:`derivative`.""",
-            ),
-            (
                 "method",
                 """``"exact"``, ``"auto"`` (exact) or ``"hutchinson"`` / ``"stde"``
                 (sampled directions).""",
@@ -450,6 +449,13 @@ _DOCS: dict[str, _Doc] = {
                 "num_probes",
                 """(direction, weight) pairs drawn per sample of a stochastic method, split over
                 the sampled orders (default 16).""",
+            ),
+            (
+                "return_stderr",
+                """return ``(result, stderr)``: 0 for the exact methods; for the stochastic
+                ones the standard error of the sum of the orders' sampled means (the terms'
+                own spread, t-corrected: few-valued terms at few probes undercover, see
+                docs/calibration.md).""",
             ),
         ),
     ),

@@ -256,8 +256,8 @@ def _sampled_values(
 ) -> tuple[Array, Array | None]:
     """The operator and its standard error, stratified by order: each order with one direction
     is exact; in each other order, ``k_d`` (direction, weight) pairs are drawn per sample,
-    independently, with probabilities ``p_j`` proportional to the number-coefficient part of
-    ``|w_j|``, and ``w_j (v_j . grad)^d u / p_j`` averaged (unbiased: its expectation is
+    independently, with probabilities ``p_j`` proportional to ``|w_j| |v_j|^d`` (``w_j``'s
+    number-coefficient part), and ``w_j (v_j . grad)^d u / p_j`` averaged (unbiased: its expectation is
     ``sum_j w_j (v_j . grad)^d u``). The budget ``num_probes`` is split over the sampled orders
     in proportion to their weights' mass, at least 2 each; the standard error is that of the
     sum of the orders' independent means."""
@@ -273,7 +273,11 @@ def _sampled_values(
     sampled = [p for p in plans if len(p.directions) > 1]
     mean = _exact_values(call, exact, coefficients, False, opts.chunk_size) if exact else None
     variance = None
-    masses = [np.abs(p.weights * constants).sum(1) for p in sampled]
+    # |w_j| |v_j|^d: the scale of each pair's term (|(v . grad)^d u| <= |v|^d |D^d u|).
+    masses = [
+        np.abs(p.weights * constants).sum(1) * np.linalg.norm(p.directions, axis=1) ** p.order
+        for p in sampled
+    ]
     total_mass = sum(m.sum() for m in masses) or 1.0
     k = _num_probes(call, opts, randomness)
     for plan, mass in zip(sampled, masses, strict=True):

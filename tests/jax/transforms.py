@@ -27,6 +27,9 @@ from divjac._core.estimators import estimate_trace, slq_log_abs_det
 K = 6  # probes of the stochastic methods (a budget that Hutch++ and XTrace accept)
 KEY_SEED = 3  # of the key a method that draws its own probes is given
 
+OPERATOR = ((1.0, (0, 0, -1)), (0.5, (-1, -1)))
+"""The operator of ``differential_operator``'s variants, ``u_{0,0,n-1} + u_{n-1,n-1} / 2``."""
+
 NOT_TRANSFORMS = {"SparsityPattern", "clear_caches", "register_rule"}
 """The names of ``divjac.jax.__all__`` that are not transforms (not in :data:`TABLE`)."""
 
@@ -119,6 +122,17 @@ class Brute:
         return jax.vmap(lambda xs, ts: jnp.trace(jax.hessian(lap)(xs, ts).reshape(self.n, -1)))(
             self.x, self.t
         )
+
+    def operator(self, terms: tuple[tuple[float, tuple[int, ...]], ...]) -> jax.Array:
+        """``sum_t c_t d^{alpha_t} u`` by nested ``jacfwd`` of the flat per-sample ``u``."""
+        shape, total = self.x.shape[1:], 0.0
+        for c, alpha in terms:
+            g = lambda xf, ts: self.u_one(xf.reshape(shape), ts)  # noqa: E731
+            for _ in alpha:
+                g = jax.jacfwd(g)
+            per = jax.vmap(lambda xs, ts, g=g, a=alpha: g(xs.reshape(-1), ts)[a])
+            total = total + c * per(self.x, self.t)
+        return total
 
     def bilap_hutchinson(self) -> jax.Array:
         """The mean of ``(v . grad)^4 u / 3`` over the Gaussian probes the key draws."""
@@ -362,6 +376,24 @@ def _bilaplacian() -> list[Variant]:
     return found
 
 
+def _operators() -> dict[str, list[Variant]]:
+    """Each order of :data:`OPERATOR` has one direction: the stochastic methods are exact."""
+    alpha = OPERATOR[0][1]
+    return {
+        "derivative": [
+            Variant("derivative", lambda u, a, _: dj.derivative(u, alpha, a),
+                    lambda b: b.operator(((1.0, alpha),)), scalar=True)
+        ],
+        "differential_operator": [
+            Variant(f"differential_operator-{method}",
+                    lambda u, a, _, m=method: dj.differential_operator(u, OPERATOR, a, method=m),
+                    lambda b: b.operator(OPERATOR), scalar=True,
+                    randomness="key" if method in ("hutchinson", "stde") else None)
+            for method in ("auto", "exact", "hutchinson", "stde")
+        ],
+    }  # fmt: skip
+
+
 def _frobenius(name: str) -> list[Variant]:
     """``squared_frobenius_norm`` or ``value_divergence_and_frobenius``: the exact methods in
     every mode, Hutchinson in columns (fwd: ``||J v||^2``) and rows (rev and auto: ``||v^T J||^2``,
@@ -467,6 +499,7 @@ TABLE: dict[str, list[Variant]] = {
     "squared_frobenius_norm": _frobenius("squared_frobenius_norm"),
     "value_divergence_and_frobenius": _frobenius("value_divergence_and_frobenius"),
     "log_abs_det": _log_abs_det(),
+    **_operators(),
     **_patterns(),
 }
 """Public transform name -> its variants: a new transform in ``__all__`` fails

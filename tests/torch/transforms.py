@@ -27,6 +27,9 @@ from divjac._core.estimators import estimate_trace, slq_log_abs_det
 K = 6  # probes of the stochastic methods (a budget that Hutch++ and XTrace accept)
 SEED = 3  # of the generator a method that draws its own probes is given
 
+OPERATOR = ((1.0, (0, 0, -1)), (0.5, (-1, -1)))
+"""The operator of ``differential_operator``'s variants, ``u_{0,0,n-1} + u_{n-1,n-1} / 2``."""
+
 NOT_TRANSFORMS = {"SparsityPattern", "clear_caches", "register_rule"}
 """The names of ``divjac.torch.__all__`` that are not transforms (not in :data:`TABLE`)."""
 
@@ -169,6 +172,23 @@ class Truth:
 
             h = torch.autograd.functional.hessian(lap, self.x[b], create_graph=True)
             return h.reshape(self.n, self.n).trace()
+
+        return self._each(one)
+
+    def operator(self, terms: tuple[tuple[float, tuple[int, ...]], ...]) -> torch.Tensor:
+        """``sum_t c_t d^{alpha_t} u`` by nested ``autograd.grad`` of the flat sample."""
+        u = u_of(self.f)
+
+        def one(b: int) -> torch.Tensor:
+            xb = self.x[b].detach().clone().requires_grad_()
+            total = torch.zeros((), dtype=torch.float64)
+            for c, alpha in terms:
+                out = _per_sample(u, self.x, b)(xb)
+                for i in alpha:
+                    (g,) = torch.autograd.grad(out, xb, create_graph=True, materialize_grads=True)
+                    out = g.flatten()[i]
+                total = total + c * out
+            return total
 
         return self._each(one)
 
@@ -419,6 +439,24 @@ def _bilaplacian() -> list[Variant]:
     return found
 
 
+def _operators() -> dict[str, list[Variant]]:
+    """Each order of :data:`OPERATOR` has one direction: the stochastic methods are exact."""
+    alpha = OPERATOR[0][1]
+    return {
+        "derivative": [
+            Variant("derivative", lambda u, a, _: dj.derivative(u, alpha, a),
+                    lambda t, d: t.operator(((1.0, alpha),)), scalar=True)
+        ],
+        "differential_operator": [
+            Variant(f"differential_operator-{method}",
+                    lambda u, a, _, m=method: dj.differential_operator(u, OPERATOR, a, method=m),
+                    lambda t, d: t.operator(OPERATOR), scalar=True,
+                    randomness="generator" if method in ("hutchinson", "stde") else None)
+            for method in ("auto", "exact", "hutchinson", "stde")
+        ],
+    }  # fmt: skip
+
+
 def _frobenius(name: str) -> list[Variant]:
     """``squared_frobenius_norm`` or ``value_divergence_and_frobenius``: the exact methods in
     every mode, Hutchinson in columns (fwd: ``||J v||^2``) and rows (rev and auto: ``||v^T J||^2``,
@@ -526,6 +564,7 @@ TABLE: dict[str, list[Variant]] = {
     "squared_frobenius_norm": _frobenius("squared_frobenius_norm"),
     "value_divergence_and_frobenius": _frobenius("value_divergence_and_frobenius"),
     "log_abs_det": _log_abs_det(),
+    **_operators(),
     **_patterns(),
 }
 """Public transform name -> its variants: a new transform in ``__all__`` fails

@@ -41,7 +41,7 @@ def derivative(
         O.derivative,
         u,
         argnums,
-        alpha=tuple(alpha) if isinstance(alpha, Sequence) else alpha,
+        alpha=tuple(alpha) if isinstance(alpha, list) else alpha,  # hashable: a cache key
         batch_axis=batch_axis,
         chunk_size=chunk_size,
         has_aux=has_aux,
