@@ -234,6 +234,37 @@ PARTICLE_TARGET = 2.0
 """P24: the operator's cost in evaluations of ``u`` at the largest ``d`` over the smallest."""
 
 
+def rel_err(got: Any, want: Any) -> float:
+    """The largest difference of two arrays (JAX, torch on the CPU) over ``want``'s largest."""
+    import numpy as np
+
+    a, b = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def operator_row(
+    id: str,
+    case: str,
+    ours: Callable[[], Any],
+    nested: tuple[str, Callable[[], Any]],
+    *,
+    repeat: int,
+    min_time: float,
+) -> Result:
+    """P21 and P23: the exact ``differential_operator`` (``ours``) against a nested ``jacfwd``
+    (label, computation), with the largest difference relative to the largest value."""
+    return gain_row(
+        id,
+        case,
+        ("differential_operator (exact)", ours),
+        nested,
+        target=OPERATOR_TARGET,
+        extra={"max_rel_err_vs_nested_jacfwd": rel_err(ours(), nested[1]())},
+        repeat=repeat,
+        min_time=min_time,
+    )
+
+
 def particles_row(
     framework: str,
     case: str,

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from ...jax import differential_operator
 from ...models import jax as models
-from ._harness import OPERATOR_TARGET, Result, gain_row, particles_row
+from ._harness import Result, operator_row, particles_row, rel_err
 
 
 def nested_jacfwd(
@@ -50,10 +50,6 @@ def fourth_diagonal(u1: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array
     return jax.jit(jax.vmap(per_sample))
 
 
-def _rel_err(got: jax.Array, want: jax.Array) -> float:
-    return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-
-
 def _mlp(d: int) -> tuple[Callable[[jax.Array], jax.Array], Any]:
     params = models.init_mlp(jax.random.key(0), (d, 64, 64, 1))
     return lambda z: models.mlp(params, z)[..., 0], jax.random.normal(jax.random.key(1), (128, d))
@@ -70,12 +66,13 @@ def _fourth(d: int, repeat: int) -> Result:
     ours = jax.jit(
         differential_operator(u, [(1.0, (i, i, i, i)) for i in range(d)], method="exact")
     )
-    return _row(
+    return operator_row(
         "P21",
         f"sum_i d4u/dx_i^4, MLP {d}-64-64-1 tanh, B=128, float32, jit (JAX)",
         partial(ours, x),
         ("vmap of nested jacfwd along each x_i", partial(fourth_diagonal(u), x)),
-        repeat,
+        repeat=repeat,
+        min_time=0.05,
     )
 
 
@@ -87,12 +84,13 @@ def _full(repeat: int) -> Result:
     single = lambda z: u(z[None])[0]  # noqa: E731
     tensor = jax.jacfwd(jax.jacfwd(jax.jacfwd(jax.jacfwd(single))))
     nested = jax.jit(jax.vmap(lambda z: jnp.einsum("iiii->", tensor(z))))
-    return _row(
+    return operator_row(
         "P21",
         "sum_i d4u/dx_i^4, MLP 8-64-64-1 tanh, B=128, float32, jit (JAX)",
         partial(ours, x),
         ("vmap of the diagonal of jacfwd(jacfwd(jacfwd(jacfwd(u))))", partial(nested, x)),
-        repeat,
+        repeat=repeat,
+        min_time=0.05,
     )
 
 
@@ -101,25 +99,11 @@ def _mixed(repeat: int) -> Result:
     ours = jax.jit(differential_operator(u, [(1.0, (0, 0, 15))], method="exact"))
     basis = jnp.eye(16, dtype=x.dtype)[jnp.array([0, 15])]
     nested = jax.jit(jax.vmap(lambda z: nested_jacfwd(u, z, basis, (0, 0, 1))))
-    return _row(
+    return operator_row(
         "P23",
         "u_xxt = d3u/dx_0^2 dx_15, MLP 16-64-64-1 tanh, B=128, float32, jit (JAX)",
         partial(ours, x),
         ("vmap of nested jacfwd in (x_0, x_15)", partial(nested, x)),
-        repeat,
-    )
-
-
-def _row(
-    id: str, case: str, ours: Callable[[], Any], nested: tuple[str, Callable[[], Any]], repeat: int
-) -> Result:
-    return gain_row(
-        id,
-        case,
-        ("differential_operator (exact)", ours),
-        nested,
-        target=OPERATOR_TARGET,
-        extra={"max_rel_err_vs_nested_jacfwd": _rel_err(ours(), nested[1]())},
         repeat=repeat,
         min_time=0.05,
     )
@@ -138,7 +122,7 @@ def _particles(repeat: int) -> Result:
         return jax.jit(differential_operator(u, [(1.0, (i, i, i, i)) for i in range(d)]))
 
     extra = {
-        f"max_rel_err_vs_nested_jacfwd_d{d}": _rel_err(operator(d)(x(d)), fourth_diagonal(u)(x(d)))
+        f"max_rel_err_vs_nested_jacfwd_d{d}": rel_err(operator(d)(x(d)), fourth_diagonal(u)(x(d)))
         for d in (8, 32)
     }
     forward = jax.jit(u)

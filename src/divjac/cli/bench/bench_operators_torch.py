@@ -19,7 +19,7 @@ from torch.func import jacfwd, vmap
 
 from ...models import torch as models
 from ...torch import differential_operator
-from ._harness import OPERATOR_TARGET, Result, gain_row, particles_row
+from ._harness import Result, operator_row, particles_row, rel_err
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -46,10 +46,6 @@ def fourth_diagonal(u: Fn) -> Fn:
     return vmap(per_sample)
 
 
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max() / want.abs().max())
-
-
 def _mlp(d: int) -> tuple[Fn, torch.Tensor]:
     params = models.init_mlp(0, (d, 64, 64, 1))
     x = torch.randn(128, d, generator=torch.Generator().manual_seed(1))
@@ -66,12 +62,13 @@ def run(quick: bool) -> list[Result]:
 def _fourth(d: int, repeat: int) -> Result:
     u, x = _mlp(d)
     ours = differential_operator(u, [(1.0, (i, i, i, i)) for i in range(d)], method="exact")
-    return _row(
+    return operator_row(
         "P21",
         f"sum_i d4u/dx_i^4, MLP {d}-64-64-1 tanh, B=128, float32 (torch)",
         partial(ours, x),
         ("torch.func: vmap of nested jacfwd along each x_i", partial(fourth_diagonal(u), x)),
-        repeat,
+        repeat=repeat,
+        min_time=0.0,
     )
 
 
@@ -80,25 +77,11 @@ def _mixed(repeat: int) -> Result:
     ours = differential_operator(u, [(1.0, (0, 0, 15))], method="exact")
     basis = torch.eye(16)[[0, 15]]
     nested = vmap(lambda z: nested_jacfwd(_single(u), z, basis, (0, 0, 1)))
-    return _row(
+    return operator_row(
         "P23",
         "u_xxt = d3u/dx_0^2 dx_15, MLP 16-64-64-1 tanh, B=128, float32 (torch)",
         partial(ours, x),
         ("torch.func: vmap of nested jacfwd in (x_0, x_15)", partial(nested, x)),
-        repeat,
-    )
-
-
-def _row(
-    id: str, case: str, ours: Callable[[], Any], nested: tuple[str, Callable[[], Any]], repeat: int
-) -> Result:
-    return gain_row(
-        id,
-        case,
-        ("differential_operator (exact)", ours),
-        nested,
-        target=OPERATOR_TARGET,
-        extra={"max_rel_err_vs_nested_jacfwd": _rel_err(ours(), nested[1]())},
         repeat=repeat,
         min_time=0.0,
     )
@@ -117,7 +100,7 @@ def _particles(repeat: int, sizes: tuple[int, ...]) -> Result:
         return differential_operator(u, [(1.0, (i, i, i, i)) for i in range(d)])
 
     extra = {
-        f"max_rel_err_vs_nested_jacfwd_d{d}": _rel_err(operator(d)(x(d)), fourth_diagonal(u)(x(d)))
+        f"max_rel_err_vs_nested_jacfwd_d{d}": rel_err(operator(d)(x(d)), fourth_diagonal(u)(x(d)))
         for d in (8, 32)
     }
     return particles_row(
