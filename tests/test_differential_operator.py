@@ -252,6 +252,11 @@ def test_coupled_exact(ops):
         elif alpha == (0, 0):
             want = want + 0.2
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-10)
+    c = np.arange(B) + 1.0
+    terms = [(ops.asarray(c), (1, 2)), (lambda xi: xi[1], (0, 1, 1))]
+    got = ops.dj.differential_operator(mixed, terms, coupling="exact")(x)
+    want = c * ops.brute(u, x, (1, 2)) + X[:, 1] * ops.brute(u, x, (0, 1, 1))
+    np.testing.assert_allclose(ops.to_numpy(got), want, rtol=1e-9, atol=1e-10)
 
 
 def test_jax_jit_grad_vmap():

@@ -169,14 +169,16 @@ def _one_sample_at_a_time(
 ) -> tuple[Array, Array]:
     """Directions ``[B*K, B, *in]`` placing each of ``[K, B or 1, *in]`` in one sample only, and
     the weights ``[B*K, B]`` that keep, in each sample, its own directions' terms (times their
-    ``weights`` ``[K]``): the exact per-sample sums of a function that mixes samples."""
+    ``weights``, ``[K]`` or per sample ``[K, B]``): the exact per-sample sums of a function
+    that mixes samples."""
     backend, B = call.backend, call.batch_size
     K, n = int(directions.shape[0]), call.n_in
     flat = directions.reshape(K, -1, n)
     eye = backend.asarray(np.eye(B), like=call.xb)
     spread = (eye[:, None, :, None] * flat[None]).reshape(B * K, B, *call.in_sample)
     w = backend.asarray(np.ones(K), like=call.xb) if weights is None else weights
-    return spread, (eye[:, None, :] * w[None, :, None]).reshape(B * K, B)
+    w = w[:, None] if w.ndim == 1 else w  # (K, 1) shared, (K, B) per sample
+    return spread, (eye[:, None, :] * w[None]).reshape(B * K, B)
 
 
 def _own_terms(call: Call, terms: Array) -> Array:

@@ -26,8 +26,9 @@ import numpy as np
 
 from ._backend import Array, Backend
 from ._call import Call, Coupling, OperatorMethod, check_num_probes, check_option
-from ._core import estimators as est, partials
+from ._core import partials
 from ._directions import (
+    _mean_and_stderr,
     _num_probes,
     _one_sample_at_a_time,
     _Options,
@@ -257,8 +258,8 @@ def _sampled_values(
     """The operator and its standard error, stratified by order: each order with one direction
     is exact; in each other order, ``k_d`` (direction, weight) pairs are drawn per sample,
     independently, with probabilities ``p_j`` proportional to ``|w_j| |v_j|^d`` (``w_j``'s
-    number-coefficient part), and ``w_j (v_j . grad)^d u / p_j`` averaged (unbiased: its expectation is
-    ``sum_j w_j (v_j . grad)^d u``). The budget ``num_probes`` is split over the sampled orders
+    number-coefficient part), and ``w_j (v_j . grad)^d u / p_j`` averaged (unbiased: its
+    expectation is ``sum_j w_j (v_j . grad)^d u``). The budget ``num_probes`` is split over the sampled orders
     in proportion to their weights' mass, at least 2 each; the standard error is that of the
     sum of the orders' independent means."""
     backend, B = call.backend, call.batch_size
@@ -290,12 +291,12 @@ def _sampled_values(
         ratio = _weights(call, plan, coefficients)  # (K,) or (K, B)
         ratio = ratio[:, None] if ratio.ndim == 1 else ratio
         # w_j / p_j of each draw, (k_d, B)
-        p_arr = backend.asarray(p, like=call.xb)
+        p_arr = backend.asarray(np.where(p > 0, p, 1.0), like=call.xb)  # p = 0: never drawn
         w_over_p = (chosen * (backend.moveaxis(ratio, 0, 1) / p_arr)[None]).sum(-1)
         shaped = directions.reshape(k_d, B, *call.in_sample)
         terms = _order_terms(call, plan.order, shaped, opts.chunk_size)
         terms = _weighted_terms(w_over_p, terms)
-        m, err = _mean_and_error(terms, opts.return_stderr)
+        m, err = _mean_and_stderr(call, terms, opts.return_stderr)
         mean = m if mean is None else mean + m
         if err is not None:
             variance = err * err if variance is None else variance + err * err
@@ -308,13 +309,6 @@ def _sampled_values(
 def _weighted_terms(weights: Array, terms: Array) -> Array:
     """``weights[k, b] * terms[k, b, ...]``."""
     return weights.reshape(*weights.shape, *(1,) * (terms.ndim - 2)) * terms
-
-
-def _mean_and_error(terms: Array, stderr: bool) -> tuple[Array, Array | None]:
-    k = int(terms.shape[0])
-    shape = tuple(terms.shape[1:])
-    mean, err = est.hutchinson_from_terms(terms.reshape(k, -1), stderr=stderr)
-    return mean.reshape(shape), None if err is None else err.reshape(shape)
 
 
 # --- the transforms -----------------------------------------------------------------------------
