@@ -178,25 +178,118 @@ def bilaplacian_row(
     repeat: int,
     min_time: float,
 ) -> Result:
-    """The exact bi-Laplacian against nested Hessians, timed in alternation: the gain of the
-    best times, with the gain of the medians and the machine's load beside it (others may
-    load it)."""
-    times = interleaved_times({"ours": ours, "nested": nested}, repeat=repeat, min_time=min_time)
-    median = {name: statistics.median(ts) for name, ts in times.items()}
-    return Result(
+    """The exact bi-Laplacian against nested Hessians (:func:`gain_row`)."""
+    return gain_row(
         "P9-bilap",
         f"{case} ({framework})",
-        "bilaplacian (exact)",
-        "nested hessian (trace of the Hessian of the Hessian's trace)",
-        min(times["ours"]),
-        min(times["nested"]),
-        kind="gain",
+        ("bilaplacian (exact)", ours),
+        ("nested hessian (trace of the Hessian of the Hessian's trace)", nested),
         target=BILAPLACIAN_TARGET,
+        extra={"max_rel_err_vs_nested_hessian": rel_err},
+        repeat=repeat,
+        min_time=min_time,
+    )
+
+
+def gain_row(
+    id: str,
+    case: str,
+    ours: tuple[str, Callable[[], Any]],
+    baseline: tuple[str, Callable[[], Any]],
+    *,
+    target: float | None,
+    extra: dict[str, Any],
+    repeat: int,
+    min_time: float,
+) -> Result:
+    """``ours`` and ``baseline`` (label, computation) timed in alternation: the gain of the
+    best times, with the gain of the medians and the machine's load beside it (others may
+    load it)."""
+    times = interleaved_times(
+        {"ours": ours[1], "baseline": baseline[1]}, repeat=repeat, min_time=min_time
+    )
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    return Result(
+        id,
+        case,
+        ours[0],
+        baseline[0],
+        min(times["ours"]),
+        min(times["baseline"]),
+        kind="gain",
+        target=target,
         extra={
-            "max_rel_err_vs_nested_hessian": rel_err,
-            "median_gain": median["nested"] / median["ours"],
+            **extra,
+            "median_gain": median["baseline"] / median["ours"],
             "median_seconds": median,
             "repeats": repeat,
             "load_average_1min": os.getloadavg()[0],
         },
+    )
+
+
+OPERATOR_TARGET = 5.0
+"""P21 and P23: the exact ``differential_operator``'s speedup over nested ``jacfwd``."""
+PARTICLE_TARGET = 2.0
+"""P24: the operator's cost in evaluations of ``u`` at the largest ``d`` over the smallest."""
+
+
+def rel_err(got: Any, want: Any) -> float:
+    """The largest difference of two arrays (JAX, torch on the CPU) over ``want``'s largest."""
+    import numpy as np
+
+    a, b = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def operator_row(
+    id: str,
+    case: str,
+    ours: Callable[[], Any],
+    nested: tuple[str, Callable[[], Any]],
+    *,
+    repeat: int,
+    min_time: float,
+) -> Result:
+    """P21 and P23: the exact ``differential_operator`` (``ours``) against a nested ``jacfwd``
+    (label, computation), with the largest difference relative to the largest value."""
+    return gain_row(
+        id,
+        case,
+        ("differential_operator (exact)", ours),
+        nested,
+        target=OPERATOR_TARGET,
+        extra={"max_rel_err_vs_nested_jacfwd": rel_err(ours(), nested[1]())},
+        repeat=repeat,
+        min_time=min_time,
+    )
+
+
+def particles_row(
+    framework: str,
+    case: str,
+    cases: dict[int, tuple[Callable[[], Any], Callable[[], Any]]],
+    *,
+    repeat: int,
+    extra: dict[str, Any],
+) -> Result:
+    """P24: per ``d``, ``cases[d] = (operator, u)``: the time of the operator over the time of
+    ``u`` itself, the largest ``d`` against the smallest."""
+    per_u: dict[int, float] = {}
+    for d, (operator, forward) in cases.items():
+        t_ours = best_time(operator, repeat=repeat, min_time=0.05)
+        t_u = best_time(forward, repeat=repeat, min_time=0.05)
+        per_u[d] = t_ours / t_u
+        extra[f"seconds_d{d}"] = {"operator": t_ours, "u": t_u}
+    first, last = min(cases), max(cases)
+    return Result(
+        "P24",
+        f"{case}, d={last} vs d={first} ({framework})",
+        f"differential_operator, cost in evaluations of u at d={last}",
+        f"the same at d={first}",
+        per_u[last],
+        per_u[first],
+        unit="x u",
+        target=PARTICLE_TARGET,
+        extra=extra,
     )
