@@ -523,6 +523,11 @@ def test_slq_is_calibrated_end_to_end(framework: str, distribution: str) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 45, open: differential_operator's stochastic stderr covers 0.92-0.93 at 8 "
+    "directions (docs/calibration.md, 'not yet calibrated'); strict, so the fix is noticed",
+)
 @pytest.mark.parametrize("framework", ["jax", "torch"])
 def test_differential_operator_stderr_is_calibrated_end_to_end(framework: str) -> None:
     """The public ``differential_operator(method="stde")`` of each framework on the PINN at
