@@ -954,6 +954,30 @@ def test_laplacian_through_linalg_solve(method):
     torch.testing.assert_close(laplacian(u, method=method)(x), want, rtol=1e-10, atol=1e-12)
 
 
+# householder_product's backward runs tril_, which torch's vmap batches by a loop (a warning)
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@pytest.mark.parametrize("name", ["solve", "solve_vector", "slogdet", "householder_product"])
+def test_bilaplacian_through_linalg_kernels(name):
+    # Issue 41: the bi-Laplacian's outer sweep differentiates the program of the inner one,
+    # whose forward derivatives of the linalg kernels read their saved factorizations (the
+    # LU of the solve), which carry no derivative: 3.9 off for a batched solve. The
+    # reference is reverse mode only (torch's double backward recomputes the factorization;
+    # finite differences of its Laplacian agree to 1e-5).
+    from divjac.torch import bilaplacian
+
+    op = _LINALG_FAMILY[name]
+
+    def u(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(op(x).reshape(x.shape[0], -1)).sum(-1)
+
+    def lap(s: torch.Tensor) -> torch.Tensor:
+        return torch.func.jacrev(torch.func.jacrev(lambda s: u(s[None])[0]))(s).trace()
+
+    x = _randn(2, _N * _N, seed=3)
+    want = torch.stack([torch.func.jacrev(torch.func.jacrev(lap))(s).trace() for s in x])
+    torch.testing.assert_close(bilaplacian(u)(x), want, rtol=1e-9, atol=1e-10)
+
+
 # --- copies: circular padding and in-place writes ------------------------------------------------
 
 
