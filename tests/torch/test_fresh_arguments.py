@@ -141,7 +141,7 @@ def test_recurrent_layer_through_functional_call_with_new_parameters(layer):
     for step in range(3):
         want = torch.stack(
             [
-                torch.func.jacrev(lambda xb, b=b: f(params, xb[None])[0])(x[b])
+                torch.func.jacrev(lambda xb, b=b, p=params: f(p, xb[None])[0])(x[b])
                 .reshape(12, 12)
                 .trace()
                 for b in range(2)
