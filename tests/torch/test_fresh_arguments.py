@@ -121,3 +121,31 @@ def test_functional_parameters_replaced(name):
             k: (p - 0.1 * (torch.zeros_like(p) if g is None else g)).detach().requires_grad_()
             for (k, p), g in zip(params.items(), grads, strict=True)
         }
+
+
+@pytest.mark.parametrize("layer", [nn.RNN, nn.LSTM, nn.GRU])
+def test_recurrent_layer_through_functional_call_with_new_parameters(layer):
+    """A recurrent layer refers to its weights by weak references (``_flat_weight_refs``),
+    which a trace through ``functional_call`` leaves on its own tensors: the second call
+    compared those references (by their referents' elementwise ``==``) and raised torch's
+    "FunctionalTensor on its own". Each call is at its own parameters."""
+    torch.manual_seed(0)
+    rnn = layer(3, 3, batch_first=True, dtype=D)
+
+    def f(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return functional_call(rnn, params, (x,))[0]
+
+    x = torch.randn(2, 4, 3, dtype=D)
+    div = dt.divergence(f, argnums=1)
+    params = dict(rnn.named_parameters())
+    for step in range(3):
+        want = torch.stack(
+            [
+                torch.func.jacrev(lambda xb, b=b, p=params: f(p, xb[None])[0])(x[b])
+                .reshape(12, 12)
+                .trace()
+                for b in range(2)
+            ]
+        )
+        torch.testing.assert_close(div(params, x), want.detach())
+        params = {k: (p.detach() + 0.05 * (step + 1)).requires_grad_() for k, p in params.items()}

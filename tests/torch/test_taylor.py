@@ -954,6 +954,51 @@ def test_laplacian_through_linalg_solve(method):
     torch.testing.assert_close(laplacian(u, method=method)(x), want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning:torch._dynamo")
+@pytest.mark.parametrize("method", ["exact", "hutchinson"])
+def test_compiled_laplacian_through_linalg_solve(method):
+    # Issue 41: under torch.compile the sweep runs the reference (jvp of jvp of the whole
+    # function), which torch differentiates wrong through a solve (37% off, silently).
+    from divjac.torch import laplacian
+
+    def u(x: torch.Tensor) -> torch.Tensor:
+        eye = torch.eye(x.shape[-1], dtype=x.dtype)
+        return _LA.solve(eye + x[:, :, None] * x[:, None, :], x).sum(-1)
+
+    x = _randn(3, 4, seed=5)
+    want = torch.stack([torch.func.hessian(lambda s: u(s[None])[0])(s).trace() for s in x])
+    lap = laplacian(u, method=method, num_probes=4 if method == "hutchinson" else None)
+    probes = torch.eye(4, dtype=D)[:, None].expand(4, 3, 4)  # the unit basis: exact
+    args = (probes, x) if method == "hutchinson" else (x,)
+    torch._dynamo.reset()
+    got = torch.compile(lambda *a: lap(*a), fullgraph=True, backend="aot_eager")(*args)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+# householder_product's backward runs tril_, which torch's vmap batches by a loop (a warning)
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@pytest.mark.parametrize("name", ["solve", "solve_vector", "slogdet", "householder_product"])
+def test_bilaplacian_through_linalg_kernels(name):
+    # Issue 41: the bi-Laplacian's outer sweep differentiates the program of the inner one,
+    # whose forward derivatives of the linalg kernels read their saved factorizations (the
+    # LU of the solve), which carry no derivative: 3.9 off for a batched solve. The
+    # reference is reverse mode only (torch's double backward recomputes the factorization;
+    # finite differences of its Laplacian agree to 1e-5).
+    from divjac.torch import bilaplacian
+
+    op = _LINALG_FAMILY[name]
+
+    def u(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(op(x).reshape(x.shape[0], -1)).sum(-1)
+
+    def lap(s: torch.Tensor) -> torch.Tensor:
+        return torch.func.jacrev(torch.func.jacrev(lambda s: u(s[None])[0]))(s).trace()
+
+    x = _randn(2, _N * _N, seed=3)
+    want = torch.stack([torch.func.jacrev(torch.func.jacrev(lap))(s).trace() for s in x])
+    torch.testing.assert_close(bilaplacian(u)(x), want, rtol=1e-9, atol=1e-10)
+
+
 # --- copies: circular padding and in-place writes ------------------------------------------------
 
 

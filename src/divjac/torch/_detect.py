@@ -290,6 +290,7 @@ def trace(
         captured=tuple(weakref.ref(t) for t in captured),
         dropped=dropped,
     )
+    traced.forward_twice_wrong  # noqa: B018 (computed now: torch.compile reads it, not a property)
     if key is not None:
         if not on_values:
             CACHE.put(key, traced)

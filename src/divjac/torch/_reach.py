@@ -65,6 +65,10 @@ _DEPTH = 5
 # Packages whose objects and functions are not walked (their state is not the caller's).
 _LIBRARIES = frozenset({"torch", "numpy", "scipy", "builtins", "functools", "typing", "abc"})
 _MODULE_STATE = frozenset(vars(nn.Module()))  # nn.Module's own bookkeeping
+# A recurrent layer's cache of its weights, which its forward refreshes from its parameters
+# (held by the walk): functional_call leaves it on the tensors last passed (a trace's own,
+# whose weak references then compared elementwise: "FunctionalTensor on its own").
+_RNN_CACHE = frozenset({"_flat_weights", "_flat_weight_refs"})
 
 
 class _Tag(int):
@@ -434,8 +438,9 @@ class _Walk:
         sig.extend((type(m), _Tag(id(m)), m.training))
         if m._forward_pre_hooks or m._forward_hooks:
             sig.append((tuple(m._forward_pre_hooks), tuple(m._forward_hooks)))
+        skipped = _RNN_CACHE if isinstance(m, nn.RNNBase) else frozenset()
         for name, value in vars(m).items():
-            if name in _MODULE_STATE:
+            if name in _MODULE_STATE or name in skipped:
                 continue
             sig.append(name)
             kind = type(value)

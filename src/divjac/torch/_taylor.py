@@ -59,7 +59,7 @@ from ._detect import reach, trace
 from ._kernels import PlainLayouts, _ComposedNorms
 from ._passes import _Generators
 from ._reach import Reached
-from ._taylor_generic import _generic
+from ._taylor_generic import _by_reverse, _generic
 from ._taylor_jets import Rule, _Jet, _Sweep
 from ._traced import Traced
 
@@ -103,8 +103,15 @@ def second_order_sweep(
         random = not torch.compiler.is_compiling() and _traced(f, x).draws_random
         if random:  # every chunk of directions of the call sees the first chunk's draws
             _rewind(f, x.device)
+        known = traced if traced is not None else point.traced if point is not None else None
         return reference_sweep(
-            f, x, directions, weights=weights, collapse=collapse, same_randomness=random
+            f,
+            x,
+            directions,
+            weights=weights,
+            collapse=collapse,
+            same_randomness=random,
+            by_reverse=known is not None and bool(known.forward_twice_wrong),
         )
     # Weights per sample need the batch axis of every intermediate (views may merge it): the
     # terms are kept per direction and weighted at the output, whose batch axis is known.
@@ -127,6 +134,7 @@ def reference_sweep(
     weights: torch.Tensor | None = None,
     collapse: bool = True,
     same_randomness: bool = False,
+    by_reverse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`second_order_sweep` by the generic reference: ``jvp`` of ``jvp`` of ``f``,
     batched over the directions with ``vmap`` (the benchmark's baseline, and the fallback).
@@ -137,7 +145,9 @@ def reference_sweep(
     Attention runs in its math form and layer and instance normalizations composed
     (:class:`~divjac.torch._kernels._ComposedNorms`): the second forward derivatives of their
     kernels are wrong or missing (torch 2.13); memory formats as in
-    :class:`~divjac.torch._kernels.PlainLayouts`.
+    :class:`~divjac.torch._kernels.PlainLayouts`. With ``by_reverse`` (a function that runs a
+    linear-algebra kernel, whose forward derivative PyTorch differentiates wrong), both
+    derivatives are transposed VJPs (:func:`~divjac.torch._taylor_generic._by_reverse`).
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -147,6 +157,9 @@ def reference_sweep(
         def first(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return cast(tuple[torch.Tensor, torch.Tensor], jvp(f, (p,), (vk,)))
 
+        if by_reverse:
+            along = lambda p: _by_reverse(lambda q: (f(q),), (p,), (vk.clone(),))  # noqa: E731
+            return f(x), along(x)[0], _by_reverse(along, (x,), (vk,))[0]
         (y, d1), (_, d2) = cast(Any, jvp(first, (x,), (vk,)))
         return y, d1, d2
 

@@ -50,12 +50,23 @@ def _norm(x: Tensor, p: Any = 2, *, dtype: torch.dtype | None = None) -> Tensor:
     return torch.linalg.vector_norm(x, 2 if p is None else p, dtype=dtype)
 
 
+def _slice_scatter(
+    x: Tensor, src: Tensor, dim: int = 0, start: Any = None, end: Any = None, step: int = 1
+) -> Tensor:
+    """``slice_scatter`` with its end clamped to the axis: the forward derivative of an end
+    past it (the backward formula of ``linalg_det`` slices to ``sys.maxsize``) overflows
+    (torch 2.13: "IntArrayRef contains an int that cannot be represented as a SymInt")."""
+    end = None if end is None else min(end, x.shape[dim])
+    return aten.slice_scatter.default(x, src, dim, start, end, step)
+
+
 # Operations pushed in another form with the same values (torch 2.13): the derivatives of
 # ``cholesky_inverse`` are wrong at second order both ways (forward and backward); the forward
 # derivative of the norm of all entries (``norm.Scalar``, as ``torch.dist`` records it) has
-# the input's rank, not the norm's, and fails.
+# the input's rank, not the norm's, and fails; see :func:`_slice_scatter`.
 _REWRITTEN: dict[Any, Callable[..., Any]] = {
     aten.cholesky_inverse.default: _cholesky_inverse,
+    aten.slice_scatter.default: _slice_scatter,
     aten.norm.Scalar: _norm,
     aten.norm.ScalarOpt_dtype: _norm,
 }
@@ -121,14 +132,7 @@ def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[
         """``J t`` at the primals ``pt[:n]`` for the tangents ``pt[n:]``."""
         if not by_reverse:
             return jvp(fn, pt[:n], pt[n:])[1]
-        # J t as the transpose of the VJP (linear in its cotangent): built from the
-        # backward formulas, whose forward derivatives are right. With grad mode on:
-        # under the caller's no_grad the backward of the VJP is not differentiated.
-        with torch.enable_grad():
-            y, pull = vjp(fn, *pt[:n])[:2]
-            zeros = tuple(torch.zeros_like(o) for o in y)
-            transposed = vjp(lambda *c: pull(c), *zeros)[1]
-            return cast(tuple[Tensor, ...], transposed(tuple(pt[n:])))
+        return _by_reverse(fn, pt[:n], pt[n:])
 
     def push(*t: Tensor) -> tuple[Tensor, ...]:
         return lin(*primals, *t)
@@ -144,7 +148,12 @@ def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[
             # zero: where the derivative of J is infinite, a zero times it would be nan). The
             # tangents are copies made inside: forward AD of an in-place operation (zero_)
             # writes into its tangent, which must not be a tensor the transform captured.
-            return jvp(lambda *p: lin(*p, *(ti.clone() for ti in t)), primals, t)  # type: ignore[return-value]
+            def along(*p: Tensor) -> tuple[Tensor, ...]:
+                return lin(*p, *(ti.clone() for ti in t))
+
+            if by_reverse:
+                return along(*primals), _by_reverse(along, primals, t)
+            return jvp(along, primals, t)  # type: ignore[return-value]
 
         d1, curv = vmap(taylor)(*firsts)
         d2 = tuple(sw.weighted(c) for c in curv)
@@ -154,3 +163,20 @@ def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[
     for j, i in enumerate(floating):
         jets_out[i] = _Jet(d1[j], None if d2 is None else d2[j])
     return y, jets_out if isinstance(y, tuple | list) else jets_out[0]
+
+
+def _by_reverse(
+    fn: Callable[..., tuple[Tensor, ...]], primals: Sequence[Tensor], tangents: Sequence[Tensor]
+) -> tuple[Tensor, ...]:
+    """``J t`` of ``fn`` at ``primals`` as the transpose of its VJP (linear in the cotangent),
+    from backward formulas alone: the forward derivatives of the linear-algebra kernels read
+    their saved factorizations, which have no derivative of their own (torch 2.13: the LU of
+    ``_linalg_solve_ex``), so any derivative of a forward derivative of them is wrong, also
+    where an outer sweep differentiates the program of this one (``bilaplacian``). With grad
+    mode on: under the caller's ``no_grad`` the backward of the VJP is not differentiated (and
+    the solve's backward itself reads the LU)."""
+    with torch.enable_grad():
+        y, pull = vjp(fn, *primals)[:2]
+        zeros = tuple(torch.zeros_like(o) for o in y)
+        transposed = vjp(lambda *c: pull(c), *zeros)[1]
+        return cast(tuple[Tensor, ...], transposed(tuple(tangents)))
