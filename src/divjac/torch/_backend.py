@@ -27,7 +27,17 @@ from .._core.detection import LRU
 from .._errors import CompileError, FastPathWarning, OptionError, warn_at_caller
 from . import _ddp, _inductor, _taylor, _taylor_sparse
 from ._ahead import _Ahead, _compiling, _constant, _prepared
-from ._compat import is_compiled_module, is_generator, original_module, pytree, under_transform
+from ._compat import (
+    COMPILES,
+    CSR_WARNINGS,
+    inference_mode_enabled,
+    is_compiled_module,
+    is_generator,
+    mark_constant_result,
+    original_module,
+    pytree,
+    under_transform,
+)
 from ._detect import trace
 from ._kernels import _differentiable_kernels
 from ._passes import _checkpointed, _on_graph, _Passes, _recomputed, _split_aux, _Tape
@@ -180,6 +190,16 @@ def _check_compilable(traced: Traced) -> None:
     )
 
 
+@mark_constant_result  # evaluated by dynamo, which says what it raised
+def _refuse_compile() -> None:
+    raise CompileError(
+        f"divjac under torch.compile needs 2.13 or a later torch (this is {torch.__version__}, "
+        "whose dynamo cannot evaluate divjac's setup ahead of its trace). Call the divjac "
+        "transform outside the compiled region (or under torch.compiler.disable), or "
+        "upgrade to torch>=2.13."
+    )
+
+
 class TorchBackend(Backend[Traced]):
     """The transforms on torch tensors and modules (``torch.func.jvp``, ``vjp``, ``vmap``)."""
 
@@ -259,6 +279,8 @@ class TorchBackend(Backend[Traced]):
         has_aux: bool,
     ) -> Traced:
         if _compiling():
+            if not COMPILES:
+                _refuse_compile()
             return _constant(_trace, fun, args, kwargs, argnum, batch_axis, has_aux)
         traced = _trace(fun, args, kwargs, argnum, batch_axis, has_aux)
         if not torch.is_grad_enabled() and traced.nests:
@@ -351,7 +373,7 @@ class TorchBackend(Backend[Traced]):
         if _compiling():
             return _Passes(point, reverse)
         _ddp.check_synchronized(point.traced.modules)
-        if reverse and not under_transform() and not torch.is_inference_mode_enabled():
+        if reverse and not under_transform() and not inference_mode_enabled():
             return _Tape(point)
         return _Passes(point, reverse)
 
@@ -514,8 +536,9 @@ class TorchBackend(Backend[Traced]):
         B, n_out, n_in = shape
         device = values.device
         if sparse_format == torch.sparse_csr:
-            with warnings.catch_warnings():  # "sparse CSR support is in beta": we only build it
-                warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+            with warnings.catch_warnings():  # we only build it, with our own valid indices
+                for message in CSR_WARNINGS:
+                    warnings.filterwarnings("ignore", message=message)
                 return _csr(rows, cols, values, shape, single)
         pair = torch.as_tensor(np.stack([rows, cols]), device=device)
         if single:
