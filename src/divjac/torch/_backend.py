@@ -29,7 +29,7 @@ from . import _ddp, _inductor, _taylor, _taylor_sparse
 from ._ahead import _Ahead, _compiling, _constant, _prepared
 from ._compat import (
     COMPILES,
-    CSR_WARNINGS,
+    SPARSE_WARNINGS,
     inference_mode_enabled,
     is_compiled_module,
     is_generator,
@@ -533,24 +533,35 @@ class TorchBackend(Backend[Traced]):
         single: bool,
         sparse_format: torch.layout,
     ) -> torch.Tensor:
-        B, n_out, n_in = shape
-        device = values.device
-        if sparse_format == torch.sparse_csr:
-            with warnings.catch_warnings():  # we only build it, with our own valid indices
-                for message in CSR_WARNINGS:
-                    warnings.filterwarnings("ignore", message=message)
+        with warnings.catch_warnings():  # we only build it, with our own valid indices
+            for message in SPARSE_WARNINGS:
+                warnings.filterwarnings("ignore", message=message)
+            if sparse_format == torch.sparse_csr:
                 return _csr(rows, cols, values, shape, single)
-        pair = torch.as_tensor(np.stack([rows, cols]), device=device)
-        if single:
-            return torch.sparse_coo_tensor(
-                pair, values[0], (n_out, n_in), is_coalesced=True, check_invariants=False
-            )
-        nnz = pair.shape[1]
-        batch = torch.arange(B, device=device).repeat_interleave(nnz)
-        indices = torch.cat([batch[None], pair.repeat(1, B)])
+            return _coo(rows, cols, values, shape, single)
+
+
+def _coo(
+    rows: np.ndarray,
+    cols: np.ndarray,
+    values: torch.Tensor,
+    shape: tuple[int, int, int],
+    single: bool,
+) -> torch.Tensor:
+    """A batched COO tensor (every sample shares the pattern) of values ``(B, nnz)``."""
+    B, n_out, n_in = shape
+    device = values.device
+    pair = torch.as_tensor(np.stack([rows, cols]), device=device)
+    if single:
         return torch.sparse_coo_tensor(
-            indices, values.reshape(-1), shape, is_coalesced=True, check_invariants=False
+            pair, values[0], (n_out, n_in), is_coalesced=True, check_invariants=False
         )
+    nnz = pair.shape[1]
+    batch = torch.arange(B, device=device).repeat_interleave(nnz)
+    indices = torch.cat([batch[None], pair.repeat(1, B)])
+    return torch.sparse_coo_tensor(
+        indices, values.reshape(-1), shape, is_coalesced=True, check_invariants=False
+    )
 
 
 def _csr(

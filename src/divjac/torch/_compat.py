@@ -29,8 +29,8 @@ from torch.utils import _pytree as pytree
 
 __all__ = [
     "COMPILES",
-    "CSR_WARNINGS",
     "FAKE_TENSOR_LOGGER",
+    "SPARSE_WARNINGS",
     "BatchNorm",
     "HigherOrderOperator",
     "OpOverload",
@@ -66,9 +66,9 @@ __all__ = [
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 """The logger of torch's fake tensors (which logs the errors they raise at ERROR level)."""
 
-CSR_WARNINGS = ("Sparse CSR tensor support is in beta", "Sparse invariant checks are implicitly")
-"""The starts of the warnings torch gives, once a process, on building a sparse CSR tensor: it is
-in beta (2.13 on), its invariants are not checked (2.11, with ``check_invariants=False`` too)."""
+SPARSE_WARNINGS = ("Sparse CSR tensor support is in beta", "Sparse invariant checks are implicitly")
+"""The starts of the warnings torch gives, once a process, on building a sparse tensor: CSR is
+in beta (2.13 on), the invariants are not checked (2.11, with ``check_invariants=False`` too)."""
 
 BatchNorm = nn.modules.batchnorm._BatchNorm
 """The base class of the batch normalizations (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``)."""
