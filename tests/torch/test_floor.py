@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import divjac
 import divjac.torch as dj
 from divjac.torch import _compat
 
@@ -38,3 +39,22 @@ def test_inference_mode_where_torch_func_differentiates_nothing_there(monkeypatc
             for g, w in zip(got, want, strict=True):
                 assert not g.requires_grad
                 torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_a_generator_passed_to_an_operation_is_traced_or_refused_naming_the_way_out():
+    """torch 2.11's ``make_fx`` cannot trace an operation passed a ``torch.Generator``
+    (``randn(generator=g)``): divjac raises :class:`UnsupportedOperationError` naming the ways
+    out (no raw ``NotImplementedError``); torch 2.13 on traces it, and the result is exact."""
+
+    def noisy(x, *, generator):
+        return torch.tanh(x + torch.randn(x.shape, generator=generator, dtype=x.dtype))
+
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    div = dj.divergence(noisy)
+    if _compat.release() < (2, 13):
+        with pytest.raises(divjac.UnsupportedOperationError, match=r"torch\.manual_seed"):
+            div(x, generator=torch.Generator().manual_seed(7))
+        return
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(7), dtype=x.dtype)
+    want = (1 - torch.tanh(x + noise) ** 2).sum(1)
+    torch.testing.assert_close(div(x, generator=torch.Generator().manual_seed(7)), want)

@@ -45,6 +45,7 @@ __all__ = [
     "differentiates_under_inference_mode",
     "fake_tensors",
     "function_applied",
+    "generator_untraceable",
     "has_operator",
     "in_aten_trace",
     "inference_mode_enabled",
@@ -187,6 +188,14 @@ def aten_trace(
         decomposition_table=dict(decompositions),
         _allow_non_fake_inputs=True,
         _error_on_data_dependent_ops=False,
+    )
+
+
+def generator_untraceable(err: BaseException) -> bool:
+    """Whether ``err`` is ``make_fx``'s refusal of an operation passed a ``torch.Generator``
+    (torch 2.11's fx takes no generator as an argument of a node; 2.13's does)."""
+    return isinstance(err, NotImplementedError) and str(err).startswith(
+        "argument of type: <class 'torch._C.Generator'>"
     )
 
 
