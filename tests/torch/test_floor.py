@@ -25,7 +25,7 @@ def test_inference_mode_where_torch_func_differentiates_nothing_there(monkeypatc
     ``torch.no_grad()``; inference tensors (inputs, and weights of a model made under
     inference mode, which no autograd tape takes) included."""
     if _compat.differentiates_under_inference_mode():
-        monkeypatch.setattr(_compat, "_FUNC_UNDER_INFERENCE_MODE", False)
+        monkeypatch.setattr(_compat, "differentiates_under_inference_mode", lambda: False)
     net = _mlp()
     x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

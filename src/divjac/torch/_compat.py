@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -104,15 +105,13 @@ def outside_transforms() -> Iterator[None]:
         yield
 
 
+@functools.cache
 def differentiates_under_inference_mode() -> bool:
     """Whether ``torch.func`` differentiates under ``torch.inference_mode`` (torch 2.13 on);
     torch 2.11's gives zeros there, silently (and its ``vmap`` of a ``jvp`` raises)."""
     with torch.inference_mode():
         one = torch.ones(())
         return bool(torch.func.jvp(lambda t: 2 * t, (one,), (one,))[1] == 2)
-
-
-_FUNC_UNDER_INFERENCE_MODE = differentiates_under_inference_mode()
 
 
 _LEFT_INFERENCE_MODE = contextvars.ContextVar("left_inference_mode", default=False)
@@ -125,9 +124,9 @@ def transforms_mode() -> Iterator[None]:
     (2.11): outside it, without gradients, the results of ``torch.no_grad()``
     (:func:`inference_mode_enabled` stays true)."""
     if (
-        _FUNC_UNDER_INFERENCE_MODE
-        or torch.compiler.is_compiling()  # (no inference mode there; dynamo cannot ask)
+        torch.compiler.is_compiling()  # (no inference mode there; dynamo cannot ask)
         or not torch.is_inference_mode_enabled()
+        or differentiates_under_inference_mode()  # (asked once, where first needed)
     ):
         yield
         return
