@@ -23,7 +23,13 @@ NEWEST_TORCH_TESTS := src/divjac/torch tests/torch $(CROSS_TESTS)
 NEWEST_JAX_TESTS := src/divjac/jax src/divjac/_core tests/jax tests/core $(CROSS_TESTS)
 NEWEST_CORE_TESTS := src/divjac/_core tests/core
 
-.PHONY: install demo test test-conformance test-slow test-matrix test-gpu lint typecheck pytest test-lowest test-newest bench bench-quick clean
+# The torch floor (requirements-lowest-torch.txt, torch 2.11): the tests of its seam branches
+# (which make test also takes on the pinned torch, by pretending), the refusal of torch.compile,
+# the transforms and the context matrix. Opt-in: its install is too heavy for every CI run.
+TORCH_FLOOR_TESTS := tests/torch/test_floor.py tests/torch/test_compile.py \
+	tests/torch/test_transforms.py tests/torch/test_contexts.py
+
+.PHONY: install demo test test-conformance test-slow test-matrix test-gpu lint typecheck pytest test-lowest test-newest test-torch-floor bench bench-quick clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -88,6 +94,9 @@ test-gpu:
 test-lowest: .venv-lowest-core/.divjac-installed .venv-lowest-jax/.divjac-installed
 	.venv-lowest-core/bin/python -m pytest -n 2 tests/core src/divjac/_core
 	.venv-lowest-jax/bin/python -m pytest -n 2 $(LOWEST_JAX_TESTS)
+
+test-torch-floor: .venv-lowest-torch/.divjac-installed
+	.venv-lowest-torch/bin/python -m pytest -n 2 $(TORCH_FLOOR_TESTS)
 
 test-newest: .venv-newest-torch/.divjac-installed .venv-newest-jax/.divjac-installed \
 		.venv-newest-core/.divjac-installed

@@ -17,6 +17,7 @@ rewrites it). The default run checks :data:`FAST` only; the whole sweep and the 
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -391,10 +392,40 @@ def _detect(case: Case) -> tuple[Outcome, divjac.SparsityPattern | None]:
     return Outcome(prims, pattern.dense_fallbacks, None), pattern
 
 
-def _divjac(case: Case, square: bool) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
-    """Every divjac result of a case, in one program (one compilation per case)."""
+def _jax_differentiates_batched_twice(case: Case, xb: jax.Array) -> bool:
+    """Whether JAX's own ``jvp`` of ``jvp`` of the summed case, batched by ``vmap`` and staged
+    by ``jit`` (the program divjac's batched second-order transforms read), traces: JAX's
+    batching defect jax-ml/jax#16374 fails it for ``jss.i1`` from JAX 0.12 on."""
+    ub = jax.jit(jax.vmap(lambda s: jnp.sum(case.fn(s))))
+    ones = jnp.ones_like(xb)
+    try:
+        jax.make_jaxpr(lambda a: jax.jvp(lambda b: jax.jvp(ub, (b,), (ones,))[1], (a,), (ones,)))(
+            xb
+        )
+    except TypeError:
+        return False
+    return True
+
+
+def _divjac(
+    case: Case, square: bool, *, batched_second: bool
+) -> Callable[[jax.Array, jax.Array], dict[str, jax.Array]]:
+    """Every divjac result of a case, in one program (one compilation per case). Without
+    ``batched_second``, the second-order results batch after the transform (the way out that
+    divjac's refusal names)."""
     batched = jax.vmap(case.fn)
-    ub = jax.vmap(lambda s: jnp.sum(case.fn(s)))
+    u = lambda s: jnp.sum(case.fn(s))  # noqa: E731
+    ub = jax.vmap(u)
+
+    def hessian_diagonal_of(xb: jax.Array) -> jax.Array:
+        if batched_second:
+            return hessian_diagonal(ub)(xb)
+        return jax.vmap(hessian_diagonal(u, batch_axis=None))(xb)
+
+    def laplacian_of(xb: jax.Array, method: str) -> jax.Array:
+        if batched_second:
+            return laplacian(ub, method=method)(xb)
+        return jax.vmap(laplacian(u, batch_axis=None, method=method))(xb)
 
     def results(x: jax.Array, xb: jax.Array) -> dict[str, jax.Array]:
         out = {
@@ -406,9 +437,9 @@ def _divjac(case: Case, square: bool) -> Callable[[jax.Array, jax.Array], dict[s
             for method in ("exact", "sparse"):
                 out[f"divergence {method}"] = divergence(batched, method=method)(xb)
         if case.second:
-            out["hessian_diagonal"] = hessian_diagonal(ub)(xb).reshape(B, -1)
+            out["hessian_diagonal"] = hessian_diagonal_of(xb).reshape(B, -1)
             for method in ("exact", "sparse"):
-                out[f"laplacian {method}"] = laplacian(ub, method=method)(xb)
+                out[f"laplacian {method}"] = laplacian_of(xb, method)
         return out
 
     return results
@@ -451,9 +482,14 @@ def check_case(case: Case) -> None:
     detected = pattern.csr.toarray()
     missed = (truth.reshape(detected.shape) != 0) & ~detected
     assert not missed.any(), f"{case.name}: the pattern misses {int(missed.sum())} nonzeros"
+    batched_second = not case.second or _jax_differentiates_batched_twice(case, xb)
+    if not batched_second:  # refused, naming JAX's defect, and computed by the way out
+        ub = jax.vmap(lambda s: jnp.sum(case.fn(s)))
+        with pytest.raises(divjac.UnsupportedOperationError, match="jax-ml/jax#16374"):
+            laplacian(ub)(xb)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", divjac.DenseFallbackWarning)
-        got = jax.jit(_divjac(case, square))(x, xb)
+        got = jax.jit(_divjac(case, square, batched_second=batched_second))(x, xb)
     assert got.keys() == want.keys()
     for key, value in want.items():
         np.testing.assert_allclose(got[key], value, rtol=1e-8, atol=1e-10, err_msg=key)
@@ -530,6 +566,12 @@ def coverage() -> str:
             "float64 single-sample function checked against `jax.jacrev` / `jax.jacfwd` /",
             "`jax.hessian` (`pytest -m slow tests/jax/test_conformance.py`).",
             "",
+            f"Rendered on JAX {jax.__version__}, the pinned release. On another, the primitives "
+            "reached and the",
+            "counts differ; `test_coverage_doc_is_current` then checks that each primitive "
+            "reached there has an",
+            "exact rule or a derivation, or is handled as this table says.",
+            "",
             f"{len(cases)} primitives reached; {summary}.",
             "",
             "| primitive | cases | how divjac handles it |",
@@ -544,13 +586,35 @@ def coverage() -> str:
     )
 
 
+def _handling(doc: str) -> dict[str, str]:
+    """How each primitive of a coverage table is handled (``exact rule``, ``dense fallback``,
+    ``refused``, ``derived from its JVP/VJP rule``), without the counts and messages."""
+    rows = re.findall(r"^\| `([^`]+)` \| \d+ \| ([^(:|]+)", doc, flags=re.MULTILINE)
+    return {p: how.strip() for p, how in rows}
+
+
 @pytest.mark.slow  # detection of every case: about a minute on 2 shared cores
 def test_coverage_doc_is_current():
+    """On the JAX the doc was rendered on, the doc is exactly the table; on another, every
+    primitive reached there is handled without a refusal or a dense fallback, or as the doc
+    says (a primitive that a new JAX refuses or falls back on fails it)."""
     text = coverage()
     if os.environ.get("DIVJAC_UPDATE_DOCS") == "1":
         DOC.write_text(text)
-    assert DOC.exists() and DOC.read_text() == text, (
-        "docs/conformance-jax.md is stale: rerun with DIVJAC_UPDATE_DOCS=1"
+    doc = DOC.read_text() if DOC.exists() else ""
+    rendered_on = re.search(r"Rendered on JAX (\S+),", doc)
+    if rendered_on is None or rendered_on[1] == jax.__version__:
+        assert doc == text, "docs/conformance-jax.md is stale: rerun with DIVJAC_UPDATE_DOCS=1"
+        return
+    documented = _handling(doc)
+    unlisted = {
+        p: how
+        for p, how in _handling(text).items()
+        if how not in ("exact rule", "derived from its JVP/VJP rule") and documented.get(p) != how
+    }
+    assert not unlisted, (
+        f"on JAX {jax.__version__}, handled otherwise than docs/conformance-jax.md "
+        f"(rendered on JAX {rendered_on[1]}) says: {unlisted}"
     )
 
 
@@ -652,3 +716,47 @@ def test_user_custom_jvp_with_a_jitted_rule_passing_a_traced_argument_is_refused
     want = jax.vmap(lambda s: jnp.trace(jax.hessian(u)(s)))(x)
     np.testing.assert_allclose(laplacian(jax.vmap(u))(x), want, rtol=1e-12)
     np.testing.assert_allclose(hessian_diagonal(jax.vmap(u))(x).sum(1), want, rtol=1e-12)
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _half(k, x):
+    return lax.full_like(x, 0.5)  # does not vary over a vmap's batch
+
+
+@_half.defjvp
+def _half_rule(k, primals, tangents):
+    ((x,), (t,)) = primals, tangents
+    return _half(k, x), x * t
+
+
+@jax.custom_jvp
+def _sin_with_a_constant_inside(x):
+    return jnp.sin(x)
+
+
+@_sin_with_a_constant_inside.defjvp
+def _sin_with_a_constant_inside_rule(primals, tangents):
+    ((x,), (t,)) = primals, tangents
+    return jnp.sin(x), 2 * _half(1, x) * jnp.cos(x) * t  # i1's shape from JAX 0.12 on
+
+
+def test_batched_custom_jvp_whose_rule_jax_cannot_differentiate_is_refused_naming_the_way_out():
+    """JAX's batching defect (jax-ml/jax#16374): a ``custom_jvp`` function of a vmapped ``f``
+    whose rule calls a ``custom_jvp`` function with an output that does not vary over the batch
+    (``jax.scipy.special.i1``'s rule from JAX 0.12 on) cannot be differentiated twice, by
+    ``jax.hessian`` of ``jax.jit(jax.vmap(u))`` either. divjac's second-order transforms of the
+    batched function raise :class:`UnsupportedOperationError` naming the function, the defect
+    and the way out, batching after the transform, which equals ``jax.hessian``."""
+    x = jax.random.normal(jax.random.key(2), (2, 3))
+    u = lambda s: jnp.sum(_sin_with_a_constant_inside(s))  # noqa: E731
+    ones = jnp.ones_like(x)
+    with pytest.raises(TypeError):
+        jax.jvp(lambda a: jax.jvp(jax.jit(jax.vmap(u)), (a,), (ones,))[1], (x,), (ones,))
+    ub = jax.vmap(u)
+    for transform in (laplacian(ub), hessian_diagonal(ub), jax.jit(laplacian(ub))):
+        with pytest.raises(divjac.UnsupportedOperationError, match="_sin_with_a_constant_inside"):
+            transform(x)
+    with pytest.raises(divjac.UnsupportedOperationError, match=r"jax-ml/jax#16374.*batch_axis"):
+        laplacian(ub)(x)
+    want = jax.vmap(lambda s: jnp.trace(jax.hessian(u)(s)))(x)
+    np.testing.assert_allclose(jax.vmap(laplacian(u, batch_axis=None))(x), want, rtol=1e-12)

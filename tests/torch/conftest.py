@@ -32,3 +32,17 @@ def traces_made(monkeypatch):
     from divjac.torch import _detect
 
     return count_calls(monkeypatch, _detect, "_trace_graph")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Before torch 2.13 divjac refuses ``torch.compile`` (a :class:`~divjac.CompileError`,
+    ``test_compile_is_refused_naming_the_release``): the compiled cases are skipped there."""
+    from divjac.torch._compat import COMPILES
+
+    if COMPILES:
+        return
+    skip = pytest.mark.skip(reason=f"torch {torch.__version__} < 2.13: torch.compile refused")
+    for item in items:
+        compiled = item.path.name == "test_compile.py" or "-compiled" in item.name
+        if compiled and "refused_naming_the_release" not in item.name:
+            item.add_marker(skip)

@@ -305,3 +305,19 @@ def test_a_python_number_argument_changing_between_compiled_calls() -> None:
     x = _x()
     for t in (0.5, 1.5, 2.5):
         torch.testing.assert_close(step(x, t), lap(x, t), rtol=1e-12, atol=1e-14)
+
+
+def test_compile_is_refused_naming_the_release(monkeypatch) -> None:
+    """On a torch whose dynamo cannot evaluate divjac's setup ahead of its trace (2.11), a
+    compiled transform raises :class:`~divjac.CompileError` naming the release it needs (dynamo
+    wraps it, its message kept), and the transform still runs outside the compiled region."""
+    from divjac.torch import _backend, _compat
+
+    if _compat.COMPILES:
+        monkeypatch.setattr(_backend, "COMPILES", False)
+    net = _mlp()
+    f = dj.divergence(net)
+    with pytest.raises(Exception, match=r"CompileError: divjac under torch\.compile needs 2\.13"):
+        torch.compile(lambda x: f(x), fullgraph=True, backend="aot_eager")(_x())
+    want = torch.func.vmap(lambda s: torch.func.jacrev(net)(s).trace())(_x())
+    torch.testing.assert_close(f(_x()), want)

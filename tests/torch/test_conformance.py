@@ -636,6 +636,8 @@ def test_a_decomposed_op_without_forward_derivative_pushes_rows():
 
 
 def _chunked_cross_entropy(reduction):
+    if not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        pytest.skip(f"torch {torch.__version__} has no chunked linear_cross_entropy (2.13 on)")
     weight = torch.randn(4, 3, dtype=D, generator=_gen(1))
     target = torch.tensor([0, 3, 1, 2, 2, 0, 1, 3])
     options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2)

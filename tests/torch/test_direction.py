@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import divjac.torch as dj
-from divjac.torch import _backend
+from divjac.torch import _backend, _compat
 from tests.reference import torch_diagonal_blocks, traces
 
 D = torch.float64
@@ -64,7 +64,9 @@ def test_auto_takes_the_measured_direction_once_per_context(directions, answer, 
             got = div(x)
         torch.testing.assert_close(got, torch.as_tensor(expected), rtol=1e-10, atol=1e-12)
         assert set(pushed) == {answer}
-    assert measured["calls"] == 2  # no_grad once, inference_mode once
+    # no_grad once, inference_mode once; where divjac runs inference mode as no_grad (torch
+    # 2.11, _compat.transforms_mode) the measurement of no_grad serves both
+    assert measured["calls"] == (2 if _compat.differentiates_under_inference_mode() else 1)
     jac = dj.jacobian(net)
     with torch.no_grad():
         blocks = jac(x).reshape(2, 75, 75)

@@ -10,6 +10,10 @@ trace its value belongs to has ended. JAX then raises ``TypeError: No constant h
 second-order sweep names the ``custom_jvp`` function it was differentiating
 (:func:`check_differentiable_twice`); elsewhere (a gradient differentiated again by JAX's transforms)
 JAX's filtered traceback names none, and :func:`leaked_tracers_refused` says what it can.
+
+A rule JAX fails to differentiate for another reason, its batching defect (jax-ml/jax#16374) met
+by ``jax.scipy.special.i1`` from JAX 0.12 on in a ``vmap``-ed function, is refused the same way,
+naming the way out (batching after the transform).
 """
 
 from __future__ import annotations
@@ -37,6 +41,20 @@ _WHY = (
     "pass the closed-over values as arguments."
 )
 
+# JAX's own defect (jax-ml/jax#16374, open): a custom_jvp function staged from a ``vmap`` (the
+# program of a batched ``f``) whose rule calls a custom_jvp function with an output that does not
+# vary over the batch (``jax.scipy.special.i1``'s rule from JAX 0.12 on: its Maclaurin terms)
+# keeps the batch dimensions of the wrong one of the two, and a shape error follows.
+_WHY_BATCHED = (
+    "JAX's own derivative of the rule fails (JAX's error is chained below), as it does when "
+    "the function was batched by jax.vmap before the second derivative was taken, and the "
+    "rule calls a custom_jvp function whose output does not vary over the batch (as "
+    "jax.scipy.special.i1's rule does from JAX 0.12 on); JAX then mixes up the batch "
+    "dimensions of the two (jax-ml/jax#16374), and jax.hessian of jax.jit(jax.vmap(f)) fails "
+    "the same way. Batch after the transform instead: jax.vmap(laplacian(u, batch_axis=None)) "
+    "for a single-sample u (and the same for the other second-order transforms)."
+)
+
 
 def leaked_tracer(err: BaseException) -> bool:
     """Whether ``err`` is JAX's error for a tracer used after its trace ended."""
@@ -54,7 +72,8 @@ def check_differentiable_twice(eqn: Any) -> None:
     """Raise :class:`UnsupportedOperationError` naming the ``custom_jvp`` function of ``eqn``
     (a ``custom_jvp_call`` equation) if JAX cannot differentiate its rule: tracing the
     ``jvp`` of its ``jvp`` (at the operands' abstract values, with the mesh axes they vary
-    over inside ``shard_map``) fails with a leaked tracer, or leaves a
+    over inside ``shard_map``) fails with a leaked tracer or with JAX's batching defect
+    (``_WHY_BATCHED``), or leaves a
     tracer among the constants of a nested program, which no backend can compile (under the
     caller's ``jax.jit`` the compiler would fail only after divjac returned)."""
     avals = [v.aval for v in eqn.invars]
@@ -74,11 +93,9 @@ def check_differentiable_twice(eqn: Any) -> None:
     try:
         closed = jax.make_jaxpr(twice)(*avals)
     except (TypeError, jax.errors.UnexpectedTracerError) as err:
-        if not leaked_tracer(err):
-            raise
-        raise _refusal(eqn) from err
+        raise _refusal(eqn, _WHY if leaked_tracer(err) else _WHY_BATCHED) from err
     if _nested_tracer(closed.jaxpr):
-        raise _refusal(eqn)
+        raise _refusal(eqn, _WHY)
 
 
 def _nested_tracer(jaxpr: _compat.Jaxpr) -> bool:
@@ -90,13 +107,13 @@ def _nested_tracer(jaxpr: _compat.Jaxpr) -> bool:
     )
 
 
-def _refusal(eqn: Any) -> UnsupportedOperationError:
+def _refusal(eqn: Any, why: str) -> UnsupportedOperationError:
     name = _compat.open_jaxpr(_compat.called(eqn))[0].debug_info.func_name
     rule = getattr(_compat.custom_jvp_rule(eqn), "debug_info", None)
     where = f" ({rule.func_src_info})" if rule is not None else ""
     return UnsupportedOperationError(
         f"the second-order sweep: JAX cannot differentiate the custom_jvp function {name} "
-        f"through its rule{where} a second time: {_WHY}"
+        f"through its rule{where} a second time: {why}"
     )
 
 

@@ -27,7 +27,17 @@ from .._core.detection import LRU
 from .._errors import CompileError, FastPathWarning, OptionError, warn_at_caller
 from . import _ddp, _inductor, _taylor, _taylor_sparse
 from ._ahead import _Ahead, _compiling, _constant, _prepared
-from ._compat import is_compiled_module, is_generator, original_module, pytree, under_transform
+from ._compat import (
+    COMPILES,
+    SPARSE_WARNINGS,
+    inference_mode_enabled,
+    is_compiled_module,
+    is_generator,
+    mark_constant_result,
+    original_module,
+    pytree,
+    under_transform,
+)
 from ._detect import trace
 from ._kernels import _differentiable_kernels
 from ._passes import _checkpointed, _on_graph, _Passes, _recomputed, _split_aux, _Tape
@@ -181,6 +191,16 @@ def _check_compilable(traced: Traced) -> None:
     )
 
 
+@mark_constant_result  # evaluated by dynamo, which says what it raised
+def _refuse_compile() -> None:
+    raise CompileError(
+        f"divjac under torch.compile needs 2.13 or a later torch (this is {torch.__version__}, "
+        "whose dynamo cannot evaluate divjac's setup ahead of its trace). Call the divjac "
+        "transform outside the compiled region (or under torch.compiler.disable), or "
+        "upgrade to torch>=2.13."
+    )
+
+
 class TorchBackend(Backend[Traced]):
     """The transforms on torch tensors and modules (``torch.func.jvp``, ``vjp``, ``vmap``)."""
 
@@ -263,6 +283,8 @@ class TorchBackend(Backend[Traced]):
         has_aux: bool,
     ) -> Traced:
         if _compiling():
+            if not COMPILES:
+                _refuse_compile()
             return _constant(_trace, fun, args, kwargs, argnum, batch_axis, has_aux)
         traced = _trace(fun, args, kwargs, argnum, batch_axis, has_aux)
         if not torch.is_grad_enabled() and traced.nests:
@@ -355,7 +377,7 @@ class TorchBackend(Backend[Traced]):
         if _compiling():
             return _Passes(point, reverse)
         _ddp.check_synchronized(point.traced.modules)
-        if reverse and not under_transform() and not torch.is_inference_mode_enabled():
+        if reverse and not under_transform() and not inference_mode_enabled():
             return _Tape(point)
         return _Passes(point, reverse)
 
@@ -517,23 +539,35 @@ class TorchBackend(Backend[Traced]):
         single: bool,
         sparse_format: torch.layout,
     ) -> torch.Tensor:
-        B, n_out, n_in = shape
-        device = values.device
-        if sparse_format == torch.sparse_csr:
-            with warnings.catch_warnings():  # "sparse CSR support is in beta": we only build it
-                warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        with warnings.catch_warnings():  # we only build it, with our own valid indices
+            for message in SPARSE_WARNINGS:
+                warnings.filterwarnings("ignore", message=message)
+            if sparse_format == torch.sparse_csr:
                 return _csr(rows, cols, values, shape, single)
-        pair = torch.stack([resident(rows, device), resident(cols, device)])
-        if single:
-            return torch.sparse_coo_tensor(
-                pair, values[0], (n_out, n_in), is_coalesced=True, check_invariants=False
-            )
-        nnz = pair.shape[1]
-        batch = torch.arange(B, device=device).repeat_interleave(nnz)
-        indices = torch.cat([batch[None], pair.repeat(1, B)])
+            return _coo(rows, cols, values, shape, single)
+
+
+def _coo(
+    rows: np.ndarray,
+    cols: np.ndarray,
+    values: torch.Tensor,
+    shape: tuple[int, int, int],
+    single: bool,
+) -> torch.Tensor:
+    """A batched COO tensor (every sample shares the pattern) of values ``(B, nnz)``."""
+    B, n_out, n_in = shape
+    device = values.device
+    pair = torch.stack([resident(rows, device), resident(cols, device)])
+    if single:
         return torch.sparse_coo_tensor(
-            indices, values.reshape(-1), shape, is_coalesced=True, check_invariants=False
+            pair, values[0], (n_out, n_in), is_coalesced=True, check_invariants=False
         )
+    nnz = pair.shape[1]
+    batch = torch.arange(B, device=device).repeat_interleave(nnz)
+    indices = torch.cat([batch[None], pair.repeat(1, B)])
+    return torch.sparse_coo_tensor(
+        indices, values.reshape(-1), shape, is_coalesced=True, check_invariants=False
+    )
 
 
 def _csr(

@@ -8,12 +8,14 @@ after what they give; a branch on the torch version belongs here and nowhere els
 release means reading this module. ``tests/torch/test_compat_seam.py`` fails if a private torch
 name (a ``torch._x`` or ``torch.fx.experimental`` path) appears in any other module of divjac.
 
-Run on torch 2.13.0 and 2.14.1.
+Run on torch 2.11.0, 2.13.0 and 2.14.1.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -27,7 +29,9 @@ from torch._ops import HigherOrderOperator, OpOverload
 from torch.utils import _pytree as pytree
 
 __all__ = [
+    "COMPILES",
     "FAKE_TENSOR_LOGGER",
+    "SPARSE_WARNINGS",
     "BatchNorm",
     "HigherOrderOperator",
     "OpOverload",
@@ -39,10 +43,13 @@ __all__ = [
     "ddp_lacks",
     "decomposition_table",
     "dict_version",
+    "differentiates_under_inference_mode",
     "fake_tensors",
     "function_applied",
+    "generator_untraceable",
     "has_operator",
     "in_aten_trace",
+    "inference_mode_enabled",
     "is_compiled_module",
     "is_generator",
     "is_wrapped",
@@ -54,11 +61,16 @@ __all__ = [
     "pytree",
     "release",
     "traced_node",
+    "transforms_mode",
     "under_transform",
 ]
 
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 """The logger of torch's fake tensors (which logs the errors they raise at ERROR level)."""
+
+SPARSE_WARNINGS = ("Sparse CSR tensor support is in beta", "Sparse invariant checks are implicitly")
+"""The starts of the warnings torch gives, once a process, on building a sparse tensor: CSR is
+in beta (2.13 on), the invariants are not checked (2.11, with ``check_invariants=False`` too)."""
 
 BatchNorm = nn.modules.batchnorm._BatchNorm
 """The base class of the batch normalizations (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``)."""
@@ -91,6 +103,45 @@ def outside_transforms() -> Iterator[None]:
 
     with temporarily_clear_interpreter_stack():
         yield
+
+
+@functools.cache
+def differentiates_under_inference_mode() -> bool:
+    """Whether ``torch.func`` differentiates under ``torch.inference_mode`` (torch 2.13 on);
+    torch 2.11's gives zeros there, silently (and its ``vmap`` of a ``jvp`` raises)."""
+    with torch.inference_mode():
+        one = torch.ones(())
+        return bool(torch.func.jvp(lambda t: 2 * t, (one,), (one,))[1] == 2)
+
+
+_LEFT_INFERENCE_MODE = contextvars.ContextVar("left_inference_mode", default=False)
+
+
+@contextlib.contextmanager
+def transforms_mode() -> Iterator[None]:
+    """Where divjac's ``torch.func`` transforms run: where the caller is, except under
+    ``torch.inference_mode`` on a torch whose ``torch.func`` differentiates nothing there
+    (2.11): outside it, without gradients, the results of ``torch.no_grad()``
+    (:func:`inference_mode_enabled` stays true)."""
+    if (
+        torch.compiler.is_compiling()  # (no inference mode there; dynamo cannot ask)
+        or not torch.is_inference_mode_enabled()
+        or differentiates_under_inference_mode()  # (asked once, where first needed)
+    ):
+        yield
+        return
+    token = _LEFT_INFERENCE_MODE.set(True)
+    try:
+        with torch.inference_mode(False), torch.no_grad():
+            yield
+    finally:
+        _LEFT_INFERENCE_MODE.reset(token)
+
+
+def inference_mode_enabled() -> bool:
+    """Whether the caller runs under ``torch.inference_mode`` (which :func:`transforms_mode`
+    may have left: no autograd tape records the inference tensors made there)."""
+    return torch.is_inference_mode_enabled() or _LEFT_INFERENCE_MODE.get()
 
 
 # --- ATen graphs ---------------------------------------------------------------------------------
@@ -136,6 +187,14 @@ def aten_trace(
         decomposition_table=dict(decompositions),
         _allow_non_fake_inputs=True,
         _error_on_data_dependent_ops=False,
+    )
+
+
+def generator_untraceable(err: BaseException) -> bool:
+    """Whether ``err`` is ``make_fx``'s refusal of an operation passed a ``torch.Generator``
+    (torch 2.11's fx takes no generator as an argument of a node; 2.13's does)."""
+    return isinstance(err, NotImplementedError) and str(err).startswith(
+        "argument of type: <class 'torch._C.Generator'>"
     )
 
 
@@ -271,6 +330,13 @@ def release() -> tuple[int, int]:
     """torch's ``(major, minor)`` release."""
     major, minor = torch.__version__.split(".")[:2]
     return int(major), int(minor)
+
+
+COMPILES = release() >= (2, 13)
+"""Whether divjac's transforms run under ``torch.compile``: from torch 2.13 on. Before it
+(2.11), dynamo's ``assume_constant_result``, which evaluates divjac's setup ahead of the trace
+(:mod:`divjac.torch._ahead`), takes tensors and constants only, and ``make_fx`` cannot trace a
+function passed a ``torch.Generator``."""
 
 
 def compiler_name() -> str | None:

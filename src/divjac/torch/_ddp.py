@@ -34,7 +34,7 @@ from torch import distributed as dist, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .._errors import DDPError
-from ._compat import active_ddp_module, ddp_forward, ddp_lacks, pytree
+from ._compat import active_ddp_module, ddp_forward, ddp_lacks, pytree, transforms_mode
 from ._refusals import functorch_refusals
 
 __all__ = ["check_synchronized", "transform", "unwrapped"]
@@ -59,7 +59,7 @@ def transform(
     """``make(backend, f, *args, **kwargs)`` (a transform of :mod:`divjac._transforms` or
     :mod:`divjac._divergence`); for a DDP wrapper, that of ``f.module``, each call run inside
     the wrapper's forward machinery. ``torch.func``'s refusals of an ``autograd.Function`` are
-    named (:mod:`divjac.torch._refusals`)."""
+    named (:mod:`divjac.torch._refusals`); the call runs in :func:`transforms_mode`."""
     if isinstance(f, DDP):
         call = _synchronized(f, make(backend, f.module, *args, **kwargs), make.__name__)
     else:
@@ -67,7 +67,7 @@ def transform(
 
     @functools.wraps(call)
     def refusing(*args: Any, **kwargs: Any) -> Any:
-        with functorch_refusals(make.__name__):
+        with functorch_refusals(make.__name__), transforms_mode():
             return call(*args, **kwargs)
 
     return refusing

@@ -46,7 +46,7 @@ from torch import nn
 
 from .._core import detection
 from .._core.detection import LRU
-from .._errors import DivjacError, StateUpdateError
+from .._errors import DivjacError, StateUpdateError, UnsupportedOperationError
 from ._aten import Decomposed
 from ._branches import (
     MAX_BRANCHES as _MAX_BRANCHES,  # noqa: F401 (tests read it here)
@@ -58,6 +58,7 @@ from ._compat import (
     aten_trace,
     compiled_inlined,
     fake_tensors,
+    generator_untraceable,
     in_aten_trace,
     is_wrapped,
     outside_transforms,
@@ -501,6 +502,14 @@ def _trace_graph(
             except DivjacError:
                 raise
             except Exception as err:
+                if generator_untraceable(err):
+                    raise UnsupportedOperationError(
+                        f"the function passes a torch.Generator to an operation, which "
+                        f"torch {torch.__version__}'s make_fx cannot trace (torch 2.13 can): "
+                        "seed torch's global generator (torch.manual_seed) instead of passing "
+                        "generator=, draw the random numbers outside the function and pass "
+                        "them in, or upgrade to torch>=2.13."
+                    ) from err
                 errors.append(err)
     raise errors[-1] if len(errors) > 2 else errors[0]
 
