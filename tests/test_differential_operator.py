@@ -243,6 +243,19 @@ def test_stochastic_error_bar_is_exact_or_refused(ops, method):
         value, err = op(k)(ops.randomness(k), x)
         np.testing.assert_allclose(ops.to_numpy(value), exact, rtol=1e-9, atol=1e-10)
         assert np.all(ops.to_numpy(err) == 0)
+    # a zero coefficient (no mass to share the budget by): still exact from the budget named
+    zero = [(0.0, (0, 1, 2)), (1.0, (0, 0, 1, 1))]
+    with pytest.raises(divjac.NumProbesError) as refused:
+        ops.dj.differential_operator(u, zero, method=method, num_probes=2, return_stderr=True)(
+            ops.randomness(0), x
+        )
+    needed = int(re.search(r"num_probes >= (\d+)", str(refused.value))[1])
+    value, err = ops.dj.differential_operator(
+        u, zero, method=method, num_probes=needed, return_stderr=True
+    )(ops.randomness(0), x)
+    want = ops.to_numpy(ops.dj.differential_operator(u, zero)(x))
+    np.testing.assert_allclose(ops.to_numpy(value), want, rtol=1e-9, atol=1e-10)
+    assert np.all(ops.to_numpy(err) == 0)
     # sum_i d^4u/dx_i^4: D directions of one order, exact from D probes, with or without stderr
     quartic = [(1.0, (i,) * 4) for i in range(D)]
     want = ops.to_numpy(ops.dj.differential_operator(u, quartic)(x))

@@ -259,14 +259,18 @@ def _strata(plans: list[partials.OrderPlan], constants: np.ndarray, k: int) -> l
 
     Order 1 (one JVP along the weighted sum) and an order of one direction are exact at no
     cost in the budget. Of the others, while one has no more directions than its share of the
-    budget left (shares in proportion to the orders' masses, at least 2 each), the one of
-    fewest directions is computed exactly and its directions leave the budget; the rest are
-    sampled, each its share. A budget of every direction computes every order exactly."""
+    budget left (shares in proportion to the orders' masses, to their numbers of directions
+    where no order left has mass, at least 2 each), the one of fewest directions is computed
+    exactly and its directions leave the budget; the rest are sampled, each its share. A
+    budget of every direction computes every order exactly (some order's share is always at
+    least its directions then)."""
     exact = [p.order == 1 or len(p.directions) == 1 for p in plans]
-    mass = [_masses(p, constants).sum() for p in plans]
+    mass = [float(_masses(p, constants).sum()) for p in plans]
     left = k
     while True:
         open_ = [i for i, done in enumerate(exact) if not done]
+        if not any(mass[i] > 0 for i in open_):  # zero coefficients
+            mass = [float(len(p.directions)) for p in plans]
         total = sum(mass[i] for i in open_) or 1.0
         shares = {i: max(2, round(left * mass[i] / total)) for i in open_}
         fits = [i for i in open_ if len(plans[i].directions) <= min(shares[i], left)]
