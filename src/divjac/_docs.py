@@ -416,12 +416,14 @@ _DOCS: dict[str, _Doc] = {
         differentiated). ``"exact"`` (and ``"auto"``): the terms grouped by order, each order's
         distinct directions carrying their summed weights; order 1 is one JVP, order 2 one
         collapsed Taylor sweep, orders 3 and 4 a second-order sweep of the second-order sweep
-        along each direction. ``"hutchinson"`` and ``"stde"`` (the same estimator): per order,
-        ``num_probes`` (direction, weight) pairs drawn per sample with probabilities ``p_j``
-        proportional to ``|w_j| |v_j|^d`` (``w_j``'s number coefficients), each giving
-        ``w_j (v_j . grad)^d u / p_j`` (unbiased); an order with one direction is exact; the
-        budget is split over the sampled orders by their weights' mass (2 probes each at
-        least), and the standard error is that of the sum of the orders' means.""",
+        along each direction. ``"hutchinson"`` and ``"stde"`` (the same estimator): order 1
+        and an order with one direction are exact; the budget ``num_probes`` is split over the
+        other orders by their weights' mass (2 probes each at least), and an order whose
+        distinct directions fit in its share is computed exactly (its directions leave the
+        budget, the rest is split again); in each remaining order, its share of (direction,
+        weight) pairs is drawn per sample with probabilities ``p_j`` proportional to
+        ``|w_j| |v_j|^d`` (``w_j``'s number coefficients), each giving
+        ``w_j (v_j . grad)^d u / p_j`` (unbiased).""",
         (
             "u",
             "terms",
@@ -436,7 +438,14 @@ _DOCS: dict[str, _Doc] = {
         ),
         """A function with ``u``'s signature returning the operator per sample, with the
         shape of ``u``'s output.""",
-        (_MULTI_INDEX, _OPERATOR_COEFFICIENT, *_SECOND_RAISES),
+        (
+            _MULTI_INDEX,
+            _OPERATOR_COEFFICIENT,
+            """NumProbesError: ``num_probes`` is not a positive integer, probes were passed
+        rather than randomness, or ``return_stderr=True`` with a stochastic method below the
+        budget that computes every order exactly (named in the message).""",
+            *_SECOND_RAISES,
+        ),
         stochastic=True,
         own_args=(
             ("u", _U_ANY),
@@ -452,9 +461,10 @@ _DOCS: dict[str, _Doc] = {
             ),
             (
                 "return_stderr",
-                """return ``(result, stderr)``: 0 for the exact methods; for the stochastic
-                ones the standard error of the sum of the orders' sampled means (the terms'
-                own spread, t-corrected: few-valued terms at few probes undercover, see
+                """return ``(result, stderr)``: 0 for the exact methods, and for the
+                stochastic ones where the budget computes every order exactly; below that
+                budget ``NumProbesError`` names it (a sampled order's terms take few values or
+                are heavy-tailed: their spread is no error bar that holds, see
                 docs/calibration.md).""",
             ),
         ),

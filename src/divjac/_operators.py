@@ -11,9 +11,9 @@ along the weighted sum of the directions (linear in them), order 2 one collapsed
 Taylor sweep (the weights summed before they are propagated, as the Laplacian's), orders 3 and
 4 the first- and second-order terms of a second-order sweep of the second-order sweep along
 each direction (``(v . grad)^2`` of ``(v . grad)^2 u``), the directions a batch axis in chunks
-(:meth:`~divjac._backend.Backend.map_stacked`). The stochastic methods sample the
-(direction, weight) pairs of each order (:func:`_sampled_values`). Imports neither JAX nor
-PyTorch.
+(:meth:`~divjac._backend.Backend.map_stacked`). The stochastic methods compute exactly the
+orders their budget pays for and sample the (direction, weight) pairs of the others
+(:func:`_sampled_values`). Imports neither JAX nor PyTorch.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from ._backend import Array, Backend
 from ._call import Call, Coupling, OperatorMethod, check_num_probes, check_option
 from ._core import partials
 from ._directions import (
-    _mean_and_stderr,
     _num_probes,
     _one_sample_at_a_time,
     _Options,
@@ -248,6 +247,49 @@ def _uniforms(call: Call, randomness: Any, shape: tuple[int, ...]) -> Array:
     return ((bits + 1) * scale).sum(-1)
 
 
+def _masses(plan: partials.OrderPlan, constants: np.ndarray) -> np.ndarray:
+    """``|w_j| |v_j|^d`` of an order's pairs (``w_j``'s number-coefficient part): the scale of
+    each pair's term (``|(v . grad)^d u| <= |v|^d |D^d u|``)."""
+    scale = np.linalg.norm(plan.directions, axis=1) ** plan.order
+    return np.abs(plan.weights * constants).sum(1) * scale
+
+
+def _strata(plans: list[partials.OrderPlan], constants: np.ndarray, k: int) -> list[int | None]:
+    """Per order, ``None`` where it is computed exactly, else its number of sampled pairs.
+
+    Order 1 (one JVP along the weighted sum) and an order of one direction are exact at no
+    cost in the budget. Of the others, while one has no more directions than its share of the
+    budget left (shares in proportion to the orders' masses, to their numbers of directions
+    where no order left has mass, at least 2 each), the one of fewest directions is computed
+    exactly and its directions leave the budget; the rest are sampled, each its share. A
+    budget of every direction computes every order exactly (some order's share is always at
+    least its directions then)."""
+    exact = [p.order == 1 or len(p.directions) == 1 for p in plans]
+    mass = [float(_masses(p, constants).sum()) for p in plans]
+    left = k
+    while True:
+        open_ = [i for i, done in enumerate(exact) if not done]
+        if not any(mass[i] > 0 for i in open_):  # zero coefficients
+            mass = [float(len(p.directions)) for p in plans]
+        total = sum(mass[i] for i in open_) or 1.0
+        shares = {i: max(2, round(left * mass[i] / total)) for i in open_}
+        fits = [i for i in open_ if len(plans[i].directions) <= min(shares[i], left)]
+        if not fits:
+            return [None if exact[i] else shares[i] for i in range(len(plans))]
+        smallest = min(fits, key=lambda i: len(plans[i].directions))
+        exact[smallest] = True
+        left -= len(plans[smallest].directions)
+
+
+def _exact_budget(plans: list[partials.OrderPlan], constants: np.ndarray) -> int:
+    """The least budget from which every budget computes every order exactly (every sampled
+    order's directions, counted once, always do)."""
+    k = sum(len(p.directions) for p in plans if p.order > 1 and len(p.directions) > 1)
+    while k > 1 and all(s is None for s in _strata(plans, constants, k - 1)):
+        k -= 1
+    return max(k, 1)
+
+
 def _sampled_values(
     call: Call,
     plans: list[partials.OrderPlan],
@@ -255,13 +297,14 @@ def _sampled_values(
     opts: _Options,
     randomness: Any,
 ) -> tuple[Array, Array | None]:
-    """The operator and its standard error, stratified by order: each order with one direction
-    is exact; in each other order, ``k_d`` (direction, weight) pairs are drawn per sample,
-    independently, with probabilities ``p_j`` proportional to ``|w_j| |v_j|^d`` (``w_j``'s
-    number-coefficient part), and ``w_j (v_j . grad)^d u / p_j`` averaged (unbiased: its
-    expectation is ``sum_j w_j (v_j . grad)^d u``). The budget ``num_probes`` is split over the sampled orders
-    in proportion to their weights' mass, at least 2 each; the standard error is that of the
-    sum of the orders' independent means."""
+    """The operator, stratified by order (:func:`_strata`): the orders within the budget
+    exact, and in each other order ``k_d`` (direction, weight) pairs drawn per sample,
+    independently, with probabilities ``p_j`` proportional to ``|w_j| |v_j|^d``, and
+    ``w_j (v_j . grad)^d u / p_j`` averaged (unbiased: its expectation is
+    ``sum_j w_j (v_j . grad)^d u``). A standard error is given only where every order is exact
+    (stderr 0): a sampled order's terms take few values or are heavy-tailed, and their spread
+    covered 0.49-0.96 (docs/calibration.md), so ``return_stderr=True`` below the exact
+    budget raises :class:`~divjac.NumProbesError` naming it."""
     backend, B = call.backend, call.batch_size
     if _is_probes(backend, randomness):
         raise NumProbesError(
@@ -270,19 +313,22 @@ def _sampled_values(
             "probes."
         )
     constants = coefficients[0]
-    exact = [p for p in plans if len(p.directions) == 1]
-    sampled = [p for p in plans if len(p.directions) > 1]
+    strata = _strata(plans, constants, _num_probes(call, opts, randomness))
+    if opts.return_stderr and any(s is not None for s in strata):
+        needed = _exact_budget(plans, constants)
+        raise NumProbesError(
+            f"{call.spec.fname}: return_stderr=True with method={opts.method!r} needs "
+            f"num_probes >= {needed} here (every direction of the operator's orders: the exact "
+            "value, stderr 0); a sampled order's terms take few values or are heavy-tailed and "
+            "their spread is no error bar that holds (docs/calibration.md). Pass "
+            f"num_probes={needed}, method='exact', or return_stderr=False."
+        )
+    exact = [p for p, s in zip(plans, strata, strict=True) if s is None]
     means = [_exact_values(call, exact, coefficients, False, opts.chunk_size)] if exact else []
-    variances = []
-    # |w_j| |v_j|^d: the scale of each pair's term (|(v . grad)^d u| <= |v|^d |D^d u|).
-    masses = [
-        np.abs(p.weights * constants).sum(1) * np.linalg.norm(p.directions, axis=1) ** p.order
-        for p in sampled
-    ]
-    total_mass = sum(m.sum() for m in masses) or 1.0
-    k = _num_probes(call, opts, randomness)
-    for plan, mass in zip(sampled, masses, strict=True):
-        k_d = max(2, round(k * mass.sum() / total_mass))
+    for plan, k_d in zip(plans, strata, strict=True):
+        if k_d is None:
+            continue
+        mass = _masses(plan, constants)
         p = mass / mass.sum() if mass.sum() > 0 else np.full(len(mass), 1 / len(mass))
         cdf = backend.asarray(np.cumsum(p)[:-1], like=call.xb)
         index = (_uniforms(call, randomness, (k_d, B))[..., None] >= cdf).sum(-1)  # (k_d, B)
@@ -295,17 +341,9 @@ def _sampled_values(
         w_over_p = (chosen * (backend.moveaxis(ratio, 0, 1) / p_arr)[None]).sum(-1)
         shaped = directions.reshape(k_d, B, *call.in_sample)
         terms = _order_terms(call, plan.order, shaped, opts.chunk_size)
-        terms = _weighted_terms(w_over_p, terms)
-        m, err = _mean_and_stderr(call, terms, opts.return_stderr)
-        means.append(m)
-        if err is not None:
-            variances.append(err * err)
+        means.append(_weighted_terms(w_over_p, terms).mean(0))
     mean = sum(means[1:], means[0])  # at least one order
-    if not opts.return_stderr:
-        return mean, None
-    if not variances:  # every order exact
-        return mean, backend.zeros_like(mean)
-    return mean, sum(variances[1:], variances[0]) ** 0.5
+    return mean, (backend.zeros_like(mean) if opts.return_stderr else None)
 
 
 def _weighted_terms(weights: Array, terms: Array) -> Array:

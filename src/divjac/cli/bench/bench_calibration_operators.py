@@ -7,7 +7,9 @@ whose partials of every order are known in closed form: ``d^alpha u = sum_j w2_j
 tanh^(|alpha|)(z_j) prod_{i in alpha} W1[j, i]``. The operators: ``sum_i d^4u/dx_i^4`` (the
 coordinates drawn: the case where ``laplacian(method="stde")``'s terms take few values),
 Kuramoto-Sivashinsky's linear part in ``x_0`` with a mixed third-order term (one sampled
-order among exact ones), and a sum of every order with mixed fourth-order terms.
+order among exact ones), and a sum of every order with mixed fourth-order terms. A budget
+below the one that computes every order exactly refuses the error bar (``NumProbesError``)
+and is no cell.
 ``python -m divjac.cli.bench.bench_calibration_operators [jax] [torch]`` prints the table.
 """
 
