@@ -107,16 +107,32 @@ def _planned(call: Call, alphas: tuple[tuple[int, ...], ...]) -> list[partials.O
     return partials.plan([tuple(i % n for i in alpha) for alpha in alphas], n)
 
 
-def _coefficients(call: Call, coefficients: tuple[Any, ...]) -> tuple[np.ndarray, Array | None]:
+def _is_number(c: Any) -> bool:
+    return isinstance(c, numbers.Real) and not isinstance(c, bool)
+
+
+def _constants(coefficients: tuple[Any, ...]) -> np.ndarray:
+    """Each term's coefficient where it is a number, 1 where it is per sample: made once per
+    transform, so that its device copy is made once too (:meth:`Backend.on_device`)."""
+    return np.array([float(c) if _is_number(c) else 1.0 for c in coefficients])
+
+
+def _device(call: Call, host: np.ndarray) -> Array:
+    """A host array of the transform or its plan (kept while they live) as an array of the
+    call's dtype on its device, copied from the host once per device."""
+    return call.backend.asarray(call.backend.on_device(host, call.xb), like=call.xb)
+
+
+def _coefficients(
+    call: Call, coefficients: tuple[Any, ...], constants: np.ndarray
+) -> tuple[np.ndarray, Array | None]:
     """``(constants (T,), per_sample (B, T) or None)``: each term's coefficient, a number in
     ``constants`` (1 where it is per sample), the per-sample ones (arrays ``(B,)``, functions
     of the per-sample input) in ``per_sample`` (1 where it is a number)."""
     backend, B, fname = call.backend, call.batch_size, call.spec.fname
-    constants = np.ones(len(coefficients))
     columns: list[Array | None] = []
     for t, c in enumerate(coefficients):
-        if isinstance(c, numbers.Real) and not isinstance(c, bool):
-            constants[t] = float(c)
+        if _is_number(c):
             columns.append(None)
             continue
         if callable(c) and not backend.is_array(c):
@@ -139,7 +155,7 @@ def _coefficients(call: Call, coefficients: tuple[Any, ...]) -> tuple[np.ndarray
         columns.append(backend.asarray(value, like=call.xb).reshape(B))
     if all(col is None for col in columns):
         return constants, None
-    ones = backend.asarray(np.ones(B), like=call.xb)
+    ones = backend.asarray(backend.arange(B, call.xb) >= 0, like=call.xb)
     stacked = backend.stack([ones if col is None else col for col in columns])
     return constants, backend.moveaxis(stacked, 0, 1)
 
@@ -147,10 +163,10 @@ def _coefficients(call: Call, coefficients: tuple[Any, ...]) -> tuple[np.ndarray
 def _weights(call: Call, plan: partials.OrderPlan, coefficients: tuple[np.ndarray, Any]) -> Array:
     """The directions' weights ``[K]`` (shared) or ``[K, B]`` (per sample)."""
     constants, per_sample = coefficients
-    folded = plan.weights * constants[None, :]  # (K, T)
+    folded = _device(call, plan.weights) * _device(call, constants)[None, :]  # (K, T)
     if per_sample is None:
-        return call.backend.asarray(folded.sum(1), like=call.xb)
-    return call.backend.asarray(folded, like=call.xb) @ call.backend.moveaxis(per_sample, 0, 1)
+        return folded.sum(1)
+    return folded @ call.backend.moveaxis(per_sample, 0, 1)
 
 
 # --- the directional derivatives ----------------------------------------------------------------
@@ -192,8 +208,7 @@ def _powers(call: Call, order: int, directions: Array, chunk_size: int | None) -
 def _order_terms(call: Call, order: int, directions: Array, chunk_size: int | None) -> Array:
     """``(v_k . grad)^order u`` ``[K, B, *out]`` for the directions ``[K, B or 1, *in]``."""
     if order == 1:
-        shape = (int(directions.shape[0]), call.batch_size, *call.in_sample)
-        full = directions * call.backend.asarray(np.ones(shape), like=call.xb)
+        full = directions + call.backend.zeros_like(call.xb)[None]  # [K, B, *in]
         return _first(call, full)
     if order == 2:
         return _sweep(call, directions, None, False, chunk_size)
@@ -225,9 +240,7 @@ def _exact_values(
         _order_value(
             call,
             plan.order,
-            call.backend.asarray(
-                plan.directions.reshape(len(plan.directions), 1, *call.in_sample), like=call.xb
-            ),
+            _device(call, plan.directions).reshape(len(plan.directions), 1, *call.in_sample),
             _weights(call, plan, coefficients),
             coupled,
             chunk,
@@ -240,18 +253,26 @@ def _exact_values(
 # --- the stochastic estimate --------------------------------------------------------------------
 
 
+_BIT_SCALES = 0.5 ** np.arange(2, 26)
+"""The scale of each of 24 random signs ``r`` in a uniform draw: ``(r + 1)/2 * 2^-(b+1)``."""
+
+
 def _uniforms(call: Call, randomness: Any, shape: tuple[int, ...]) -> Array:
     """Uniform draws on ``[0, 1)`` of ``shape``, from 24 random bits each."""
     bits = call.backend.draw(randomness, (*shape, 24), "rademacher", like=call.xb)
-    scale = call.backend.asarray(0.5 ** np.arange(2, 26), like=call.xb)  # (r + 1)/2 * 2^-(b+1)
+    scale = _device(call, _BIT_SCALES)
     return ((bits + 1) * scale).sum(-1)
 
 
-def _masses(plan: partials.OrderPlan, constants: np.ndarray) -> np.ndarray:
+def _masses(plan: partials.OrderPlan, constants: np.ndarray, call: Call | None = None) -> Any:
     """``|w_j| |v_j|^d`` of an order's pairs (``w_j``'s number-coefficient part): the scale of
-    each pair's term (``|(v . grad)^d u| <= |v|^d |D^d u|``)."""
-    scale = np.linalg.norm(plan.directions, axis=1) ** plan.order
-    return np.abs(plan.weights * constants).sum(1) * scale
+    each pair's term (``|(v . grad)^d u| <= |v|^d |D^d u|``). On the host, or with ``call`` on
+    its device (the plan's arrays copied once)."""
+    weights, directions, c = plan.weights, plan.directions, constants
+    if call is not None:
+        weights, directions, c = (_device(call, a) for a in (weights, directions, c))
+    scale = ((directions * directions).sum(1) ** 0.5) ** plan.order
+    return abs(weights * c[None, :]).sum(1) * scale
 
 
 def _strata(plans: list[partials.OrderPlan], constants: np.ndarray, k: int) -> list[int | None]:
@@ -328,16 +349,16 @@ def _sampled_values(
     for plan, k_d in zip(plans, strata, strict=True):
         if k_d is None:
             continue
-        mass = _masses(plan, constants)
-        p = mass / mass.sum() if mass.sum() > 0 else np.full(len(mass), 1 / len(mass))
-        cdf = backend.asarray(np.cumsum(p)[:-1], like=call.xb)
+        mass = _masses(plan, constants, call)  # on the device; uniform where all are 0
+        p = mass / mass.sum() if _masses(plan, constants).sum() > 0 else mass * 0 + 1 / len(mass)
+        cdf = p.cumsum(0)[:-1]
         index = (_uniforms(call, randomness, (k_d, B))[..., None] >= cdf).sum(-1)  # (k_d, B)
         chosen = backend.asarray(index[..., None] == backend.arange(len(p), call.xb), like=call.xb)
-        directions = chosen @ backend.asarray(plan.directions.astype(float), like=call.xb)
+        directions = chosen @ _device(call, plan.directions)
         ratio = _weights(call, plan, coefficients)  # (K,) or (K, B)
         ratio = ratio[:, None] if ratio.ndim == 1 else ratio
         # w_j / p_j of each draw, (k_d, B)
-        p_arr = backend.asarray(np.where(p > 0, p, 1.0), like=call.xb)  # p = 0: never drawn
+        p_arr = p + (p == 0)  # p = 0: never drawn
         w_over_p = (chosen * (backend.moveaxis(ratio, 0, 1) / p_arr)[None]).sum(-1)
         shaped = directions.reshape(k_d, B, *call.in_sample)
         terms = _order_terms(call, plan.order, shaped, opts.chunk_size)
@@ -368,11 +389,12 @@ def _operator(
     fname: str,
 ) -> Callable[..., Any]:
     stochastic_method = opts.method in SWEEP_STOCHASTIC
+    constants = _constants(coefficients)
 
     def values(call: Call, randomness: Any) -> tuple[Array, Array | None]:
         plans = backend.ahead(_planned, call, alphas)
         coupled = backend.ahead(_plan, call, opts.method, stochastic_method).coupled
-        c = _coefficients(call, coefficients)
+        c = _coefficients(call, coefficients, constants)
         if stochastic_method:
             return _sampled_values(call, plans, c, opts, randomness)
         result = _exact_values(call, plans, c, coupled, opts.chunk_size)

@@ -228,3 +228,24 @@ def test_the_index_arrays_are_kept_per_device() -> None:
         got = jac(x)
     torch.testing.assert_close(got.to_dense(), want)
     assert recorder.found == []
+
+
+def test_a_sampled_operator_s_steady_state_waits_on_nothing() -> None:
+    """``differential_operator``'s stochastic method where it samples (more directions than its
+    budget): the draws' probabilities, directions and weights come from the plan's arrays on
+    the device, copied once (the estimate finite, of the right shape)."""
+    W = torch.randn(4, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def u(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ W).sum(1)
+
+    terms = [(1.0, (0, 1, 2, 3)), (0.5, (0, 0, 1)), (2.0, (1, 2))]
+    op = dj.differential_operator(u, terms, method="stde", num_probes=4)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for k in range(2):
+        op(torch.Generator().manual_seed(k), x + 0.1 * k)
+    g = torch.Generator().manual_seed(2)
+    with Recorder() as recorder:
+        got = op(g, x)
+    assert recorder.found == []
+    assert got.shape == (5,) and bool(torch.isfinite(got).all())
