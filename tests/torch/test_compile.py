@@ -305,3 +305,57 @@ def test_a_python_number_argument_changing_between_compiled_calls() -> None:
     x = _x()
     for t in (0.5, 1.5, 2.5):
         torch.testing.assert_close(step(x, t), lap(x, t), rtol=1e-12, atol=1e-14)
+
+
+class _Gain(nn.Module):
+    """A 0-d parameter multiplying the output (as a time-dependent model's gain)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return self.gain * y
+
+
+def _fourth_order(net: nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    u = lambda x: net(x).squeeze(-1)  # noqa: E731
+    op = dj.differential_operator(u, [(1.0, (0, 0, 0)), (2.0, (1, 1, 1, 1))])
+    return {
+        "bilaplacian": lambda x: (dj.bilaplacian(u)(x) ** 2).sum(),
+        "differential_operator": lambda x: (op(x) ** 2).sum(),
+    }
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize(
+    ("name", "backend"),
+    [
+        ("bilaplacian", "aot_eager"),
+        ("bilaplacian", "inductor"),
+        ("differential_operator", "aot_eager"),
+    ],
+)
+def test_fourth_order_terms_of_a_function_with_parameters_compile(name: str, backend: str) -> None:
+    """A sweep of a sweep (``bilaplacian``, third and fourth orders of ``differential_operator``)
+    of a function multiplying by a parameter: four forward-mode levels failed in dynamo's fake
+    tensors (torch 2.13 and 2.14.1: an internal assert in ``_fw_primal``); both sweeps are
+    transposed VJPs under compile. Values and parameter gradients equal eager ones, also after
+    an in-place update of the weights."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1), _Gain()).double()
+    loss = _fourth_order(net)[name]
+    x = _x()
+    expected = loss(x)
+    expected.backward()
+    want = _grads(net)
+    compiled = torch.compile(loss, fullgraph=True, backend=backend)
+    got = compiled(x)
+    got.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    for g, w in zip(_grads(net), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        net[0].weight.mul_(0.5)
+        net[3].gain.add_(0.25)
+    torch.testing.assert_close(compiled(x), loss(x), rtol=1e-10, atol=1e-12)
