@@ -359,3 +359,27 @@ def test_fourth_order_terms_of_a_function_with_parameters_compile(name: str, bac
         net[0].weight.mul_(0.5)
         net[3].gain.add_(0.25)
     torch.testing.assert_close(compiled(x), loss(x), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param(
+            "fwd",
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=torch._dynamo.exc.BackendCompilerFailed,
+                reason="issue 41, open: torch 2.13 and 2.14.1 fail to compile the gradient of "
+                "forward passes of a function multiplying x by a number ('convert all Tensors "
+                "to FakeTensors'; a hand-written grad(vmap(jvp(f))) too): mode='rev' compiles",
+            ),
+        ),
+        "rev",
+    ],
+)
+def test_grad_divergence_of_a_scaled_input_compiles(mode: str) -> None:
+    """``grad_divergence`` of ``f(x * 1.1)`` with parameters that require grad, compiled:
+    equal to eager, with reverse passes (the way out of the open forward-mode defect)."""
+    net = _mlp()
+    gd = dj.grad_divergence(lambda x: net(x * 1.1), mode=mode)
+    _check_compiled(lambda x: (gd(x) ** 2).sum(), net)
