@@ -304,6 +304,7 @@ class Backend(abc.ABC, Generic[TracedT]):
         collapse: bool,
         traced: TracedT | None = None,
         point: Point[TracedT] | None = None,
+        nested: bool = False,
     ) -> tuple[Array, Array, Array]:
         """``(f(x), J v_k, v_k^T H v_k)`` of a batch-first per-sample ``f`` (the framework's
         ``_taylor.second_order_sweep``): directions ``[K, B, *in]`` or ``[K, 1, *in]``, weights
@@ -312,7 +313,8 @@ class Backend(abc.ABC, Generic[TracedT]):
         anew at each call, which the backend need not trace: ``point``, the call whose
         batch-first function (without its aux) ``f`` is, whose trace the backend may run with
         the call's other arguments; or ``traced``, the trace of such a call, with no other
-        argument bound (``f`` at ``x`` alone)."""
+        argument bound (``f`` at ``x`` alone). ``nested``: the sweep is one of a sweep of a
+        sweep (fourth-order terms), the inner one or the outer one."""
 
     def sparse_laplacian(
         self,

@@ -195,10 +195,12 @@ def _powers(call: Call, order: int, directions: Array, chunk_size: int | None) -
     def power(v: Array) -> Array:
         def second(xb: Array) -> Array:
             return backend.second_order_sweep(
-                f, xb, v[None], weights=None, collapse=True, traced=traced
+                f, xb, v[None], weights=None, collapse=True, traced=traced, nested=True
             )[2]
 
-        swept = backend.second_order_sweep(second, call.xb, v[None], weights=None, collapse=False)
+        swept = backend.second_order_sweep(
+            second, call.xb, v[None], weights=None, collapse=False, nested=True
+        )
         return swept[order - 2][0]
 
     chunk = sweep_chunk(call, int(directions.shape[0]), chunk_size)

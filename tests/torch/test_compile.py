@@ -321,3 +321,81 @@ def test_compile_is_refused_naming_the_release(monkeypatch) -> None:
         torch.compile(lambda x: f(x), fullgraph=True, backend="aot_eager")(_x())
     want = torch.func.vmap(lambda s: torch.func.jacrev(net)(s).trace())(_x())
     torch.testing.assert_close(f(_x()), want)
+
+
+class _Gain(nn.Module):
+    """A 0-d parameter multiplying the output (as a time-dependent model's gain)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return self.gain * y
+
+
+def _fourth_order(net: nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    u = lambda x: net(x).squeeze(-1)  # noqa: E731
+    op = dj.differential_operator(u, [(1.0, (0, 0, 0)), (2.0, (1, 1, 1, 1))])
+    return {
+        "bilaplacian": lambda x: (dj.bilaplacian(u)(x) ** 2).sum(),
+        "differential_operator": lambda x: (op(x) ** 2).sum(),
+    }
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize(
+    ("name", "backend"),
+    [
+        ("bilaplacian", "aot_eager"),
+        ("bilaplacian", "inductor"),
+        ("differential_operator", "aot_eager"),
+    ],
+)
+def test_fourth_order_terms_of_a_function_with_parameters_compile(name: str, backend: str) -> None:
+    """A sweep of a sweep (``bilaplacian``, third and fourth orders of ``differential_operator``)
+    of a function multiplying by a parameter: four forward-mode levels failed in dynamo's fake
+    tensors (torch 2.13 and 2.14.1: an internal assert in ``_fw_primal``); both sweeps are
+    transposed VJPs under compile. Values and parameter gradients equal eager ones, also after
+    an in-place update of the weights."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1), _Gain()).double()
+    loss = _fourth_order(net)[name]
+    x = _x()
+    expected = loss(x)
+    expected.backward()
+    want = _grads(net)
+    compiled = torch.compile(loss, fullgraph=True, backend=backend)
+    got = compiled(x)
+    got.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    for g, w in zip(_grads(net), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        net[0].weight.mul_(0.5)
+        net[3].gain.add_(0.25)
+    torch.testing.assert_close(compiled(x), loss(x), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param(
+            "fwd",
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=torch._dynamo.exc.BackendCompilerFailed,
+                reason="issue 41, open: torch 2.13 and 2.14.1 fail to compile the gradient of "
+                "forward passes of a function multiplying x by a number ('convert all Tensors "
+                "to FakeTensors'; a hand-written grad(vmap(jvp(f))) too): mode='rev' compiles",
+            ),
+        ),
+        "rev",
+    ],
+)
+def test_grad_divergence_of_a_scaled_input_compiles(mode: str) -> None:
+    """``grad_divergence`` of ``f(x * 1.1)`` with parameters that require grad, compiled:
+    equal to eager, with reverse passes (the way out of the open forward-mode defect)."""
+    net = _mlp()
+    gd = dj.grad_divergence(lambda x: net(x * 1.1), mode=mode)
+    _check_compiled(lambda x: (gd(x) ** 2).sum(), net)

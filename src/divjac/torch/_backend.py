@@ -391,9 +391,17 @@ class TorchBackend(Backend[Traced]):
         collapse: bool,
         traced: Traced | None = None,
         point: Point[Traced] | None = None,
+        nested: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _taylor.second_order_sweep(
-            f, x, directions, weights=weights, collapse=collapse, traced=traced, point=point
+            f,
+            x,
+            directions,
+            weights=weights,
+            collapse=collapse,
+            traced=traced,
+            point=point,
+            nested=nested,
         )
 
     def sparse_laplacian(

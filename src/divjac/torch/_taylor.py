@@ -77,6 +77,7 @@ def second_order_sweep(
     collapse: bool = True,
     traced: Traced | None = None,
     point: Point[Traced] | None = None,
+    nested: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``f(x)``, ``J v_k`` and ``v_k^T H v_k`` of a batch-first function.
 
@@ -93,6 +94,12 @@ def second_order_sweep(
             tensor argument bound (see :func:`_program`).
         point: the call whose batch-first function (without its aux) ``f`` is (see
             :func:`_program`).
+        nested: the sweep is one of a sweep of a sweep (``bilaplacian``, fourth-order terms):
+            under ``torch.compile`` both are then transposed VJPs. Four forward-mode levels
+            fail in dynamo's fake tensors wherever the function multiplies by a captured tensor
+            that requires grad (a parameter: torch 2.13 and 2.14.1, an internal assert in
+            ``_fw_primal``; a hand-written ``vmap(jvp(jvp(vmap(jvp(jvp(u))))))`` too), and an
+            outer forward sweep of an inner reverse one crashes inductor.
 
     Returns:
         ``(y, first, second)`` as in :func:`divjac.jax._taylor.second_order_sweep`.
@@ -111,7 +118,8 @@ def second_order_sweep(
             weights=weights,
             collapse=collapse,
             same_randomness=random,
-            by_reverse=known is not None and bool(known.forward_twice_wrong),
+            by_reverse=(nested and torch.compiler.is_compiling())
+            or (known is not None and bool(known.forward_twice_wrong)),
         )
     # Weights per sample need the batch axis of every intermediate (views may merge it): the
     # terms are kept per direction and weighted at the output, whose batch axis is known.
