@@ -35,6 +35,7 @@ import torch
 import torch.fx
 
 from .._backend import Point
+from .._core.plan import sparse_sweep_share
 from .._core.sparse_index import compressed, positions, union
 from ._aten import bind, dims, inexact, packet
 from ._taylor import _Plan, _plan, _Program, _program
@@ -98,14 +99,6 @@ def sparse_laplacian(
     return y.new_zeros(y.shape) if second is None else second.expand(1, *y.shape)[0]
 
 
-# The cost of an element gathered or scattered, in units of work on first-order terms: fitted
-# to the time of the sparse sweep against the dense one (torch 2.13, 2 CPU cores; FermiNet-like
-# nets of 8-32 electrons, stencils of d = 64-256: 3-11), its low end, with the choice at half
-# the dense sweep's cost it decides no slower sweep on those (a convolution's windows, laid by
-# gathers, were 0.8-2.7x the dense sweep's time, which runs the convolution itself: not kept).
-_MOVE_COST = 4
-
-
 @dataclass(frozen=True)
 class _Layout:
     """How an operand's terms are laid on a step's index: gathered at the positions ``index``,
@@ -159,7 +152,7 @@ def _layouts(program: _Program, x: Tensor) -> _Layouts:
     with torch.no_grad():
         program.evaluate(x.detach(), indexing, np.broadcast_to(labels, (1, *x.shape)))
     program.traced.record_reads(indexing.read)
-    share = (indexing.stored + _MOVE_COST * indexing.moved) / max(indexing.dense, 1)
+    share = sparse_sweep_share(indexing.stored, indexing.dense, moved=indexing.moved)
     layouts = _Layouts(program.plan, n, share, x.device, indexing.gathers)
     _LAYOUTS[program.traced] = layouts
     return layouts
