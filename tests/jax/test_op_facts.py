@@ -101,9 +101,9 @@ _NOW_SPARSE = {
     "igamma": lambda h: lax.igamma(jnp.full_like(h, 2.5), h + 2),
     "igammac": lambda h: lax.igammac(jnp.full_like(h, 2.5), h + 2),
     "polygamma": lambda h: lax.polygamma(jnp.ones_like(h), h + 3),
-    
-    "complex, real, imag, conj": lambda h: lax.real(lax.conj(lax.complex(h, h * h)))
-    + lax.imag(lax.complex(h, h * h)) ** 2,
+    "complex, real, imag, conj": lambda h: (
+        lax.real(lax.conj(lax.complex(h, h * h))) + lax.imag(lax.complex(h, h * h)) ** 2
+    ),
     "bitcast_convert_type": lambda h: lax.bitcast_convert_type(h, jnp.float64) * h,
 }
 
@@ -151,6 +151,10 @@ def test_a_checkpointed_call_is_swept_inline_with_shared_directions():
     shared = jnp.eye(N * DIM, dtype=x.dtype)[:, None]
     _, first, second = second_order_sweep(u, x, shared)
     np.testing.assert_allclose(second, _brute(u, x), rtol=1e-10)
-    np.testing.assert_allclose(first[:, :], jax.vmap(lambda v: jax.jvp(u, (x,), (v,))[1])(
-        jnp.broadcast_to(shared, (N * DIM, *x.shape))
-    ), rtol=1e-12)
+    np.testing.assert_allclose(
+        first[:, :],
+        jax.vmap(lambda v: jax.jvp(u, (x,), (v,))[1])(
+            jnp.broadcast_to(shared, (N * DIM, *x.shape))
+        ),
+        rtol=1e-12,
+    )
