@@ -7,11 +7,13 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import pytest
 import torch
 from torch.func import hessian, vmap
 
 import divjac
-from divjac.torch import laplacian, sparsity
+from divjac.torch import _ops, laplacian, sparsity
+from divjac.torch._interpret import REGISTRY
 from divjac.torch._rules import register_elementwise
 from divjac.torch._taylor import sparse as _taylor_sparse
 from divjac.torch._taylor.sparse import sparse_laplacian
@@ -44,7 +46,16 @@ def _backward(ctx, grad):
 
 
 cube.register_autograd(_backward, setup_context=_setup)
-register_elementwise(torch.ops.divjac_test.cube.default, lambda x, y: (3 * x * x, 6 * x))
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    """``cube`` registered in the op-fact table for one test (the tables restored after it)."""
+    op = torch.ops.divjac_test.cube.default
+    monkeypatch.setattr(_ops, "_UNTAGGED", set(_ops._UNTAGGED))
+    monkeypatch.setitem(_ops.DERIVATIVES, op, None)
+    monkeypatch.setitem(REGISTRY._rules, op._schema.name, None)
+    register_elementwise(op, lambda x, y: (3 * x * x, 6 * x))
 
 
 def _per_particle(g):
@@ -64,7 +75,7 @@ def _brute(u, x):
     return vmap(one)(x)
 
 
-def test_a_registered_elementwise_operation_reaches_every_transform():
+def test_a_registered_elementwise_operation_reaches_every_transform(registered):
     x = torch.randn(3, N * DIM, generator=torch.Generator().manual_seed(1), dtype=D)
     u = _per_particle(cube)
     ref = _brute(_per_particle(lambda h: h**3), x)
