@@ -1,5 +1,5 @@
 """The exact Laplacian's sweep that stores first-order terms sparse in PyTorch
-(divjac.torch._taylor_sparse) against brute force: the trace of each sample's Hessian
+(divjac.torch._taylor.sparse) against brute force: the trace of each sample's Hessian
 (``torch.func.hessian``, float64); its choice by ``laplacian(method="exact" / "auto")`` where
 it pays and not where it does not; its index computed once per trace and its results fresh
 when the weights change; gradients w.r.t. the weights; every context users call it from."""
@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from torch.func import hessian, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from divjac.torch import _taylor_sparse, laplacian
-from divjac.torch._taylor import _program
-from divjac.torch._taylor_sparse import sparse_laplacian
+from divjac.torch import laplacian
+from divjac.torch._taylor import sparse as _taylor_sparse
+from divjac.torch._taylor.sparse import sparse_laplacian
+from divjac.torch._taylor.sweep import _program
 from tests.reference import block_architectures
 
 D = torch.float64

@@ -14,8 +14,9 @@ from torch.func import jacrev
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from divjac.torch import _taylor, _taylor_generic, laplacian
-from divjac.torch._taylor import reference_sweep, second_order_sweep
+from divjac.torch import laplacian
+from divjac.torch._taylor import generic as _taylor_generic, sweep as _taylor
+from divjac.torch._taylor.sweep import reference_sweep, second_order_sweep
 
 D = torch.float64
 

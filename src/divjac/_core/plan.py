@@ -30,6 +30,8 @@ __all__ = [
     "DIVERGENCE_METHODS",
     "JACOBIAN_MODES",
     "SPARSE_GAIN",
+    "SPARSE_SWEEP_CONV_COST",
+    "SPARSE_SWEEP_MOVE_COST",
     "STOCHASTIC_METHODS",
     "Plan",
     "choose_chunk_size",
@@ -40,6 +42,7 @@ __all__ = [
     "host_cache_bytes",
     "jacobian_plan",
     "memory_budget",
+    "sparse_sweep_share",
 ]
 
 JACOBIAN_MODES = ("auto", "fwd", "rev", "sparse")
@@ -55,6 +58,36 @@ AUTO_DENSE_MAX_PASSES = 4096
 :class:`DenseFallbackWarning`, when sparsity detection is past its memory budget; past it
 ``"auto"`` raises :class:`DetectionMemoryError` instead (a pattern that large is rarely dense:
 the dense plan would take orders of magnitude more passes than its colors)."""
+
+
+# The cost model of the sparse Taylor sweep (``divjac.jax._sparse_taylor``,
+# ``divjac.torch.taylor.sparse``): its work on first-order terms against the dense sweep's.
+# An element gathered or scattered to lay an operand's terms on a new index moves memory
+# where the other work multiplies and adds: it counts 4x (JAX: Rosenbrock, d = 256, B = 256,
+# 1 thread, the sparse sweep at 2.1 times 2 colors' count with moves counted 1x ran 2.6x their
+# time, 0.6 of the 2.1 were moves; torch 2.13, 2 CPU cores: fitted to FermiNet-like nets of
+# 8-32 electrons and stencils of d = 64-256, 3-11, its low end). A convolution swept as its
+# kernel's offsets (JAX) runs slower than its count says against the colored passes, which run
+# the convolution itself (a 2-layer CNN on 16x16x3: 1.7-1.8x the time of its 75 colors' passes
+# at 0.27x their count; particles and pair potentials held within 1.3x): its products count
+# 16x against the colored passes, 8x against the unit basis, whose convolutions run on every
+# pass (8x8x3: the sparse sweep 1.43x faster than the unit basis, which 16x would have chosen).
+SPARSE_SWEEP_MOVE_COST = 4
+"""Work units of one element a sparse sweep gathers or scatters."""
+SPARSE_SWEEP_CONV_COST = {True: 16, False: 8}
+"""Work units of a product of a convolution's offsets, against the colored passes (``True``)
+or the unit basis (``False``)."""
+
+
+def sparse_sweep_share(
+    stored: int, dense: int, *, moved: int = 0, convolved: int = 0, against_colors: bool = False
+) -> float:
+    """The sparse Taylor sweep's work as a fraction of the dense sweep's: ``stored`` units of
+    work on first-order terms (of which ``convolved`` in the products of a convolution's
+    offsets, weighted by :data:`SPARSE_SWEEP_CONV_COST`) and ``moved`` elements gathered or
+    scattered (:data:`SPARSE_SWEEP_MOVE_COST` each), against ``dense`` units."""
+    conv = SPARSE_SWEEP_CONV_COST[against_colors] - 1
+    return (stored + SPARSE_SWEEP_MOVE_COST * moved + conv * convolved) / max(dense, 1)
 
 
 def dense_fallback(stop: MemoryStop, dense_passes: int, *, fname: str) -> None:

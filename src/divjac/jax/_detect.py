@@ -19,7 +19,7 @@ from .._core.detection import LRU, EntryLimit, Propagated
 from .._errors import StateUpdateError
 from . import _compat
 from ._interpret import Interpreter
-from ._table import TABLE
+from ._ops import ELEMENTWISE
 
 __all__ = [
     "CACHE",
@@ -354,21 +354,24 @@ def _kept_elements(jaxpr: Any) -> int:
     return total
 
 
-_FUSED = frozenset(
-    [name for name, (rule, _) in TABLE.items() if rule is D.elementwise_rule]
-    + ["select_n", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev",
-       "slice", "pad", "concatenate"]
+_MOVES = frozenset(
+    ["broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev", "slice", "pad",
+     "concatenate"]
 )  # fmt: skip
-"""Primitives XLA fuses into the loop of the elementwise or data-movement work they feed."""
+_REDUCTIONS = frozenset(["reduce_sum", "reduce_max", "reduce_min", "reduce_prod"])
 
-_FUSED_INTO = _FUSED | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"}
-"""Primitives whose loop takes in the fused work that feeds them (reductions read their input
-in their own loop)."""
+
+def _fused(name: str, *, into: bool = False) -> bool:
+    """Whether XLA fuses the primitive ``name`` into the loop of the work it feeds: element-wise
+    (:data:`~divjac.jax._ops.ELEMENTWISE`) and data-movement work; ``into``: whether its loop
+    takes in the fused work that feeds it (reductions too: they read their input in their own
+    loop)."""
+    return name in ELEMENTWISE or name in _MOVES or (into and name in _REDUCTIONS)
 
 
 def _materialized(jaxpr: Any) -> set[Any]:
     """The values of ``jaxpr``'s equations that XLA writes to memory: all but the results of
-    fusible work (:data:`_FUSED`) that only fusible work or reductions read, which XLA computes
+    fusible work (:func:`_fused`) that only fusible work or reductions read, which XLA computes
     inside its readers' loops (a softplus's ten elementwise steps are one loop; a broadcast
     bias is never written out). Without this, chains of elementwise steps made a small CNF's
     estimate 3.3-3.6x its temporaries."""
@@ -384,8 +387,8 @@ def _materialized(jaxpr: Any) -> set[Any]:
         var
         for eqn in jaxpr.eqns
         for var in eqn.outvars
-        if eqn.primitive.name not in _FUSED
-        or not all(name in _FUSED_INTO for name in readers.get(var, ()))
+        if not _fused(eqn.primitive.name)
+        or not all(_fused(name, into=True) for name in readers.get(var, ()))
     }
 
 

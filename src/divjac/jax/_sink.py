@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _compat
+from ._ops import CALLS
 
 __all__ = ["pushes", "varying_axes", "varying_like"]
 
@@ -47,7 +48,6 @@ _UNARY = {
     "imag",
 }
 _BINARY = {"add", "add_any", "sub", "mul", "div", "max", "min"}
-_CALLS = {"jit", "pjit", "closed_call", "core_call"}
 
 
 @dataclass(frozen=True)
@@ -312,7 +312,7 @@ def _eqn(eqn: Any, ins: list[Any]) -> list[Any] | None:
         return _dot_general(p, ins, out_shape)
     if name == "conv_general_dilated":
         return _conv(eqn, ins, out_shape)
-    if name in _CALLS:
+    if name in CALLS:
         return _eval(*_compat.open_jaxpr(_compat.called(eqn)), ins)
     return None
 

@@ -37,20 +37,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._core.plan import sparse_sweep_share
 from .._core.sparse_index import compressed, positions, union
 from . import _compat
+from ._ops import ELEMENTWISE, SWEPT_CALLS
 from ._sink import _bind, _Passes, _real, varying_like
-from ._taylor import _CALLS, _CURVATURE, _inexact, _Sweep
+from ._taylor import _inexact, _Sweep
 
 __all__ = ["sparse_cost", "sparse_laplacian"]
 
-# Element-wise in their dependent operands (same shapes): the index is the union of theirs.
-_ELEMENTWISE = {
-    *_CURVATURE, "neg", "add", "add_any", "sub", "mul", "div", "max", "min", "abs", "sign",
-    "floor", "ceil", "round", "select_n", "clamp", "convert_element_type", "copy", "copy_p",
-    "reduce_precision", "stop_gradient", "pow", "atan2", "erf_inv", "logistic", "acos", "asin",
-    "acosh", "asinh", "atanh", "nextafter", "rem",
-}  # fmt: skip
 _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min"}
 # Primitives that bind only inside ``shard_map`` (they read its manual mesh axes): never
 # evaluated at compile time, even on constants (JAX 0.12 marks a jitted function's integer
@@ -77,7 +72,7 @@ def sparse_cost(
 ) -> float:
     """The sparse sweep's work on first-order terms (:meth:`_SparseSweep.count`, and its
     gathers), as a fraction of the dense sweep's, from the structure alone (nothing is
-    computed), its convolutions' products counted :data:`_CONV_COST` times, against the
+    computed), by the cost model :func:`divjac._core.plan.sparse_sweep_share`, against the
     passes of a coloring or of the unit basis."""
     box: list[_SparseSweep] = []
 
@@ -88,8 +83,13 @@ def sparse_cost(
 
     jax.eval_shape(run, x)
     sweep = box[0]
-    conv = _CONV_COST[against_colors] - 1
-    return (sweep.stored + conv * sweep.convolved) / max(sweep.dense, 1)
+    return sparse_sweep_share(
+        sweep.stored,
+        sweep.dense,
+        moved=sweep.moved,
+        convolved=sweep.convolved,
+        against_colors=against_colors,
+    )
 
 
 def _run(f: Callable[[jax.Array], jax.Array], x: jax.Array) -> tuple[jax.Array, _SparseSweep]:
@@ -168,21 +168,7 @@ def _distributed(jaxpr: Any, consts: Sequence[Any], x: jax.Array) -> Any:
     return out
 
 
-# A convolution swept as its kernel's offsets (slices, products, gathers) runs slower than its
-# count says against the colored passes, which run the convolution itself (XLA, 2 CPU cores:
-# a 2-layer CNN on 16x16x3, 1.7-1.8x the time of its 75 colors' passes at 0.27x their count,
-# about 6x off; particles and pair potentials, where the count held within 1.3x; 1.45x the
-# colors' time at 8x, 1 thread): its products count 16x against the colored passes. Against
-# the dense sweep of the unit basis, whose convolutions run on every pass, 8x (1 thread: on
-# 8x8x3 the sparse sweep is 1.43x faster than the unit basis, which 16x would have chosen;
-# it beats it 35x on 16x16x3).
 _CONV_SCOPE = "divjac_conv_offsets"
-_CONV_COST = {True: 16, False: 8}  # against the colored passes, the unit basis
-# A gather that lays an operand's terms out anew (an element-wise operation of terms with
-# different indices) moves memory where the other work multiplies and adds: it counts 4x
-# (Rosenbrock, d = 256, B = 256, 1 thread: the sparse sweep at 2.1 times 2 colors' count
-# with moves counted 1x ran 2.6x their time; 0.6 of the 2.1 were moves).
-_MOVE_COST = 4
 
 
 def _plain_conv(eqn: Any) -> bool:
@@ -230,14 +216,15 @@ def _conv_as_products(eqn: Any, lhs: Any, rhs: Any) -> Any:
 class _SparseSweep(_Sweep):
     """The collapsed sweep over the unit basis of ``k`` inputs, first-order terms stored sparse
     while that pays; ``stored`` and ``dense`` count the work on first-order terms it does and
-    the dense sweep would (:meth:`count`; its gathers :data:`_MOVE_COST` times their
-    elements), ``convolved`` the part of ``stored`` in products of a convolution's offsets."""
+    the dense sweep would (:meth:`count`), ``moved`` the elements its gathers move,
+    ``convolved`` the part of ``stored`` in products of a convolution's offsets."""
 
     def __init__(self, k: int) -> None:
         super().__init__(None, False)
         self.k = k
         self.stored = 0
         self.dense = 0
+        self.moved = 0
         self.convolved = 0
 
     def constant(self, eqn: Any, values: list[Any]) -> Any:
@@ -255,7 +242,7 @@ class _SparseSweep(_Sweep):
         return _bind(eqn, *values)
 
     def equation(self, eqn: Any, ins: list[Any], dep: list[int]) -> list[Any]:
-        if eqn.primitive.name in _CALLS:  # its equations are counted one by one
+        if eqn.primitive.name in SWEPT_CALLS:  # its equations are counted one by one
             return super().equation(eqn, ins, dep)
         sparse = [i for i in dep if isinstance(ins[i][1], _Sparse)]
         planned = _layout(eqn, ins, dep, self.k) if len(sparse) == len(dep) else None
@@ -273,8 +260,7 @@ class _SparseSweep(_Sweep):
             return outs
         laid, idxs = planned
         # A gather per element of an operand laid out anew (counted as work too).
-        moved = sum(math.prod(laid[i].shape) for i in laid if laid[i] is not ins[i][1].terms)
-        self.stored += _MOVE_COST * moved
+        self.moved += sum(math.prod(laid[i].shape) for i in laid if laid[i] is not ins[i][1].terms)
         pushed = [(p, _Passes(laid[i]) if i in laid else t, s) for i, (p, t, s) in enumerate(ins)]
         sparse_outs: list[Any] = [
             (y, None if t is None else _Sparse(_real(t).front(), idx), s)
@@ -311,7 +297,7 @@ def _layout(
     shape = tuple(eqn.outvars[0].aval.shape)
     if len(eqn.outvars) != 1:
         return None
-    if name in _ELEMENTWISE or (name == "custom_jvp_call" and _elementwise_call(eqn)):
+    if name in ELEMENTWISE or (name == "custom_jvp_call" and _elementwise_call(eqn)):
         if len(tangents) == 1 and name != "custom_jvp_call":  # broadcast along axes of one
             ((i, t),) = tangents.items()
             if t.idx.ndim == len(shape) + 1:
@@ -430,11 +416,11 @@ def _elementwise_call(eqn: Any) -> bool:
 
 def _elementwise_jaxpr(jaxpr: Any, shape: tuple[int, ...]) -> bool:
     for e in jaxpr.eqns:
-        if e.primitive.name in _CALLS or e.primitive.name == "custom_jvp_call":
+        if e.primitive.name in SWEPT_CALLS or e.primitive.name == "custom_jvp_call":
             sub, _ = _compat.open_jaxpr(_compat.called(e))
             if not _elementwise_jaxpr(sub, shape):
                 return False
-        elif e.primitive.name not in _ELEMENTWISE and not (
+        elif e.primitive.name not in ELEMENTWISE and not (
             e.primitive.name == "broadcast_in_dim" and not e.invars[0].aval.shape
         ):
             return False

@@ -1,5 +1,7 @@
 """The table from JAX primitive names to (shared rule, parameter extractor).
 
+The element-wise primitives come from the op-fact table :data:`divjac.jax._ops.ELEMENTWISE`.
+
 Every rule is one of :mod:`divjac._core.rules` (a few that only JAX has are written here with the
 same signature); an extractor turns an equation's parameters (and, for gathers and scatters, its
 constant indices; for nested programs, functions that run them) into the rule's parameters.
@@ -22,8 +24,9 @@ from .._errors import InternalError
 from . import _compat
 from ._derive import via_jvp, via_vjp
 from ._jaxpr import Runner, Scope, shape
+from ._ops import ELEMENTWISE, Elementwise
 
-__all__ = ["REGISTRY", "TABLE", "register_rule"]
+__all__ = ["REGISTRY", "TABLE", "register_elementwise", "register_rule"]
 
 Extract = Callable[[Runner, Scope, Any], Mapping[str, Any]]
 
@@ -54,19 +57,10 @@ def _add(names: Sequence[str], rule: Rule, extract: Extract = _none) -> None:
         TABLE[name] = (rule, extract)
 
 
-_add(
-    ["abs", "acos", "acosh", "add", "add_any", "asin", "asinh", "atan", "atan2", "atanh",
-     "bessel_i0e", "bessel_i1e", "cbrt", "clamp", "complex", "conj", "copy", "copy_p", "cos",
-     "cosh", "digamma", "div", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "igamma",
-     "igamma_grad_a", "igammac", "imag", "integer_pow", "lgamma", "log", "log1p", "logistic",
-     "max", "min", "mul", "neg", "nextafter", "polygamma", "pow", "random_gamma_grad", "real",
-     "reduce_precision", "regularized_incomplete_beta", "rem", "rsqrt", "sin", "sinh", "sqrt",
-     "square", "sub", "tan", "tanh", "zeta", "convert_element_type", "bitcast_convert_type",
-     "square_p", "erf_inv_p", "select_if_vmap"],
-    D.elementwise_rule,
-)  # fmt: skip
+for _name, _fact in ELEMENTWISE.items():
+    _add([_name], D.nothing_rule if _fact.constant else D.elementwise_rule)
 _add(  # outputs whose derivative is zero everywhere it exists
-    ["ceil", "floor", "round", "sign", "stop_gradient", "iota", "eq", "ne", "lt", "le", "gt",
+    ["iota", "eq", "ne", "lt", "le", "gt",
      "ge", "and", "or", "not", "xor", "is_finite", "shift_left", "shift_right_logical",
      "shift_right_arithmetic", "population_count", "clz", "argmax", "argmin", "random_bits",
      "random_seed", "random_wrap", "random_unwrap", "random_fold_in", "random_split",
@@ -567,3 +561,12 @@ def register_rule(op: _compat.Primitive | str, rule: Rule, /) -> None:
     if checked is None:
         raise InternalError(f"the rule registered for {name} is not found")
     TABLE[name] = (checked, _params)
+
+
+def register_elementwise(op: _compat.Primitive | str, fact: Elementwise, /) -> None:
+    """Make the JAX primitive ``op`` (or its name) an element-wise one: one entry of
+    :data:`~divjac.jax._ops.ELEMENTWISE`, read by detection, the Taylor sweeps and the sparse
+    sweep alike (cached detections are not reused)."""
+    name = op if isinstance(op, str) else op.name
+    ELEMENTWISE[name] = fact
+    register_rule(name, D.nothing_rule if fact.constant else D.elementwise_rule)

@@ -20,7 +20,8 @@ caller keeps them apart). An equation ``z = p(a)`` maps them as
 The first-order part is ``p``'s own linearization, pushed for every pass at once by
 :mod:`divjac.jax._sink` (batch-local, shared directions kept unbroadcast through the first
 linear layers). The curvature term is zero for linear and piecewise-linear primitives, is
-``p''(a) * sum_k w_k da_k^2`` for the element-wise functions with a known second derivative,
+``p''(a) * sum_k w_k da_k^2`` for the element-wise functions with a known second derivative
+(both facts read from the op-fact table :data:`divjac.jax._ops.ELEMENTWISE`),
 ``2 sum_k w_k p(da_k, db_k)`` for products of two dependent operands (one ``dot_general`` with
 the passes contracted), and otherwise comes from ``jvp`` of ``jvp`` of that one equation,
 batched over the passes (``custom_jvp`` functions through their rule, loops and conditionals as
@@ -41,6 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _compat, _sharding
+from ._ops import ELEMENTWISE, SWEPT_CALLS
 from ._refusals import check_differentiable_twice
 from ._sink import _Bcast, _bind, _eval, _lift, _Passes, _real, varying_like
 
@@ -103,44 +105,17 @@ def _weighted_sum(terms: Any, weights: jax.Array | None) -> jax.Array:
     return (w * terms).sum(0)
 
 
-# Linear, or piecewise linear (zero curvature almost everywhere), in the dependent operands.
+# Linear, or piecewise linear (zero curvature almost everywhere), in the dependent operands,
+# besides the element-wise ones of :data:`~divjac.jax._ops.ELEMENTWISE` marked ``linear``.
 _LINEAR = {
-    "neg", "add", "add_any", "sub", "convert_element_type", "copy", "copy_p", "reduce_precision",
-    "real", "imag", "conj", "complex", "reshape", "squeeze", "broadcast_in_dim", "transpose",
-    "slice", "dynamic_slice", "gather", "concatenate", "pad", "rev", "split", "select_n",
-    "dynamic_update_slice", "scatter", "scatter-add", "scatter_add", "reduce_sum", "cumsum",
-    "reduce_window_sum", "stop_gradient", "max", "min", "abs", "sign", "floor", "ceil", "round",
-    "clamp", "reduce_max", "reduce_min", "cummax", "cummin", "sort", "reduce_window_max",
-    "reduce_window_min", "select_and_gather_add",
+    "reshape", "squeeze", "broadcast_in_dim", "transpose", "slice", "dynamic_slice", "gather",
+    "concatenate", "pad", "rev", "split", "dynamic_update_slice", "scatter", "scatter-add",
+    "scatter_add", "reduce_sum", "cumsum", "reduce_window_sum", "reduce_max", "reduce_min",
+    "cummax", "cummin", "sort", "reduce_window_max", "reduce_window_min", "select_and_gather_add",
 }  # fmt: skip
 # Linear in each operand: linear when only one of them depends on the input.
 _BILINEAR = {"mul", "dot_general", "conv_general_dilated"}
-_CALLS = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_vjp_call"}
 
-# p''(x) of element-wise functions, from the input x, the output y and the parameters.
-_CURVATURE: dict[str, Callable[[Any, Any, dict[str, Any]], Any]] = {
-    "tanh": lambda x, y, p: -2 * y * (1 - y * y),
-    "logistic": lambda x, y, p: y * (1 - y) * (1 - 2 * y),
-    "exp": lambda x, y, p: y,
-    "exp2": lambda x, y, p: y * jnp.log(2.0).astype(y.dtype) ** 2,
-    "expm1": lambda x, y, p: y + 1,
-    "log": lambda x, y, p: -1 / (x * x),
-    "log1p": lambda x, y, p: -1 / ((1 + x) * (1 + x)),
-    "sin": lambda x, y, p: -y,
-    "cos": lambda x, y, p: -y,
-    "tan": lambda x, y, p: 2 * y * (1 + y * y),
-    "sinh": lambda x, y, p: y,
-    "cosh": lambda x, y, p: y,
-    "atan": lambda x, y, p: -2 * x / ((1 + x * x) * (1 + x * x)),
-    "sqrt": lambda x, y, p: -0.25 * y / (x * x),
-    "rsqrt": lambda x, y, p: 0.75 * y / (x * x),
-    "cbrt": lambda x, y, p: -2 / 9 * y / (x * x),
-    "square": lambda x, y, p: jnp.full_like(x, 2),
-    "erf": lambda x, y, p: -4 / jnp.sqrt(jnp.pi).astype(x.dtype) * x * jnp.exp(-x * x),
-    "integer_pow": lambda x, y, p: (
-        jnp.zeros_like(x) if p["y"] in (0, 1) else p["y"] * (p["y"] - 1) * lax.integer_pow(x, p["y"] - 2)
-    ),
-}  # fmt: skip
 
 _Value = tuple[Any, Any, Any]  # (primal, first-order terms or None, second-order term or None)
 
@@ -181,18 +156,19 @@ class _Sweep:
 
     def equation(self, eqn: Any, ins: list[_Value], dep: list[int]) -> list[_Value]:
         name = eqn.primitive.name
-        if name in _CALLS:
+        if name in SWEPT_CALLS:
             return self.eval(*_compat.open_jaxpr(_compat.called(eqn)), ins)
+        fact = ELEMENTWISE.get(name)
         if (
-            (name in _LINEAR and not _complex_abs(eqn))
+            ((name in _LINEAR or (fact is not None and fact.linear)) and not _complex_abs(eqn))
             or (name in _BILINEAR and len(dep) == 1)
             or (name == "div" and dep == [0])
         ):
             return self.linear(eqn, ins, dep)
-        if name in _CURVATURE and len(ins) == 1:
+        if fact is not None and fact.curvature is not None and len(ins) == 1:
             ((y, t, s),) = self.linear(eqn, ins, dep)
             x, tx, _ = ins[0]
-            return [(y, t, self.add(s, self.scale(_CURVATURE[name](x, y, eqn.params), tx, tx)))]
+            return [(y, t, self.add(s, self.scale(fact.curvature(x, y, eqn.params), tx, tx)))]
         if name == "mul":
             ((y, t, s),) = self.linear(eqn, ins, dep)
             return [(y, t, self.add(s, self.scale(2, ins[0][1], ins[1][1])))]

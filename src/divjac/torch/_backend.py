@@ -1,7 +1,7 @@
 """PyTorch's primitives for divjac's transforms, on ``torch.func``.
 
 :class:`TorchBackend` runs the passes of :mod:`divjac.torch._passes` (in the kernels of
-:mod:`divjac.torch._kernels`) and the second-order sweep of :mod:`divjac.torch._taylor`; under
+:mod:`divjac.torch._kernels`) and the second-order sweep of :mod:`divjac.torch._taylor.sweep`; under
 ``torch.compile`` the setup of a call is evaluated ahead of dynamo's trace
 (:mod:`divjac.torch._ahead`).
 """
@@ -25,7 +25,7 @@ from .._backend import Backend, Linear, Point
 from .._core import plan
 from .._core.detection import LRU
 from .._errors import CompileError, FastPathWarning, OptionError, warn_at_caller
-from . import _ddp, _inductor, _taylor, _taylor_sparse
+from . import _ddp, _inductor
 from ._ahead import _Ahead, _compiling, _constant, _prepared
 from ._compat import (
     COMPILES,
@@ -42,6 +42,7 @@ from ._detect import trace
 from ._kernels import _differentiable_kernels
 from ._passes import _checkpointed, _on_graph, _Passes, _recomputed, _split_aux, _Tape
 from ._resident import resident
+from ._taylor import sparse as _taylor_sparse, sweep as _taylor
 from ._traced import TensorSpec, Traced
 
 __all__ = ["BACKEND", "TorchBackend"]

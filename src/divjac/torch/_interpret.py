@@ -35,6 +35,7 @@ from .._errors import InternalError
 from ._aten import bind, host, inexact, is_tensor, outputs, packet, shape
 from ._compat import HigherOrderOperator, OpOverload, decomposition_table, pytree
 from ._graph import Graph
+from ._ops import is_elementwise
 from ._table import TABLE, tensor_args
 from ._table_nn import is_convolution
 
@@ -182,7 +183,7 @@ class Interpreter(Graph):
         elif entry is not None:
             extracted = entry[1](self, node)
             found = None if extracted is None else (entry[0], extracted)
-        elif overload and torch.Tag.pointwise in target.tags:  # type: ignore[union-attr]
+        elif overload and is_elementwise(target):
             found = (D.elementwise_rule, tensor_args(self, node))
         if found is None:  # no rule (or a subgraph: cond, ...; not followed)
             args = pytree.tree_leaves((node.args, node.kwargs))

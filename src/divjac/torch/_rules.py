@@ -1,13 +1,16 @@
-"""Sparsity rules users give their own operations (``divjac.torch.register_rule``)."""
+"""Sparsity rules users give their own operations (``divjac.torch.register_rule``), and
+element-wise operations added to the op-fact table (``register_elementwise``)."""
 
 from __future__ import annotations
 
+from .._core import rules as D
 from .._core.rules import Rule, RuleError
 from ._compat import OpOverload, has_operator
 from ._detect import CACHE, clear_memos
 from ._interpret import REGISTRY, decompositions
+from ._ops import Derivatives, add_elementwise
 
-__all__ = ["register_rule"]
+__all__ = ["register_elementwise", "register_rule"]
 
 
 def register_rule(op: object, rule: Rule, /) -> None:
@@ -75,3 +78,12 @@ def register_rule(op: object, rule: Rule, /) -> None:
     decompositions.cache_clear()
     CACHE.clear()
     clear_memos()
+
+
+def register_elementwise(op: OpOverload, derivatives: Derivatives | None = None, /) -> None:
+    """Make the operator overload ``op`` an element-wise one: one entry of the op-fact table
+    :mod:`divjac.torch._ops`, read by detection, the Taylor sweep (by ``derivatives``, its
+    ``(g', g'')``; ``None``: by ``torch.func``) and the sparse sweep alike (the traces and
+    detections made before are dropped)."""
+    add_elementwise(op, derivatives)
+    register_rule(op, D.elementwise_rule)

@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ...models import torch as models
 from ...torch import laplacian
-from ...torch._taylor import reference_sweep, second_order_sweep
+from ...torch._taylor.sweep import reference_sweep, second_order_sweep
 from ._harness import Result, interleaved_best_times
 
 

@@ -1,4 +1,4 @@
-"""The jets of the second-order sweep of :mod:`divjac.torch._taylor`: the Taylor terms one
+"""The jets of the second-order sweep of :mod:`divjac.torch._taylor.sweep`: the Taylor terms one
 value carries (:class:`_Jet`), the state of one run (:class:`_Sweep`), and the algebra of terms
 the rules share.
 """
@@ -12,7 +12,7 @@ from typing import Any, overload
 import torch
 import torch.fx
 
-from .._errors import InternalError
+from ..._errors import InternalError
 
 __all__: list[str] = []
 

@@ -3,11 +3,11 @@
 The twin of :mod:`divjac.jax._sparse_taylor`: where an intermediate depends on a few of the
 ``d`` inputs (a per-particle feature, a neighbourhood), its first-order terms are stored for
 those inputs only, ``[m, *S]`` with the index of :mod:`divjac._core.sparse_index`, instead of
-the ``d`` of the dense sweep of :mod:`divjac.torch._taylor`. A step whose dependent operands
+the ``d`` of the dense sweep of :mod:`divjac.torch._taylor.sweep`. A step whose dependent operands
 combine elements gets each operand's terms laid out on its output's index (a gather): then
 slot ``j`` is the same input in every term the step combines, and the dense sweep's rule of
 the step is right as it stands (its curvature summed over the slots, zero terms adding
-nothing). The index follows element-wise operations (PyTorch's ``pointwise`` tag), moves of
+nothing). The index follows element-wise operations (:func:`divjac.torch._ops.is_elementwise`), moves of
 elements (views, permutations, slices, concatenation, padding: the operation itself applied
 to each slot of the index), reductions along axes (sums, means, maxima, norms, softmax) and products
 with a constant (``mm``, ``bmm``, ``mv``, ``addmm``; over a concatenation, split by
@@ -34,12 +34,14 @@ import numpy as np
 import torch
 import torch.fx
 
-from .._backend import Point
-from .._core.sparse_index import compressed, positions, union
-from ._aten import bind, dims, inexact, packet
-from ._taylor import _Plan, _plan, _Program, _program
-from ._taylor_jets import Rule, _Jet, _lift, _Sweep
-from ._traced import Traced
+from ..._backend import Point
+from ..._core.plan import sparse_sweep_share
+from ..._core.sparse_index import compressed, positions, union
+from .._aten import bind, dims, inexact, packet
+from .._ops import is_elementwise
+from .._traced import Traced
+from .jets import Rule, _Jet, _lift, _Sweep
+from .sweep import _Plan, _plan, _Program, _program
 
 __all__ = ["sparse_laplacian"]
 
@@ -48,9 +50,6 @@ aten = torch.ops.aten
 
 # The index of a step's output: per element the inputs it depends on, or DENSE (all of them).
 DENSE: Any = "dense"
-
-# Element-wise without PyTorch's pointwise tag.
-_PASSING = frozenset({aten._to_copy.default, aten.alias.default, aten.lift_fresh_copy.default})
 
 # Moves of elements: the output's elements are some of the operands' (a slot of the index is
 # moved by the operation itself; constant operands contribute no input).
@@ -83,7 +82,7 @@ def sparse_laplacian(
     """The exact per-sample Laplacian ``[B, *out]`` of the uncoupled batch-first ``f`` at ``x``
     by the sparse sweep, where its work is at most half that of ``passes`` dense directions
     and at most ``budget`` directions' worth (``None`` otherwise, and where the graph cannot
-    be run: :func:`~divjac.torch._taylor._program`, which may run ``point``'s trace)."""
+    be run: :func:`~divjac.torch._taylor.sweep._program`, which may run ``point``'s trace)."""
     program = _program(f, x, point=point)
     if program is None or x.is_complex():
         return None
@@ -96,14 +95,6 @@ def sparse_laplacian(
     y, jet = program.evaluate(x, _Laying(layouts), seed)
     second = jet.second if isinstance(jet, _Jet) else None
     return y.new_zeros(y.shape) if second is None else second.expand(1, *y.shape)[0]
-
-
-# The cost of an element gathered or scattered, in units of work on first-order terms: fitted
-# to the time of the sparse sweep against the dense one (torch 2.13, 2 CPU cores; FermiNet-like
-# nets of 8-32 electrons, stencils of d = 64-256: 3-11), its low end, with the choice at half
-# the dense sweep's cost it decides no slower sweep on those (a convolution's windows, laid by
-# gathers, were 0.8-2.7x the dense sweep's time, which runs the convolution itself: not kept).
-_MOVE_COST = 4
 
 
 @dataclass(frozen=True)
@@ -159,7 +150,7 @@ def _layouts(program: _Program, x: Tensor) -> _Layouts:
     with torch.no_grad():
         program.evaluate(x.detach(), indexing, np.broadcast_to(labels, (1, *x.shape)))
     program.traced.record_reads(indexing.read)
-    share = (indexing.stored + _MOVE_COST * indexing.moved) / max(indexing.dense, 1)
+    share = sparse_sweep_share(indexing.stored, indexing.dense, moved=indexing.moved)
     layouts = _Layouts(program.plan, n, share, x.device, indexing.gathers)
     _LAYOUTS[program.traced] = layouts
     return layouts
@@ -441,7 +432,7 @@ def _index(
         return DENSE, dense, 1
     name = packet(target)
     shape = tuple(y.shape)
-    if torch.Tag.pointwise in getattr(target, "tags", ()) or target in _PASSING:
+    if is_elementwise(target):
         spread = [_spread(i, shape) for i in ins.values()]
         if len(spread) == 1:  # its terms broadcast as its value does
             return spread[0], {}, 1

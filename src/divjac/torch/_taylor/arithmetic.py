@@ -1,9 +1,10 @@
-"""The rules of the second-order sweep of :mod:`divjac.torch._taylor`, by ATen operation
-(:data:`_RULES`): element-wise functions by their exact first and second derivatives, products
+"""The rules of the second-order sweep of :mod:`divjac.torch._taylor.sweep`, by ATen operation
+(:data:`_RULES`): element-wise functions by their exact first and second derivatives (from the
+op-fact table :data:`divjac.torch._ops.DERIVATIVES`: :func:`elementwise_rule`), products
 by one contraction over the directions, sums and scalings on the terms (moves of elements are
-in :mod:`~divjac.torch._taylor_moves`, softmax, norms and normalizations in
-:mod:`~divjac.torch._taylor_reductions`); any other operation by
-:func:`~divjac.torch._taylor_generic._generic`.
+in :mod:`~divjac.torch._taylor.moves`, softmax, norms and normalizations in
+:mod:`~divjac.torch._taylor.reductions`); any other operation by
+:func:`~divjac.torch._taylor.generic._generic`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from typing import Any
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 
-from ._aten import inexact
-from ._taylor_generic import _generic
-from ._taylor_jets import (
+from .._aten import inexact
+from .._ops import DERIVATIVES
+from .generic import _generic
+from .jets import (
     Rule,
     _add,
     _folded,
@@ -41,6 +42,13 @@ _RULES: dict[Any, Rule] = {}
 _rule = registrar(_RULES)
 
 
+def elementwise_rule(target: Any) -> Rule | None:
+    """The rule of an element-wise function with known derivatives
+    (:data:`divjac.torch._ops.DERIVATIVES`), ``None`` for any other operation."""
+    derivatives = DERIVATIVES.get(target)
+    return None if derivatives is None else _unary(derivatives)
+
+
 def _unary(derivatives: Callable[..., tuple[Tensor, Tensor | None]]) -> Rule:
     """An element-wise function of its first argument: ``derivatives(x, y, *params)`` gives
     ``g'`` and ``g''`` (``None``: zero) of a real argument (a complex one is pushed by
@@ -57,171 +65,6 @@ def _unary(derivatives: Callable[..., tuple[Tensor, Tensor | None]]) -> Rule:
         return y, _Jet(g1 * a.first, _add(_scale(a.second, g1), curvature))
 
     return rule
-
-
-def _softplus(x: Tensor, y: Tensor, beta: float = 1.0, threshold: float = 20.0) -> Any:
-    s = torch.sigmoid(beta * x)
-    linear = beta * x > threshold
-    return torch.where(linear, 1.0, s), torch.where(linear, 0.0, beta * (s - s * s))
-
-
-def _silu(x: Tensor, y: Tensor) -> Any:
-    s = torch.sigmoid(x)
-    ds = s - s * s
-    return s + x * ds, ds * (2 + x - 2 * x * s)
-
-
-def _pow(x: Tensor, y: Tensor, p: float) -> Any:
-    if p == 0:
-        return torch.zeros_like(x), None
-    if p == 1:
-        return torch.ones_like(x), None
-    if p == 2:
-        return 2 * x, 2 * torch.ones_like(x)
-    return p * x ** (p - 1), p * (p - 1) * x ** (p - 2)
-
-
-def _tanh(x: Tensor, y: Tensor) -> Any:
-    d = torch.rsub(y * y, 1)
-    return d, -2 * y * d
-
-
-def _sigmoid(x: Tensor, y: Tensor) -> Any:
-    d = y - y * y
-    return d, d - 2 * y * d
-
-
-def _log(x: Tensor, y: Tensor) -> Any:
-    d = torch.reciprocal(x)
-    return d, -d * d
-
-
-def _log1p(x: Tensor, y: Tensor) -> Any:
-    d = torch.reciprocal(x + 1)
-    return d, -d * d
-
-
-def _sqrt(x: Tensor, y: Tensor) -> Any:
-    d = 0.5 * torch.reciprocal(y)
-    return d, -d * d / y
-
-
-def _rsqrt(x: Tensor, y: Tensor) -> Any:
-    y3 = y * y * y
-    return -0.5 * y3, 0.75 * y3 * y * y
-
-
-def _reciprocal(x: Tensor, y: Tensor) -> Any:
-    y2 = y * y
-    return -y2, 2 * y2 * y
-
-
-def _within(x: Tensor, closed: bool, *bounds: Any, **named: Any) -> Tensor:
-    """1 where ``x`` is within the bounds (``clamp``'s ``min``, ``max``; ``hardtanh``'s
-    ``min_val``, ``max_val``: -1 and 1; ``None``: none), else 0: the derivative of a clamp
-    (torch's: the bounds count as within for ``clamp``, not for ``hardtanh``)."""
-    default = (None, None) if closed else (-1.0, 1.0)
-    low = bounds[0] if bounds else named.get("min", named.get("min_val", default[0]))
-    high = bounds[1] if len(bounds) > 1 else named.get("max", named.get("max_val", default[1]))
-    inside = torch.ones_like(x, dtype=torch.bool)
-    if low is not None:
-        inside &= x >= low if closed else x > low
-    if high is not None:
-        inside &= x <= high if closed else x < high
-    return inside.to(x.dtype)
-
-
-def _gelu(x: Tensor, y: Tensor, approximate: str = "none") -> Any:
-    if approximate == "tanh":  # x (1 + tanh u) / 2 with u = c (x + k x^3)
-        c, k = math.sqrt(2 / math.pi), 0.044715
-        du = c * (1 + 3 * k * x * x)
-        t = torch.tanh(c * (x + k * x * x * x))
-        s = 1 - t * t
-        return 0.5 * (1 + t) + 0.5 * x * s * du, s * du + 0.5 * x * s * (
-            6 * c * k * x - 2 * t * du * du
-        )
-    density = torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)  # x Phi(x)
-    return 0.5 * (1 + torch.erf(x / math.sqrt(2))) + x * density, density * (2 - x * x)
-
-
-def _mish(x: Tensor, y: Tensor) -> Any:
-    # x tanh(softplus(x)): with t = tanh(softplus(x)), s = sigmoid(x), t' = (1 - t^2) s
-    s = torch.sigmoid(x)
-    t = torch.tanh(F.softplus(x))
-    u = 1 - t * t
-    return t + x * u * s, u * (2 * s + x * s * (1 - s) - 2 * x * t * s * s)
-
-
-def _inverse_trig(x: Tensor, sign: float, plus: bool) -> Any:
-    """``asin``/``acos`` (``1 - x^2``) and ``asinh`` (``1 + x^2``): ``sign / sqrt(q)`` and its
-    derivative ``-sign q' / (2 q^(3/2))``."""
-    q = 1 + x * x if plus else 1 - x * x
-    r = torch.rsqrt(q)
-    return sign * r, (-sign if plus else sign) * x * r * r * r
-
-
-def _erf(x: Tensor, y: Tensor) -> Any:
-    d = 2 / math.sqrt(math.pi) * torch.exp(-x * x)
-    return d, -2 * x * d
-
-
-def _elu(
-    x: Tensor, y: Tensor, alpha: float = 1.0, scale: float = 1.0, input_scale: float = 1.0
-) -> Any:
-    # scale * x for x > 0, scale * alpha * (exp(input_scale x) - 1) otherwise
-    inner = scale * alpha * input_scale * torch.exp(input_scale * x)
-    positive = x > 0
-    return torch.where(positive, scale, inner), torch.where(positive, 0.0, inner * input_scale)
-
-
-_UNARY: dict[Any, Callable[..., Any]] = {
-    aten.tanh.default: _tanh,
-    aten.sigmoid.default: _sigmoid,
-    aten.exp.default: lambda x, y: (y, y),
-    aten.expm1.default: lambda x, y: (y + 1, y + 1),
-    aten.log.default: _log,
-    aten.log1p.default: _log1p,
-    aten.sin.default: lambda x, y: (torch.cos(x), -y),
-    aten.cos.default: lambda x, y: (-torch.sin(x), -y),
-    aten.sqrt.default: _sqrt,
-    aten.rsqrt.default: _rsqrt,
-    aten.reciprocal.default: _reciprocal,
-    aten.softplus.default: _softplus,
-    aten.silu.default: _silu,
-    aten.pow.Tensor_Scalar: _pow,
-    aten.relu.default: lambda x, y: ((x > 0).to(x.dtype), None),
-    aten.abs.default: lambda x, y: (torch.sgn(x), None),
-    aten.leaky_relu.default: lambda x, y, slope=0.01: (
-        (x > 0).to(x.dtype) * (1 - slope) + slope,
-        None,
-    ),
-    aten.gelu.default: _gelu,
-    aten.erf.default: _erf,
-    aten.elu.default: _elu,
-    aten.celu.default: lambda x, y, alpha=1.0: _elu(x, y, alpha, 1.0, 1 / alpha),
-    aten.sinh.default: lambda x, y: (torch.cosh(x), y),
-    aten.cosh.default: lambda x, y: (torch.sinh(x), y),
-    aten.tan.default: lambda x, y: (1 + y * y, 2 * y * (1 + y * y)),
-    aten.atan.default: lambda x, y: (1 / (1 + x * x), -2 * x / ((1 + x * x) * (1 + x * x))),
-    aten.atanh.default: lambda x, y: (1 / (1 - x * x), 2 * x / ((1 - x * x) * (1 - x * x))),
-    aten.asin.default: lambda x, y: _inverse_trig(x, 1.0, plus=False),
-    aten.acos.default: lambda x, y: _inverse_trig(x, -1.0, plus=False),
-    aten.asinh.default: lambda x, y: _inverse_trig(x, 1.0, plus=True),
-    aten.log2.default: lambda x, y: (1 / (x * math.log(2)), -1 / (x * x * math.log(2))),
-    aten.log10.default: lambda x, y: (1 / (x * math.log(10)), -1 / (x * x * math.log(10))),
-    aten.exp2.default: lambda x, y: (math.log(2) * y, math.log(2) ** 2 * y),
-    aten.mish.default: _mish,
-    aten.hardsigmoid.default: lambda x, y: (((x > -3) & (x < 3)).to(x.dtype) / 6, None),
-    aten.clamp.default: lambda x, y, *bounds, **named: (_within(x, True, *bounds, **named), None),
-    aten.clamp_min.default: lambda x, y, low: (_within(x, True, low), None),
-    aten.clamp_max.default: lambda x, y, high: (_within(x, True, None, high), None),
-    aten.hardtanh.default: lambda x, y, *bounds, **named: (
-        _within(x, False, *bounds, **named),
-        None,
-    ),
-}
-for _op, _d in _UNARY.items():
-    _RULES[_op] = _unary(_d)
 
 
 @_rule(aten.add.Tensor, aten.sub.Tensor)

@@ -1,4 +1,4 @@
-"""The rules of the second-order sweep of :mod:`divjac.torch._taylor` for reductions with
+"""The rules of the second-order sweep of :mod:`divjac.torch._taylor.sweep` for reductions with
 their own formulas (:data:`_RULES`): softmax, log-softmax and log-sum-exp by the mean and
 spread of the terms under the softmax's weights, variances and deviations, the 2-norm, and
 layer and group normalization composed of differentiable operations.
@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from ._aten import dims
-from ._taylor_generic import _generic
-from ._taylor_jets import Rule, _add, _full, _Jet, _map, _scale, _Sweep, registrar
+from .._aten import dims
+from .generic import _generic
+from .jets import Rule, _add, _full, _Jet, _map, _scale, _Sweep, registrar
 
 __all__: list[str] = []
 

@@ -50,18 +50,18 @@ import torch
 import torch.fx
 from torch.func import jvp, vmap
 
-from .._backend import Point
-from .._errors import InternalError
-from . import _taylor_moves, _taylor_reductions, _taylor_rules
-from ._aten import inexact
-from ._compat import pytree
-from ._detect import reach, trace
-from ._kernels import PlainLayouts, _ComposedNorms
-from ._passes import _Generators
-from ._reach import Reached
-from ._taylor_generic import _by_reverse, _generic
-from ._taylor_jets import Rule, _Jet, _Sweep
-from ._traced import Traced
+from ..._backend import Point
+from ..._errors import InternalError
+from .._aten import inexact
+from .._compat import pytree
+from .._detect import reach, trace
+from .._kernels import PlainLayouts, _ComposedNorms
+from .._passes import _Generators
+from .._reach import Reached
+from .._traced import Traced
+from . import arithmetic, moves, reductions
+from .generic import _by_reverse, _generic
+from .jets import Rule, _Jet, _Sweep
 
 __all__ = ["second_order_sweep"]
 
@@ -155,7 +155,7 @@ def reference_sweep(
     kernels are wrong or missing (torch 2.13); memory formats as in
     :class:`~divjac.torch._kernels.PlainLayouts`. With ``by_reverse`` (a function that runs a
     linear-algebra kernel, whose forward derivative PyTorch differentiates wrong), both
-    derivatives are transposed VJPs (:func:`~divjac.torch._taylor_generic._by_reverse`).
+    derivatives are transposed VJPs (:func:`~divjac.torch._taylor.generic._by_reverse`).
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -226,9 +226,9 @@ class _Plan:
 
 # The rules by ATen operation (any other: the generic one).
 _RULES: dict[Any, Rule] = {
-    **_taylor_rules._RULES,
-    **_taylor_moves._RULES,
-    **_taylor_reductions._RULES,
+    **arithmetic._RULES,
+    **moves._RULES,
+    **reductions._RULES,
 }
 
 # The plans of recent traces.
@@ -465,7 +465,8 @@ def _plan(traced: Traced, graph: torch.fx.Graph | None = None) -> _Plan:
             if inputs[0] in dependent:
                 dependent.add(node)
         elif any(a in dependent for a in inputs) and not _discrete(node):
-            steps.append(_Step(node, "rule", inputs, _RULES.get(node.target, _generic)))
+            rule = _RULES.get(node.target) or arithmetic.elementwise_rule(node.target)
+            steps.append(_Step(node, "rule", inputs, rule or _generic))
             dependent.add(node)
         else:
             steps.append(_Step(node, "plain", inputs))

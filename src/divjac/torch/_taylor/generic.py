@@ -12,11 +12,11 @@ import torch
 import torch.fx
 from torch.func import jvp, vjp, vmap
 
-from .._errors import OptionError
-from ._aten import forward_derivative_wrong, inexact, lacks_forward_derivative, packet
-from ._compat import pytree
-from ._kernels import _without_overlap, composed_norm
-from ._taylor_jets import _full, _Jet, _Sweep
+from ..._errors import OptionError
+from .._aten import forward_derivative_wrong, inexact, lacks_forward_derivative, packet
+from .._compat import pytree
+from .._kernels import _without_overlap, composed_norm
+from .jets import _full, _Jet, _Sweep
 
 __all__: list[str] = []
 

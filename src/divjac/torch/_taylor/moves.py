@@ -1,4 +1,4 @@
-"""The rules of the second-order sweep of :mod:`divjac.torch._taylor` for operations that move,
+"""The rules of the second-order sweep of :mod:`divjac.torch._taylor.sweep` for operations that move,
 take, join or pad elements (:data:`_RULES`): linear in the value, they apply to the first- and
 second-order terms as to the value, one axis further (the directions' axis first). Terms of
 size one along an axis (constant along it: directions shared by the samples) stay so where the
@@ -13,11 +13,11 @@ from typing import Any, cast
 import torch
 import torch.fx
 
-from .._errors import OptionError
-from ._aten import dims, located, storage_positions
-from ._kernels import _without_overlap
-from ._taylor_generic import _generic
-from ._taylor_jets import Rule, _folded, _full, _Jet, _lift, _map, _Sweep, registrar
+from ..._errors import OptionError
+from .._aten import dims, located, storage_positions
+from .._kernels import _without_overlap
+from .generic import _generic
+from .jets import Rule, _folded, _full, _Jet, _lift, _map, _Sweep, registrar
 
 __all__: list[str] = []
 
