@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 import typing
 
 import pytest
@@ -70,3 +71,14 @@ def test_every_transform_is_documented_and_positional_only_in_its_function():
         for section in ("Args:", "Returns:", "Raises:", "Example:", ">>>"):
             assert section in doc, (name, section)
         assert "{" + name + "}" not in doc
+
+
+def test_every_transform_documents_its_parameters_in_the_order_of_its_signature():
+    for module in (dj, dt):
+        for name in module.__all__:
+            fn = getattr(module, name)
+            if not inspect.isfunction(fn) or name in ("clear_caches", "register_rule"):
+                continue
+            args = (fn.__doc__ or "").split("Args:\n")[1].split("\n\n")[0]
+            documented = re.findall(r"^    (\w+): ", args, flags=re.MULTILINE)
+            assert documented == list(inspect.signature(fn).parameters), (module, name)
