@@ -46,15 +46,15 @@ def _neutral(backend: Any, f: Any, argnums: Any, *, flavour: str, chunk_size: An
 
 
 class _Api(_public.Api[list]):
-    backend = "the backend"  # type: ignore[assignment]
     framework = "Lists"
     module = __name__
     array = "list"
+    array_type = list
 
     def transform(
         self, make: Any, f: Any, *positional: Any, skip: int, cached: bool, **options: Any
     ) -> Callable[..., Any]:
-        return make(self.backend, f, *positional, **options)
+        return make("the backend", f, *positional, **options)
 
     def detect(self, make: Any, f: Any, *positional: Any, **options: Any) -> Callable[..., Any]:
         raise AssertionError("not a detection")

@@ -17,11 +17,11 @@ from __future__ import annotations
 import abc
 import functools
 import inspect
+import typing
 from collections.abc import Callable
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 from . import _docs
-from ._backend import Backend
 from ._core.plan import STOCHASTIC_METHODS
 from ._errors import InternalError
 from ._functionals import STOCHASTIC_METHODS as NORM_STOCHASTIC
@@ -41,19 +41,19 @@ _EXAMPLE = "Example ("
 
 
 class Api(abc.ABC, Generic[ArrayT]):
-    """A framework's binding of the public transforms: its backend and its hooks.
+    """A framework's binding of the public transforms: how it runs one, with its backend.
 
     Attributes:
-        backend: the framework's :class:`~divjac._backend.Backend`.
         framework: the name of its example in the docstrings (``"JAX"``, ``"PyTorch"``).
         module: the module its public functions live in (where their examples are doctested).
         array: the annotation of its arrays (``"jax.Array"``), for ``ArrayT`` in signatures.
+        array_type: its array class, for ``ArrayT`` in type hints.
     """
 
-    backend: Backend[Any]
     framework: str
     module: str
     array: str
+    array_type: type
 
     @abc.abstractmethod
     def transform(
@@ -104,8 +104,9 @@ def bind(api: Api[ArrayT], fn: Callable[Concatenate[Api[ArrayT], P], R]) -> Call
     signature = inspect.signature(fn)
     parameters = [_framework_annotation(p, api) for p in list(signature.parameters.values())[1:]]
     public.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
-    public.__annotations__ = {p.name: p.annotation for p in parameters}
-    public.__annotations__["return"] = signature.return_annotation
+    hints = typing.get_type_hints(fn)  # as ``typing.get_type_hints`` reads a def's
+    del hints[next(iter(signature.parameters))]
+    public.__annotations__ = {name: _framework_hint(hint, api) for name, hint in hints.items()}
     public.__name__ = public.__qualname__ = fn.__name__
     public.__module__ = api.module
     examples: dict[str, str] = getattr(fn, "examples", {})
@@ -122,6 +123,11 @@ def _framework_annotation(parameter: inspect.Parameter, api: Api[Any]) -> inspec
     if isinstance(annotation, str) and "ArrayT" in annotation:
         return parameter.replace(annotation=annotation.replace("ArrayT", api.array))
     return parameter
+
+
+def _framework_hint(hint: Any, api: Api[Any]) -> Any:
+    """``hint`` with ``ArrayT`` read as ``api``'s array class."""
+    return hint[api.array_type] if ArrayT in getattr(hint, "__parameters__", ()) else hint
 
 
 def forward(

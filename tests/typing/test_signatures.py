@@ -82,3 +82,16 @@ def test_every_transform_documents_its_parameters_in_the_order_of_its_signature(
             args = (fn.__doc__ or "").split("Args:\n")[1].split("\n\n")[0]
             documented = re.findall(r"^    (\w+): ", args, flags=re.MULTILINE)
             assert documented == list(inspect.signature(fn).parameters), (module, name)
+
+
+def test_every_public_function_has_type_hints_of_its_framework():
+    for module, array in ((dj, "jax"), (dt, "torch")):
+        for name in module.__all__:
+            fn = getattr(module, name)
+            if inspect.isfunction(fn):
+                assert typing.get_type_hints(fn)["return"] is not None, name
+        hint = typing.get_type_hints(module.weighted_laplacian)["A"]
+        assert [arg.__module__.split(".")[0] for arg in typing.get_args(hint)] == [
+            array,
+            "builtins",
+        ]

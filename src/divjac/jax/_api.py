@@ -26,10 +26,10 @@ __all__ = ["API", "clear_caches"]
 class JaxApi(Api[jax.Array]):
     """The public transforms on JAX arrays."""
 
-    backend = BACKEND
     framework = "JAX"
     module = "divjac.jax"
     array = "jax.Array"
+    array_type = jax.Array
 
     def transform(
         self,

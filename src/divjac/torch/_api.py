@@ -28,10 +28,10 @@ __all__ = ["API", "clear_caches", "sparse_jacobian"]
 class TorchApi(Api[torch.Tensor]):
     """The public transforms on torch tensors."""
 
-    backend = BACKEND
     framework = "PyTorch"
     module = "divjac.torch"
     array = "torch.Tensor"
+    array_type = torch.Tensor
 
     def transform(
         self,
