@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import inspect
+import pathlib
 import re
 import typing
 
@@ -95,3 +96,20 @@ def test_every_public_function_has_type_hints_of_its_framework():
             array,
             "builtins",
         ]
+
+
+def _signatures() -> str:
+    lines = []
+    for module in (dj, dt):
+        for name in module.__all__:
+            fn = getattr(module, name)
+            if inspect.isfunction(fn):
+                lines.append(f"{module.__name__}.{name}{inspect.signature(fn)}")
+    return "\n".join(lines) + "\n"
+
+
+def test_the_public_signatures_are_the_recorded_ones():
+    # A change of the public API (a name, a parameter, its kind, default or annotation) is
+    # deliberate: it updates tests/typing/signatures.txt.
+    recorded = (pathlib.Path(__file__).parent / "signatures.txt").read_text()
+    assert _signatures() == recorded
