@@ -1,23 +1,19 @@
-"""The docstrings of the public transforms, written once for ``divjac.jax`` and ``divjac.torch``.
+"""The shared text of the public transforms' docstrings, written once for ``divjac.jax`` and
+``divjac.torch``.
 
-Each public function is a hand-written ``def`` whose docstring starts with ``{name}``, its
-framework's example following; :func:`documented` fills in the shared text of ``name``: the
-summary, then the Args (one text per argument, :data:`ARGS`), Returns and Raises sections.
+:func:`text` gives a transform's summary, then its Args (one text per parameter of its
+signature, :data:`ARGS`, unless the transform words one its own way), Returns and Raises; each
+framework's function adds its own example (:func:`divjac._public.bind`).
 """
 
 from __future__ import annotations
 
 import inspect
 import textwrap
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
-from ._errors import InternalError
-
-__all__ = ["ARGS", "documented"]
-
-F = TypeVar("F", bound=Callable[..., object])
+__all__ = ["ARGS", "text"]
 
 _RANDOMNESS = """The function of a stochastic method takes one more argument, **first**: its
 randomness, a JAX PRNG key (``jax.random.key(0)``) or a ``torch.Generator`` (``None``:
@@ -70,6 +66,8 @@ ARGS: dict[str, str] = {
         function of one input sample returning a scalar; ``alpha`` as in :func:`derivative`.""",
     "probing_distance": """for ``"probing"``, color a distance-limited pattern (Chebyshev
         distance on the per-sample grid) instead of choosing the distance from the budget.""",
+    "layout": """``torch.sparse_coo`` (default; a 3-d COO tensor) or ``torch.sparse_csr`` (a
+        batched CSR tensor: every sample shares the pattern).""",
 }
 
 _ARG_RAISES = """ArgnumsError, BatchAxisError, BatchSizeMismatchError, InputDtypeError,
@@ -143,23 +141,6 @@ _DIV_MODE = (
         ``"rev"`` for an operation without a forward derivative.""",
     ),
 )
-_DIVERGENCE_ARGS = (
-    "f",
-    "argnums",
-    "batch_axis",
-    "method",
-    "mode",
-    "num_probes",
-    "distribution",
-    "return_stderr",
-    "chunk_size",
-    "has_aux",
-    "coupling",
-    "probing_distance",
-)
-
-
-_FROBENIUS_ARGS = tuple(a for a in _DIVERGENCE_ARGS if a not in ("coupling", "probing_distance"))
 _FROBENIUS_METHOD = (
     "method",
     """``"exact"`` (one batched pass per input element, or per output element in reverse),
@@ -224,16 +205,17 @@ _LANCZOS_STEPS = (
 @dataclass(frozen=True)
 class _Doc:
     summary: str
-    args: tuple[str, ...]
     returns: str
     raises: tuple[str, ...]
     stochastic: bool = False  # its function may take a stochastic method's randomness first
     own_args: tuple[tuple[str, str], ...] = ()  # (name, text) replacing the shared text
 
-    def text(self, extra_args: dict[str, str]) -> str:
+    def text(self, parameters: Sequence[str]) -> str:
         lines = [inspect.cleandoc(self.summary), "", "Args:"]
-        texts = {**{name: ARGS[name] for name in self.args}, **dict(self.own_args), **extra_args}
-        lines += [f"    {name}: {_flat(text)}" for name, text in texts.items()]
+        own = dict(self.own_args)
+        lines += [
+            f"    {name}: {_flat(own[name] if name in own else ARGS[name])}" for name in parameters
+        ]
         returns = self.returns + ("\n" + _RANDOMNESS if self.stochastic else "")
         lines += ["", "Returns:", f"    {_flat(returns)}", "", "Raises:"]
         lines += [f"    {_flat(text)}" for text in self.raises]
@@ -249,7 +231,6 @@ def _flat(text: str) -> str:
 _DOCS: dict[str, _Doc] = {
     "jacobian": _Doc(
         "Per-sample Jacobian of a batched function.",
-        ("f", "argnums", "batch_axis", "mode", "chunk_size", "has_aux", "coupling"),
         """A function with ``f``'s signature returning the per-sample Jacobians, shape
         ``(B, *out_sample, *in_sample)`` (``(*out, *in)`` with ``batch_axis=None``).""",
         (_COUPLED, _OPTION, _ARG_RAISES),
@@ -260,7 +241,6 @@ _DOCS: dict[str, _Doc] = {
         The staged form of ``jacobian(f, mode="sparse")``: one pass per color of ``pattern``'s
         column (or row) coloring, and no detection at the call (as asdex's
         ``jacobian_from_coloring``).""",
-        ("f", "pattern", "argnums", "batch_axis", "chunk_size", "has_aux"),
         """A function with ``f``'s signature returning the per-sample Jacobians, shape
         ``(B, *out_sample, *in_sample)``.""",
         (_PATTERN, _ARG_RAISES),
@@ -268,7 +248,6 @@ _DOCS: dict[str, _Doc] = {
     ),
     "divergence": _Doc(
         "Per-sample divergence (trace of the per-sample Jacobian) of a batched function.",
-        _DIVERGENCE_ARGS,
         "A function with ``f``'s signature returning the per-sample divergence, shape ``(B,)``.",
         _DIV_RAISES,
         stochastic=True,
@@ -278,7 +257,6 @@ _DOCS: dict[str, _Doc] = {
         """``f``'s output and its per-sample divergence from one shared forward computation.
 
         As ``jax.value_and_grad`` and ``torch.func.grad_and_value`` pair them.""",
-        _DIVERGENCE_ARGS,
         """A function with ``f``'s signature returning ``(value, div)`` (``((value, aux),
         div)`` with ``has_aux``; ``div`` as :func:`divergence` returns it).""",
         _DIV_RAISES,
@@ -290,7 +268,6 @@ _DOCS: dict[str, _Doc] = {
 
         The staged form of ``divergence(f, method="sparse")``: one pass per color of
         ``pattern``'s diagonal coloring, and no detection at the call.""",
-        ("f", "pattern", "argnums", "batch_axis", "chunk_size", "has_aux"),
         "A function with ``f``'s signature returning the per-sample divergence, shape ``(B,)``.",
         (
             _PATTERN,
@@ -308,7 +285,6 @@ _DOCS: dict[str, _Doc] = {
         diagonal-block trace w.r.t. the whole batch, summed over samples). Computed with the
         framework's gradient (``jax.grad``, ``torch.func.grad``), so it stays differentiable
         w.r.t. parameters.""",
-        tuple(a for a in _DIVERGENCE_ARGS if a != "return_stderr"),
         "A function with ``f``'s signature returning the gradients, shape ``(B, *in_sample)``.",
         _DIV_RAISES,
         stochastic=True,
@@ -321,7 +297,6 @@ _DOCS: dict[str, _Doc] = {
         Laplacian of Li et al. 2023, collapsed Taylor mode of Dangel et al. 2025), not from
         ``n`` Hessian-vector products; ``"sparse"`` sweeps the indicators of a diagonal
         coloring of the detected per-sample Hessian pattern (exact, ``#colors`` directions).""",
-        ("u", *(a for a in _DIVERGENCE_ARGS[1:] if a not in ("mode", "probing_distance"))),
         """A function with ``u``'s signature returning the per-sample Laplacians, with the
         shape of ``u``'s output (``(B,)`` for ``(B,)``, ``(B, 1)`` for ``(B, 1)``).""",
         _SECOND_RAISES,
@@ -337,20 +312,6 @@ _DOCS: dict[str, _Doc] = {
         given ``A``, ``2n`` directions ``e_i +- A e_i`` (polarization: linear in ``A``, so
         differentiable w.r.t. ``A`` everywhere, and only ``A``'s symmetric part counts, as
         ``H`` is symmetric).""",
-        (
-            "u",
-            "A",
-            "argnums",
-            "factor",
-            "batch_axis",
-            "method",
-            "num_probes",
-            "distribution",
-            "return_stderr",
-            "chunk_size",
-            "has_aux",
-            "coupling",
-        ),
         """A function with ``u``'s signature returning ``tr(A H)`` per sample, with the shape of
         ``u``'s output.""",
         (_COEFFICIENT, *_SECOND_RAISES),
@@ -372,7 +333,6 @@ _DOCS: dict[str, _Doc] = {
         each probe gives ``(v . grad)^4 u / 3``; their mean is unbiased, but no error bar
         holds (the terms are heavy-tailed). It draws its probes from a key or generator: the
         caller's probes are refused (unbiased only if Gaussian, which cannot be checked).""",
-        ("u", "argnums", "batch_axis", "return_stderr", "chunk_size", "has_aux", "coupling"),
         """A function with ``u``'s signature returning the per-sample bi-Laplacians, with the
         shape of ``u``'s output.""",
         _SECOND_RAISES,
@@ -401,7 +361,6 @@ _DOCS: dict[str, _Doc] = {
         directional derivatives along integer directions supported on ``alpha``'s indices
         that equals the mixed partial (Griewank, Utke & Walther 2000), computed as
         :func:`differential_operator` computes one term.""",
-        ("u", "alpha", "argnums", "batch_axis", "chunk_size", "has_aux", "coupling"),
         """A function with ``u``'s signature returning the per-sample mixed partials, with the
         shape of ``u``'s output.""",
         (_MULTI_INDEX, *_SECOND_RAISES),
@@ -424,18 +383,6 @@ _DOCS: dict[str, _Doc] = {
         weight) pairs is drawn per sample with probabilities ``p_j`` proportional to
         ``|w_j| |v_j|^d`` (``w_j``'s number coefficients), each giving
         ``w_j (v_j . grad)^d u / p_j`` (unbiased).""",
-        (
-            "u",
-            "terms",
-            "argnums",
-            "batch_axis",
-            "method",
-            "num_probes",
-            "return_stderr",
-            "chunk_size",
-            "has_aux",
-            "coupling",
-        ),
         """A function with ``u``'s signature returning the operator per sample, with the
         shape of ``u``'s output.""",
         (
@@ -475,7 +422,6 @@ _DOCS: dict[str, _Doc] = {
         The per-sample Jacobian of the per-sample gradient (forward-over-reverse); ``mode``
         works as in :func:`jacobian` on that gradient (``"sparse"``: one pass per color of the
         detected Hessian pattern).""",
-        ("u", "argnums", "batch_axis", "mode", "chunk_size", "has_aux"),
         """A function with ``u``'s signature returning the per-sample Hessians, shape
         ``(B, *in, *in)`` (``(*in, *in)`` with ``batch_axis=None``).""",
         (_COUPLED_ALWAYS, _OPTION, _ARG_RAISES),
@@ -489,7 +435,6 @@ _DOCS: dict[str, _Doc] = {
         ``"hutchinson"``: the estimator of Bekas, Kokiopoulou & Saad (2007), the mean of
         ``v * H v`` over random probes (unbiased for ``E[v v^T] = I``); its ``stderr``
         bounds each entry's variance by ``2 mean (H v)_i^2`` and needs 3 probes or more.""",
-        ("u", *(a for a in _DIVERGENCE_ARGS[1:] if a not in ("mode", "probing_distance"))),
         """A function with ``u``'s signature returning the diagonals, shaped as the
         differentiated input (``(B, *in)``).""",
         _SECOND_RAISES,
@@ -503,7 +448,6 @@ _DOCS: dict[str, _Doc] = {
         regularization and contractive autoencoders. Exact by coloring: with a column coloring,
         ``sum_c ||J s_c||^2 = ||J||_F^2`` in one pass per color; or Hutchinson's unbiased
         ``||v^T J||^2`` (``||J v||^2`` with ``mode="fwd"``). For the norm itself take the square root of the exact result.""",
-        _FROBENIUS_ARGS,
         """A function with ``f``'s signature returning ``||J_b||_F^2``, shape ``(B,)`` (with
         ``return_stderr``, ``(norms, stderr)``).""",
         (*_FROBENIUS_RAISES, _STDERR_PROBES),
@@ -520,7 +464,6 @@ _DOCS: dict[str, _Doc] = {
         ``"hutchinson"`` both are estimated from the same probes; exactly (``"exact"``,
         ``"sparse"``), the coloring is of the pattern plus its diagonal, so that each pass also
         reads the diagonal entries of its own elements.""",
-        tuple(a for a in _FROBENIUS_ARGS),
         """A function with ``f``'s signature returning ``(value, div, sq_frobenius)``
         (``(value, aux)`` in place of ``value`` with ``has_aux``; with ``return_stderr`` each of
         ``div`` and ``sq_frobenius`` is ``(estimate, stderr)``).""",
@@ -544,18 +487,6 @@ _DOCS: dict[str, _Doc] = {
         Jacobians (chunked passes, dense or by coloring) and their LU, or estimated by
         stochastic Lanczos quadrature for large ``n``; a singular ``J_b`` gives ``-inf``
         (exact).""",
-        (
-            "f",
-            "argnums",
-            "batch_axis",
-            "method",
-            "mode",
-            "num_probes",
-            "distribution",
-            "return_stderr",
-            "chunk_size",
-            "has_aux",
-        ),
         """A function with ``f``'s signature returning ``log|det J_b|``, shape ``(B,)`` (with
         ``return_stderr``, ``(values, stderr)``: the stderr of ``"slq"`` covers its probes'
         randomness and, below ``n`` Lanczos steps, the quadrature's bias, gauged by the gap to
@@ -583,7 +514,6 @@ _DOCS: dict[str, _Doc] = {
         nonzero; operations without a rule are assumed dense (with a warning). divjac's options
         are given here, ``f``'s arguments at the call: ``sparsity(f)(x, key=k)`` passes ``key``
         to ``f``.""",
-        ("f", "argnums", "batch_axis", "has_aux"),
         """A function with ``f``'s signature returning the
         :class:`~divjac.jax.SparsityPattern` of ``f`` at these arguments' shapes: the
         per-sample CSR pattern, its colorings and ``is_batch_independent`` (a coupled function
@@ -597,7 +527,6 @@ _DOCS: dict[str, _Doc] = {
         nonzeros are stored, and they are computed with one pass per color of the column (or
         row) coloring: a 64x64 blur with an 11x11 kernel needs about 121 passes instead of
         4096, and no ``H*W x H*W`` dense array is formed.""",
-        ("f", "argnums", "batch_axis", "chunk_size", "has_aux", "coupling"),
         """A function with ``f``'s signature returning the sparse per-sample Jacobians (one
         ``(n_out, n_in)`` matrix with ``batch_axis=None``).""",
         (_COUPLED, _OPTION, _ARG_RAISES),
@@ -605,18 +534,6 @@ _DOCS: dict[str, _Doc] = {
 }
 
 
-def documented(**extra_args: str) -> Callable[[F], F]:
-    """Fill ``{name}`` in the decorated function's docstring with the shared text of ``name``
-    (its own name), followed by the ``extra_args`` of its framework in its Args section."""
-
-    def fill(fn: F) -> F:
-        name = fn.__name__
-        template = inspect.cleandoc(fn.__doc__ or "")
-        placeholder = "{" + name + "}"
-        if placeholder not in template:
-            raise InternalError(f"the docstring of {name} lacks its placeholder {placeholder}")
-        extra = {k: textwrap.dedent(v) for k, v in extra_args.items()}
-        fn.__doc__ = template.replace(placeholder, _DOCS[name].text(extra)) + "\n"
-        return fn
-
-    return fill
+def text(name: str, parameters: Sequence[str]) -> str:
+    """The shared docstring of the public transform ``name`` with these ``parameters``."""
+    return _DOCS[name].text(parameters)

@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import inspect
+import pathlib
+import re
 import typing
 
 import pytest
@@ -70,3 +72,44 @@ def test_every_transform_is_documented_and_positional_only_in_its_function():
         for section in ("Args:", "Returns:", "Raises:", "Example:", ">>>"):
             assert section in doc, (name, section)
         assert "{" + name + "}" not in doc
+
+
+def test_every_transform_documents_its_parameters_in_the_order_of_its_signature():
+    for module in (dj, dt):
+        for name in module.__all__:
+            fn = getattr(module, name)
+            if not inspect.isfunction(fn) or name in ("clear_caches", "register_rule"):
+                continue
+            args = (fn.__doc__ or "").split("Args:\n")[1].split("\n\n")[0]
+            documented = re.findall(r"^    (\w+): ", args, flags=re.MULTILINE)
+            assert documented == list(inspect.signature(fn).parameters), (module, name)
+
+
+def test_every_public_function_has_type_hints_of_its_framework():
+    for module, array in ((dj, "jax"), (dt, "torch")):
+        for name in module.__all__:
+            fn = getattr(module, name)
+            if inspect.isfunction(fn):
+                assert typing.get_type_hints(fn)["return"] is not None, name
+        hint = typing.get_type_hints(module.weighted_laplacian)["A"]
+        assert [arg.__module__.split(".")[0] for arg in typing.get_args(hint)] == [
+            array,
+            "builtins",
+        ]
+
+
+def _signatures() -> str:
+    lines = []
+    for module in (dj, dt):
+        for name in module.__all__:
+            fn = getattr(module, name)
+            if inspect.isfunction(fn):
+                lines.append(f"{module.__name__}.{name}{inspect.signature(fn)}")
+    return "\n".join(lines) + "\n"
+
+
+def test_the_public_signatures_are_the_recorded_ones():
+    # A change of the public API (a name, a parameter, its kind, default or annotation) is
+    # deliberate: it updates tests/typing/signatures.txt.
+    recorded = (pathlib.Path(__file__).parent / "signatures.txt").read_text()
+    assert _signatures() == recorded
