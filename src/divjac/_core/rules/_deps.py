@@ -318,6 +318,8 @@ def index_map(out_shape: Sequence[int], sources: Sequence[Deps], src: np.ndarray
             return found
     if len(sources) == 1:
         stacked = _full(sources[0]).matrix()
+        if len(src) == stacked.shape[0] and np.array_equal(src, np.arange(len(src))):
+            return _make(out_shape, n_labels, stacked)  # the identity map: no copy
     else:
         stacked = sp.vstack([s.matrix() for s in sources], format="csr")
     return _make(out_shape, n_labels, _gather_rows(stacked, src))
