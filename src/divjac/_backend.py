@@ -123,6 +123,8 @@ class Backend(abc.ABC, Generic[TracedT]):
         randomness_example: a source of randomness of the framework (in messages).
         sweep_cache_share: a second-order sweep's directions hold ``1 / sweep_cache_share`` of
             a pass's bytes in the CPU's cache at once (what chunks them on the host).
+        narrow_indices: the index arrays of a plan (the nonzeros of a sparse Jacobian, the
+            pass and element holding each) may be int32 where their values fit, not int64.
     """
 
     array_noun: str
@@ -131,6 +133,7 @@ class Backend(abc.ABC, Generic[TracedT]):
     output_cast_hint: str
     randomness_example: str
     sweep_cache_share: int = 1
+    narrow_indices: bool = False
 
     # --- arrays and dtypes --------------------------------------------------------------------
 

@@ -122,6 +122,7 @@ class JaxBackend(Backend[Traced]):
     # 256 ran at d = 64 in one chunk 25.8 ms, in two 28.6; at d = 256 in chunks of 43-86
     # passes 109-113 ms, of 128 or all 166 (1 thread, 32 MiB cache).
     sweep_cache_share = 2
+    narrow_indices = True
 
     def is_array(self, x: Any) -> bool:
         return is_array(x)
@@ -378,18 +379,22 @@ class JaxBackend(Backend[Traced]):
     def take_entries(
         self, compressed: jax.Array, which: np.ndarray, within: np.ndarray
     ) -> jax.Array:
-        """One gather with constant indices, in bounds and unique (no index normalization),
-        straight into the ``(B, nnz)`` layout."""
+        """One gather with constant flat indices ``which * m + within`` (one integer per entry,
+        int32 where it fits), in bounds and unique (no index normalization), from the passes laid
+        out ``(B, k * m)`` (a reshape, no copy, for one sample)."""
         n_passes, batch, m = compressed.shape
-        pairs = np.stack([which, within], axis=1).astype(_index_dtype((n_passes, m)))
+        flat = which.astype(_index_dtype((n_passes, m)))
+        flat *= m
+        flat += within
+        per_sample = jnp.moveaxis(compressed, 1, 0).reshape(batch, n_passes * m)
         dnums = lax.GatherDimensionNumbers(
-            offset_dims=(0,), collapsed_slice_dims=(0, 2), start_index_map=(0, 2)
+            offset_dims=(0,), collapsed_slice_dims=(1,), start_index_map=(1,)
         )
         return lax.gather(
-            compressed,
-            jnp.asarray(pairs),
+            per_sample,
+            jnp.asarray(flat[:, None]),
             dnums,
-            slice_sizes=(1, batch, 1),
+            slice_sizes=(batch, 1),
             unique_indices=True,
             mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
         )
@@ -460,7 +465,9 @@ class JaxBackend(Backend[Traced]):
     ) -> jsparse.BCOO:
         """The indices are a constant, shared by the batch (a batch axis of size 1), flagged
         sorted and unique so that no BCOO operation sorts or deduplicates them again."""
-        indices = jnp.asarray(np.stack([rows, cols], axis=1).astype(_index_dtype(shape[1:])))
+        pairs = np.empty((len(rows), 2), _index_dtype(shape[1:]))
+        pairs[:, 0], pairs[:, 1] = rows, cols
+        indices = jnp.asarray(pairs)
         flags = {"indices_sorted": True, "unique_indices": True}
         if single:
             return jsparse.BCOO((values[0], indices), shape=shape[1:], **flags)

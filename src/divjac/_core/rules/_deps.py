@@ -318,6 +318,8 @@ def index_map(out_shape: Sequence[int], sources: Sequence[Deps], src: np.ndarray
             return found
     if len(sources) == 1:
         stacked = _full(sources[0]).matrix()
+        if len(src) == stacked.shape[0] and np.array_equal(src, np.arange(len(src))):
+            return _make(out_shape, n_labels, stacked)  # the identity map: no copy
     else:
         stacked = sp.vstack([s.matrix() for s in sources], format="csr")
     return _make(out_shape, n_labels, _gather_rows(stacked, src))
@@ -459,16 +461,67 @@ def compose(
     out_shape = tuple(int(s) for s in out_shape)
     if deps.is_empty:
         return empty(out_shape, deps.n_labels)
-    rows = np.asarray(rows, np.int64).ravel()
-    cols = np.asarray(cols, np.int64).ravel()
+    rows, cols = np.asarray(rows).ravel(), np.asarray(cols).ravel()
     n_out = math.prod(out_shape)
     n_in = deps.size if n_in is None else n_in
     if deps.shared is not None and n_in == deps.size:
-        found = _shared_compose(out_shape, rows, cols, deps.shared)
+        found = _shared_compose(
+            out_shape, rows.astype(np.int64, copy=False), cols.astype(np.int64, copy=False),
+            deps.shared,
+        )  # fmt: skip
         if found is not None:
             return found
+    held = _full(deps).matrix()
+    relabelled = _relabelled(n_out, rows, cols, held)
+    if relabelled is not None:
+        return _make(out_shape, deps.n_labels, relabelled)
     local = sp.csr_array((np.ones(len(rows), dtype=bool), (rows, cols)), shape=(n_out, n_in))
-    return _make(out_shape, deps.n_labels, sp.csr_array(local @ _full(deps).matrix()))
+    return _make(out_shape, deps.n_labels, sp.csr_array(local @ held))
+
+
+def _relabelled(
+    n_out: int, rows: np.ndarray, cols: np.ndarray, held: sp.csr_array
+) -> sp.csr_array | None:
+    """:func:`compose` without a sparse product, where each input element depends on one label
+    of its own, maybe with the last label shared by all (one sample's input, seeded per
+    position and with its sample's label), and the pairs, relabelled, are already in CSR order
+    (rows nondecreasing, labels increasing within each row: a stencil's pairs from
+    :func:`~divjac._core.rules.conv.window_pairs`): the pattern is the pairs, int32 where they
+    fit, the shared label after each nonempty row's. ``None`` otherwise (the product is
+    needed)."""
+    n_in, n_labels = held.shape
+    per_row = int(held.indptr[1]) if n_in else 0
+    last = n_labels - 1
+    if len(rows) == 0 or per_row not in (1, 2) or not held.has_sorted_indices:
+        return None
+    if not np.array_equal(held.indptr, np.arange(n_in + 1) * per_row):
+        return None
+    own = held.indices[::per_row]
+    if per_row == 2 and not (held.indices[1::2] == last).all():
+        return None
+    labels = own[cols]
+    if (rows[1:] < rows[:-1]).any():
+        return None
+    if ((rows[1:] == rows[:-1]) & (labels[1:] <= labels[:-1])).any():
+        return None
+    shared = per_row - 1  # 1: the last label follows every nonempty row's own labels
+    fits = len(rows) + n_out < np.iinfo(np.int32).max and n_labels < np.iinfo(np.int32).max
+    dtype = np.int32 if fits else np.int64
+    counts = np.bincount(rows, minlength=n_out)
+    nonempty = (counts > 0).astype(dtype)
+    indptr = np.zeros(n_out + 1, dtype)
+    np.cumsum(counts + shared * nonempty, out=indptr[1:])
+    if not shared:
+        indices = labels.astype(dtype, copy=False)
+    else:
+        indices = np.empty(int(indptr[-1]), dtype)
+        before = np.cumsum(nonempty, dtype=dtype) - nonempty  # nonempty rows before each row
+        at = np.arange(len(rows), dtype=dtype)
+        at += before[rows]
+        indices[at] = labels
+        indices[indptr[1:][counts > 0] - 1] = last
+    data = np.ones(len(indices), dtype=bool)
+    return sp.csr_array((data, indices, indptr), shape=(n_out, n_labels))
 
 
 def _shared_compose(

@@ -38,14 +38,15 @@ def window_pairs(
     XLA ``reduce_window`` geometry (also that of a convolution's spatial axes): output position
     ``o`` and window tap ``k`` read the input position ``p = o * stride + k * window_dilation - lo``
     of the base-dilated input, which is a real element when ``p`` is a multiple of the base
-    dilation. The pairs of all axes are combined as a Cartesian product (windows are boxes).
+    dilation. The pairs of all axes are combined as a Cartesian product (windows are boxes), in
+    CSR order (rows increasing, each row's inputs increasing), int32 where the flat indices fit;
+    they are made a block of output positions at a time (bounded temporaries).
     """
     ndim = len(in_shape)
     base_dilation = base_dilation or [1] * ndim
     window_dilation = window_dilation or [1] * ndim
-    rows = np.zeros(1, np.int64)
-    cols = np.zeros(1, np.int64)
-    out_shape = []
+    taps, oks = [], []
+    out_shape_list = []
     for size, k, stride, (lo, hi), bdil, wdil in zip(
         in_shape,
         window_dimensions,
@@ -58,15 +59,46 @@ def window_pairs(
         dilated = (size - 1) * bdil + 1 if size else 0
         span = (k - 1) * wdil + 1
         n_out = max((dilated + lo + hi - span) // stride + 1, 0) if size or lo + hi else 0
-        out_shape.append(n_out)
-        o = np.arange(n_out)[:, None]
-        p = o * stride + np.arange(k)[None, :] * wdil - lo
+        out_shape_list.append(n_out)
+        p = np.arange(n_out)[:, None] * stride + np.arange(k)[None, :] * wdil - lo
         ok = (p >= 0) & (p < dilated) & (p % bdil == 0)
-        o_axis = np.broadcast_to(o, p.shape)[ok]
-        i_axis = p[ok] // bdil
-        rows = (rows[:, None] * n_out + o_axis[None, :]).ravel()
-        cols = (cols[:, None] * size + i_axis[None, :]).ravel()
-    return tuple(out_shape), rows, cols
+        taps.append(np.where(ok, p // bdil, 0))
+        oks.append(ok)
+    out_shape = tuple(out_shape_list)
+    fits = max(math.prod(out_shape), math.prod(in_shape)) < np.iinfo(np.int32).max
+    dtype = np.int32 if fits else np.int64
+    total = math.prod(int(ok.sum()) for ok in oks)
+    rows, cols = np.empty(total, dtype), np.empty(total, dtype)
+    if total == 0:
+        return out_shape, rows, cols
+    out_strides = [math.prod(out_shape[a + 1 :]) for a in range(ndim)]
+    in_strides = [math.prod(in_shape[a + 1 :]) for a in range(ndim)]
+    per_first = math.prod(out_shape[1:]) * math.prod(t.shape[1] for t in taps)
+    step = max(1, _PAIRS_BLOCK // max(per_first, 1))
+    filled = 0
+    for start in range(0, out_shape[0], step):
+        block = range(start, min(start + step, out_shape[0]))
+        r, c, m = np.zeros((), dtype), np.zeros((), dtype), np.ones((), bool)
+        for a in range(ndim):
+            o = np.arange(block.start, block.stop) if a == 0 else np.arange(out_shape[a])
+            at_o = [1] * (2 * ndim)
+            at_o[a] = len(o)
+            at_ok = list(at_o)
+            at_ok[ndim + a] = taps[a].shape[1]
+            r = r + (o.astype(dtype) * dtype(out_strides[a])).reshape(at_o)
+            c = c + (taps[a][o].astype(dtype) * dtype(in_strides[a])).reshape(at_ok)
+            m = m & oks[a][o].reshape(at_ok)
+        m = np.broadcast_to(m, np.broadcast_shapes(r.shape, c.shape, m.shape))
+        n = int(m.sum())
+        rows[filled : filled + n] = np.broadcast_to(r, m.shape)[m]
+        cols[filled : filled + n] = np.broadcast_to(c, m.shape)[m]
+        filled += n
+    return out_shape, rows, cols
+
+
+_PAIRS_BLOCK = 1 << 22
+"""Window taps (pairs, before dropping those off the input) made at once by
+:func:`window_pairs`."""
 
 
 def window(
