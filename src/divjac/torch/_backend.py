@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .._backend import Backend, Linear, Point
-from .._core import plan
+from .._core import settings
 from .._core.detection import LRU
 from .._errors import CompileError, FastPathWarning, OptionError, warn_at_caller
 from . import _ddp, _inductor, _taylor, _taylor_sparse
@@ -145,7 +145,7 @@ def _context(backend: TorchBackend, point: Point[Traced]) -> tuple[Any, ...]:
     context): the differentiated input's type, shape, dtype and device, whether the passes go
     on the autograd graph (grad mode, what requires grad), inference mode, a ``torch.func``
     transform around, and the memory the passes may use (the device's free memory,
-    :func:`~divjac._core.plan.memory_settings`)."""
+    :func:`~divjac._core.settings.read`)."""
     xb = point.xb
     return (
         _on_graph(point),
@@ -156,7 +156,7 @@ def _context(backend: TorchBackend, point: Point[Traced]) -> tuple[Any, ...]:
         xb.dtype,
         xb.device,
         backend.memory_available(xb),
-        plan.memory_settings(),
+        settings.read(),
     )
 
 
