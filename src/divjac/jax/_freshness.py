@@ -1,8 +1,8 @@
 """What an eager call's trace of the caller's function depends on, checked without tracing.
 
 An eager transform traces ``f`` at every call so that it sees ``f``'s current closures and
-weights (:mod:`divjac.jax._eager`). Where ``f`` is cheap, that trace is most of the call (a few
-milliseconds for FFJORD's ODE function against one for the jitted call). :func:`state` walks
+weights (:mod:`divjac.jax._eager`). Where ``f`` is cheap, that trace is most of the call
+(``bench_jax_eager`` measures it on FFJORD's ODE function). :func:`state` walks
 the Python state ``f``'s code can reach (its closure, defaults and the globals and module
 attributes its code names, recursively through the user's own functions) and returns it as a
 comparable value: while it is unchanged, along with the arguments' structure and types and

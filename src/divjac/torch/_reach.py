@@ -178,8 +178,8 @@ def reach(fun: Callable[..., Any], static: Sequence[Any], *, record: bool = Fals
     Library objects (torch, NumPy: optimizers, arrays) are not followed: they count by
     identity.
 
-    With ``record``, the walk also records :class:`Checks`: how to tell, much faster than by
-    walking again, that nothing it read has changed (``None`` where it met what they cannot
+    With ``record``, the walk also records :class:`Checks`: how to tell, without walking
+    again, that nothing it read has changed (``None`` where it met what they cannot
     check).
     """
     walk = _Walk(record=record, logs=_logs_of(fun))
