@@ -134,9 +134,9 @@ def jacobian_plan(
     """Plan a per-sample Jacobian (``mode`` in :data:`JACOBIAN_MODES`); ``rows_only``: forward
     passes cannot run (an operation without a forward derivative)."""
     if mode == "fwd":
-        return Plan(False, None, n_in)
+        return Plan(reverse=False, colors=None, n_passes=n_in)
     if mode == "rev":
-        return Plan(True, None, n_out)
+        return Plan(reverse=True, colors=None, n_passes=n_out)
     dense_reverse = rows_only or n_out < n_in or (n_out == n_in and prefer_reverse)
     dense = Plan(dense_reverse, None, n_out if dense_reverse else n_in)
     if pattern is None:
@@ -145,8 +145,8 @@ def jacobian_plan(
                 "jacobian_plan: mode='sparse' was planned without a detected pattern"
             )
         return dense
-    by_columns = Plan(False, pattern.colors, pattern.n_colors)
-    by_rows = Plan(True, pattern.row_colors, pattern.n_row_colors)
+    by_columns = Plan(reverse=False, colors=pattern.colors, n_passes=pattern.n_colors)
+    by_rows = Plan(reverse=True, colors=pattern.row_colors, n_passes=pattern.n_row_colors)
     if (
         rows_only
         or by_rows.n_passes < by_columns.n_passes
@@ -210,9 +210,11 @@ def frobenius_plan(
         pattern = pattern.with_diagonal
     candidates = []
     if direction in ("auto", "fwd"):
-        candidates.append(Plan(False, pattern.colors, pattern.n_colors))
+        candidates.append(Plan(reverse=False, colors=pattern.colors, n_passes=pattern.n_colors))
     if direction in ("auto", "rev"):
-        candidates.append(Plan(True, pattern.row_colors, pattern.n_row_colors))
+        candidates.append(
+            Plan(reverse=True, colors=pattern.row_colors, n_passes=pattern.n_row_colors)
+        )
     sparse = min(candidates, key=lambda p: (p.n_passes, p.reverse != prefer_reverse))
     if method == "sparse" or sparse.n_passes <= SPARSE_GAIN * dense.n_passes:
         return sparse

@@ -90,20 +90,24 @@ def screen(traced: Traced, dense_passes: int) -> Verdict:
     a detection abandoned at once, so that later calls of the same program skip the probe.
     """
     if dense_passes <= FEW_PASSES:
-        return Verdict(False, f"{dense_passes} dense passes: too few for detection to pay off")
+        return Verdict(
+            detect=False, reason=f"{dense_passes} dense passes: too few for detection to pay off"
+        )
     generation = rules.generation()
     detections = traced.detections
     if any(
         gen == generation and per_sample and not whole_batch and limit != _SCREENED
         for gen, per_sample, whole_batch, limit in detections
     ):
-        return Verdict(True)
+        return Verdict(detect=True)
     key = (generation, True, False, _SCREENED)
     if key not in detections:
         if not _dense_on_probes(traced):
-            return Verdict(True)
+            return Verdict(detect=True)
         detections[key] = None
-    return Verdict(False, f"dense on {PROBES} probed inputs: no coloring would save passes")
+    return Verdict(
+        detect=False, reason=f"dense on {PROBES} probed inputs: no coloring would save passes"
+    )
 
 
 def _dense_on_probes(traced: Traced) -> bool:

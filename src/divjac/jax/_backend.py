@@ -232,7 +232,7 @@ class JaxBackend(Backend[Traced]):
         """Columns: forward passes share the batch-independent work (broadcast sinking)."""
         return False
 
-    def linearize(self, point: Point[Traced], reverse: bool) -> Linear:
+    def linearize(self, point: Point[Traced], *, reverse: bool) -> Linear:
         return _Linearized(point, reverse)
 
     def forward_less(self, point: Point[Traced]) -> frozenset[str]:

@@ -88,7 +88,7 @@ _LEAVES = frozenset({torch.Tensor, nn.Parameter, int, float, bool, str, type(Non
 def _normal_tensors() -> contextlib.AbstractContextManager[Any]:
     """Leaves ``torch.inference_mode`` where it is on, for tensors that outlive the call."""
     if torch.is_inference_mode_enabled():
-        return torch.inference_mode(False)
+        return torch.inference_mode(mode=False)
     return contextlib.nullcontext()
 
 
@@ -367,7 +367,7 @@ class TorchBackend(Backend[Traced]):
         inaccurately (:func:`~divjac.torch._aten.forward_derivative_inexact`)."""
         return bool(self.forward_less(point) or point.traced.forward_inexact)
 
-    def linearize(self, point: Point[Traced], reverse: bool) -> Linear:
+    def linearize(self, point: Point[Traced], *, reverse: bool) -> Linear:
         """Rows on the autograd tape outside ``torch.func`` transforms, ``torch.compile`` and
         ``torch.inference_mode`` (which no tape records, not even under ``enable_grad``: its
         rows would all be zeros), else (and columns) by ``torch.func`` passes, which
@@ -645,7 +645,12 @@ def _measured_reverse(backend: TorchBackend, point: Point[Traced]) -> bool:
         sample = point.out_sample if reverse else point.in_sample
         tangents = point.xb.new_ones((_TIMED, *sample))
         linears[reverse] = functools.partial(
-            backend.linearize(point, reverse).passes, tangents, _as_is, _last, _TIMED, shared=True
+            backend.linearize(point, reverse=reverse).passes,
+            tangents,
+            _as_is,
+            _last,
+            _TIMED,
+            shared=True,
         )
         try:
             linears[reverse]()

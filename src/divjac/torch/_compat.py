@@ -132,7 +132,7 @@ def transforms_mode() -> Iterator[None]:
         return
     token = _LEFT_INFERENCE_MODE.set(True)
     try:
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(mode=False), torch.no_grad():
             yield
     finally:
         _LEFT_INFERENCE_MODE.reset(token)
