@@ -86,9 +86,9 @@ def directions(framework, monkeypatch):
     seen: list[bool] = []
     original = backend_type.linearize
 
-    def recording(self, point, reverse):
+    def recording(self, point, *, reverse):
         seen.append(reverse)
-        return original(self, point, reverse)
+        return original(self, point, reverse=reverse)
 
     monkeypatch.setattr(backend_type, "linearize", recording)
     return seen

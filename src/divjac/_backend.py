@@ -293,7 +293,7 @@ class Backend(abc.ABC, Generic[TracedT]):
         return bool(self.forward_less(point))
 
     @abc.abstractmethod
-    def linearize(self, point: Point[TracedT], reverse: bool) -> Linear:
+    def linearize(self, point: Point[TracedT], *, reverse: bool) -> Linear:
         """The JVP (or, with ``reverse``, the VJP) of the batch-first function at ``point``."""
 
     @abc.abstractmethod

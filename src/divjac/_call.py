@@ -26,6 +26,7 @@ import numpy as np
 from ._backend import Array, Backend, Point
 from ._core import checks, plan, timing
 from ._core.detection import AUTO_DETECTION_ENTRIES, Detection, Traced
+from ._core.settings import Settings, read as read_settings
 from ._errors import (
     ArgnumsError,
     BatchAxisError,
@@ -195,6 +196,11 @@ class Call(Point[Traced]):
     def backend(self) -> Backend[Any]:
         return self.spec.backend
 
+    @functools.cached_property
+    def settings(self) -> Settings:
+        """The environment's settings (``DIVJAC_*``), read once for this call."""
+        return read_settings()
+
     def unbatch(self, yb: Array) -> Array:
         """A batch-first result back to the caller's layout."""
         return to_axis(self.backend, yb, self.spec.batch_axis)
@@ -224,6 +230,7 @@ class Call(Point[Traced]):
             available=available,
             in_cache=in_cache,
             cache_share=share,
+            settings=self.settings,
         )
 
     def detect(

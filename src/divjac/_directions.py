@@ -109,12 +109,14 @@ def _plan(call: Call, method: str, stochastic_method: bool) -> _Plan:
             raise checks.coupling_error(
                 found.coupling, fname=call.spec.fname, method=method, second_order=True
             )
-        return _Plan(True, None)
+        return _Plan(coupled=True, colors=None)
     if method not in ("sparse", "auto"):
-        return _Plan(False, None)
+        return _Plan(coupled=False, colors=None)
     missing = call.backend.reverse_less(call)
     if missing and method == "auto":
-        return _Plan(False, None)  # no per-sample gradient, no Hessian pattern: the unit basis
+        return _Plan(
+            coupled=False, colors=None
+        )  # no per-sample gradient, no Hessian pattern: the unit basis
     if missing:
         raise OptionError(
             f"{call.spec.fname}: method='sparse' colors the Hessian's pattern, found through the "
@@ -126,14 +128,14 @@ def _plan(call: Call, method: str, stochastic_method: bool) -> _Plan:
     # which cannot take the gradient's closure as an argument.
     grad_call = prepare(_grad_spec(call.spec), call.args, call.kwargs)
     if method == "auto" and not auto_detects(grad_call, call.n_in):
-        return _Plan(False, None)  # the colours could not pay for the detection
+        return _Plan(coupled=False, colors=None)  # the colours could not pay for the detection
     hess = grad_call.detect(per_sample=True, auto=method == "auto", dense_passes=call.n_in)
     if hess.coupling is not None or hess.pattern is None:  # too dense to finish (auto)
-        return _Plan(False, None)
+        return _Plan(coupled=False, colors=None)
     pattern = hess.pattern
     if method == "auto" and 2 * pattern.n_diagonal_colors > call.n_in:
-        return _Plan(False, None)
-    return _Plan(False, np.asarray(pattern.diagonal_colors, np.int64))
+        return _Plan(coupled=False, colors=None)
+    return _Plan(coupled=False, colors=np.asarray(pattern.diagonal_colors, np.int64))
 
 
 def _grad_spec(spec: Spec) -> Spec:
@@ -201,7 +203,12 @@ def _own_terms(call: Call, terms: Array) -> Array:
 
 
 def _sweep(
-    call: Call, directions: Array, weights: Array | None, collapse: bool, chunk_size: int | None
+    call: Call,
+    directions: Array,
+    weights: Array | None,
+    *,
+    collapse: bool,
+    chunk_size: int | None,
 ) -> Array:
     """The second-order terms of the sweep of ``directions`` (summed with ``weights`` when
     ``collapse``), ``chunk_size`` directions at a time."""

@@ -75,7 +75,7 @@ def _exact_divergence(call: Call, ds: _DivSpec) -> tuple[Array, Array, Any]:
     seed = shaped(
         planned.seeds.indicator, call.in_sample if planned.batched else (B, *call.in_sample)
     )
-    linear = backend.linearize(call, planned.seeds.reverse)
+    linear = backend.linearize(call, reverse=planned.seeds.reverse)
     contributions = linear.passes(
         planned.seeds.inputs, seed, planned.finish, planned.seeds.chunk, shared=planned.batched
     )
@@ -142,7 +142,7 @@ def _stochastic_divergence(
     checks.check_square(call.in_sample, call.out_sample, fname=call.spec.fname)
     backend, B, n = call.backend, call.batch_size, call.n_in
     reverse, probing = backend.ahead(_stochastic_plan, call, ds)
-    linear = backend.linearize(call, reverse)
+    linear = backend.linearize(call, reverse=reverse)
     if probing is not None:
         matvec = _batched_matvec(call, linear, ds.chunk_size)
         colors, exact, reps = probing
@@ -322,7 +322,7 @@ def _draw(call: Call, randomness: Any, k: int, distribution: str, *, output: boo
 
 
 def _split_randomness(
-    backend: Backend, stochastic_method: bool, args: tuple[Any, ...], fname: str
+    backend: Backend, args: tuple[Any, ...], fname: str, *, stochastic_method: bool
 ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """``((randomness,), f's arguments)`` of a stochastic transform's call, ``((), args)``
     of an exact one.
@@ -352,7 +352,9 @@ def _divergence_transform(spec: Spec, ds: _DivSpec) -> Callable[..., tuple[Array
     stochastic_method = ds.method in plan.STOCHASTIC_METHODS
 
     def value_and_div(*args: Any, **kwargs: Any) -> tuple[Array, Any, Any]:
-        randomness, args = _split_randomness(backend, stochastic_method, args, fname)
+        randomness, args = _split_randomness(
+            backend, args, fname, stochastic_method=stochastic_method
+        )
         call = prepare(spec, args, kwargs)
         if randomness and call.n_in:  # an empty sample's divergence is exactly 0
             y, div, stderr, aux = _stochastic_divergence(call, ds, randomness[0])
@@ -475,7 +477,16 @@ def divergence_from_pattern(
 ) -> Callable[..., Any]:
     """Exact per-sample divergence from a given pattern: one pass per diagonal color, no
     detection (see ``divjac.jax.divergence_from_pattern``)."""
-    ds = _DivSpec("sparse", "auto", None, "rademacher", False, chunk_size, None, pattern)
+    ds = _DivSpec(
+        "sparse",
+        "auto",
+        None,
+        "rademacher",
+        return_stderr=False,
+        chunk_size=chunk_size,
+        probing_distance=None,
+        pattern=pattern,
+    )
     fname = "divergence_from_pattern"
     spec = Spec(backend, f, argnums, batch_axis, has_aux, "raise", fname, None, ds.mode)
     inner = _divergence_transform(spec, ds)
@@ -510,7 +521,15 @@ def grad_divergence(
     no ``B^2`` work.
     """
     fname = "grad_divergence"
-    ds = _DivSpec(method, mode, num_probes, distribution, False, chunk_size, probing_distance)
+    ds = _DivSpec(
+        method,
+        mode,
+        num_probes,
+        distribution,
+        return_stderr=False,
+        chunk_size=chunk_size,
+        probing_distance=probing_distance,
+    )
     _check_options(ds, coupling, fname)
     stochastic_method = method in plan.STOCHASTIC_METHODS
 
@@ -519,7 +538,9 @@ def grad_divergence(
         inner = _divergence_transform(spec, ds)
 
         def grad_fn(*args: Any, **kwargs: Any) -> Any:
-            randomness, args = _split_randomness(backend, stochastic_method, args, fname)
+            randomness, args = _split_randomness(
+                backend, args, fname, stochastic_method=stochastic_method
+            )
             at = checks.normalize_argnum(argnum, len(args), fname=fname)
             check_differentiable(backend, args[at], argnum, at, fname)
 

@@ -98,7 +98,7 @@ def _exact_norms(call: Call, options: _Options) -> tuple[Array, Array, Any]:
     backend = call.backend
     planned = backend.ahead(_exact_plan, call, options)
     seed = T.shaped(planned.indicator, call.out_sample if planned.reverse else call.in_sample)
-    linear = backend.linearize(call, planned.reverse)
+    linear = backend.linearize(call, reverse=planned.reverse)
     finish = _norm_finish(call.batch_size, options.with_divergence, backend)
     stacked = linear.passes(planned.inputs, seed, finish, planned.chunk, shared=True)
     return linear.value, stacked.sum(0), linear.aux
@@ -130,7 +130,7 @@ def _stochastic_norms(
     backend = call.backend
     reverse = backend.ahead(_hutchinson_rows, call)
     sample = call.out_sample if reverse else call.in_sample
-    linear = backend.linearize(call, reverse)
+    linear = backend.linearize(call, reverse=reverse)
     k = probe_count(call, options.num_probes, randomness, output=reverse)
     if options.return_stderr and k < 2:
         raise NumProbesError(
@@ -215,7 +215,9 @@ def _norms_transform(
     stochastic_method = options.method in STOCHASTIC_METHODS
 
     def norms(*args: Any, **kwargs: Any) -> tuple[Array, tuple[Any, ...], Any]:
-        randomness, args = _split_randomness(backend, stochastic_method, args, fname)
+        randomness, args = _split_randomness(
+            backend, args, fname, stochastic_method=stochastic_method
+        )
         call = prepare(spec, args, kwargs)
         if options.with_divergence:
             checks.check_square(call.in_sample, call.out_sample, fname=fname)
@@ -349,7 +351,7 @@ def _slq_log_abs_det(
             "derivative in this framework. Use method='exact' (the per-sample Jacobians by "
             "reverse passes)."
         )
-    columns, rows = backend.linearize(call, False), backend.linearize(call, True)
+    columns, rows = backend.linearize(call, reverse=False), backend.linearize(call, reverse=True)
     k = probe_count(call, options.num_probes, randomness)
     steps = options.lanczos_steps or est.default_lanczos_steps(n)
     if steps > n:
@@ -402,7 +404,9 @@ def log_abs_det(
         spec = Spec(backend, f, argnum, batch_axis, has_aux, "raise", fname, None, mode)
 
         def logdet_fn(*args: Any, **kwargs: Any) -> Any:
-            randomness, args = _split_randomness(backend, stochastic_method, args, fname)
+            randomness, args = _split_randomness(
+                backend, args, fname, stochastic_method=stochastic_method
+            )
             call = prepare(spec, args, kwargs)
             checks.check_square(call.in_sample, call.out_sample, fname=fname)
             if randomness:

@@ -110,7 +110,7 @@ def hessian_diagonal(
         hutchinson = method == "hutchinson"
 
         def diag_fn(*args: Any, **kwargs: Any) -> Any:
-            randomness, args = _split_randomness(backend, hutchinson, args, fname)
+            randomness, args = _split_randomness(backend, args, fname, stochastic_method=hutchinson)
             call = prepare(spec, args, kwargs)
             diag, err = _diagonal_values(
                 call, opts, randomness[0] if randomness else None, grad_spec
@@ -137,7 +137,9 @@ def _diagonal_values(
     k = _sampled(call, opts, randomness, n) if hutchinson else None
     if k is not None:
         probes = _draw(call, randomness, k, opts.distribution)
-        images = _own_products(call, grad_spec, probes, _itself, k, opts.chunk_size, False, False)
+        images = _own_products(
+            call, grad_spec, probes, _itself, k, opts.chunk_size, shared=False, times_tangent=False
+        )
         v = probes.reshape(k, B, n)
         if not opts.return_stderr:
             return (v * images).mean(0).reshape(B, *call.in_sample), None
@@ -156,15 +158,21 @@ def _diagonal_values(
         inputs, indicator = backend.indicators(colors, n, n_colors, call.xb)
         seed = shaped(indicator, call.in_sample)
         # Diagonal colors: H_ij = 0 for i != j of one color, so (H v_c)_i = H_ii for i in c.
-        passes = _own_products(call, grad_spec, inputs, seed, n_colors, opts.chunk_size, True)
+        passes = _own_products(
+            call, grad_spec, inputs, seed, n_colors, opts.chunk_size, shared=True
+        )
         diag = passes.sum(0).reshape(B, *call.in_sample)
         return diag, (backend.zeros_like(diag) if opts.return_stderr else None)
     directions = _basis(call, None)
     if planned.coupled:
         spread, _ = _one_sample_at_a_time(call, directions, None)
-        terms = _own_terms(call, _sweep(call, spread, None, False, opts.chunk_size))
+        terms = _own_terms(
+            call, _sweep(call, spread, None, collapse=False, chunk_size=opts.chunk_size)
+        )
     else:
-        terms = _sweep(call, directions, None, False, opts.chunk_size)  # (n, B, *out)
+        terms = _sweep(
+            call, directions, None, collapse=False, chunk_size=opts.chunk_size
+        )  # (n, B, *out)
     diag = backend.moveaxis(terms.reshape(n, B), 0, 1).reshape(B, *call.in_sample)
     return diag, (backend.zeros_like(diag) if opts.return_stderr else None)
 
@@ -176,6 +184,7 @@ def _own_products(
     seed: Callable[[Array], Array],
     n_passes: int,
     chunk_size: int | None,
+    *,
     shared: bool,
     times_tangent: bool = True,
 ) -> Array:
@@ -185,7 +194,7 @@ def _own_products(
     says so (:meth:`~divjac._backend.Backend.pull_hessian_rows`)."""
     backend, B, n = call.backend, call.batch_size, call.n_in
     grad_call = prepare(grad_spec, call.args, call.kwargs)
-    linear = backend.linearize(grad_call, backend.pull_hessian_rows(grad_call))
+    linear = backend.linearize(grad_call, reverse=backend.pull_hessian_rows(grad_call))
 
     def own(c: Array, t: Array, pushed: Array) -> Array:
         return (pushed * t if times_tangent else pushed).reshape(B, n)

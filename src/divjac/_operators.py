@@ -181,7 +181,7 @@ def _weighted_sum(weights: Array, terms: Array) -> Array:
 def _first(call: Call, directions: Array) -> Array:
     """``J v`` ``[K, B, *out]`` for the directions ``[K, B, *in]`` (JVPs)."""
     K = int(directions.shape[0])
-    linear = call.backend.linearize(call, False)
+    linear = call.backend.linearize(call, reverse=False)
     chunk = call.backend.ahead(Call.chunk, call, K, None, False)
     return linear.passes(directions, lambda c: c, lambda c, t, pushed: pushed, chunk, shared=False)
 
@@ -213,7 +213,7 @@ def _order_terms(call: Call, order: int, directions: Array, chunk_size: int | No
         full = directions + call.backend.zeros_like(call.xb)[None]  # [K, B, *in]
         return _first(call, full)
     if order == 2:
-        return _sweep(call, directions, None, False, chunk_size)
+        return _sweep(call, directions, None, collapse=False, chunk_size=chunk_size)
     return _powers(call, order, directions, chunk_size)
 
 
@@ -230,12 +230,17 @@ def _order_value(
         combined = (w[..., None] * flat).sum(0)  # (B or 1, n)
         return _order_terms(call, 1, combined.reshape(1, -1, *call.in_sample), chunk)[0]
     if order == 2:
-        return _sweep(call, directions, weights, True, chunk)
+        return _sweep(call, directions, weights, collapse=True, chunk_size=chunk)
     return _weighted_sum(weights, _order_terms(call, order, directions, chunk))
 
 
 def _exact_values(
-    call: Call, plans: list[partials.OrderPlan], coefficients: Any, coupled: bool, chunk: Any
+    call: Call,
+    plans: list[partials.OrderPlan],
+    coefficients: Any,
+    *,
+    coupled: bool,
+    chunk: Any,
 ) -> Array:
     """The operator ``[B, *out]``, one computation per order (``plans`` not empty)."""
     parts = [
@@ -347,7 +352,11 @@ def _sampled_values(
             f"num_probes={needed}, method='exact', or return_stderr=False."
         )
     exact = [p for p, s in zip(plans, strata, strict=True) if s is None]
-    means = [_exact_values(call, exact, coefficients, False, opts.chunk_size)] if exact else []
+    means = (
+        [_exact_values(call, exact, coefficients, coupled=False, chunk=opts.chunk_size)]
+        if exact
+        else []
+    )
     for plan, k_d in zip(plans, strata, strict=True):
         if k_d is None:
             continue
@@ -399,7 +408,7 @@ def _operator(
         c = _coefficients(call, coefficients, constants)
         if stochastic_method:
             return _sampled_values(call, plans, c, opts, randomness)
-        result = _exact_values(call, plans, c, coupled, opts.chunk_size)
+        result = _exact_values(call, plans, c, coupled=coupled, chunk=opts.chunk_size)
         return result, (backend.zeros_like(result) if opts.return_stderr else None)
 
     def one(argnum: int) -> Callable[..., Any]:
@@ -461,7 +470,7 @@ def derivative(
     ``divjac.jax.derivative``)."""
     fname = "derivative"
     check_option("coupling", coupling, Coupling, fname=fname)
-    opts = _Options("exact", None, "rademacher", False, chunk_size)
+    opts = _Options("exact", None, "rademacher", return_stderr=False, chunk_size=chunk_size)
     return _operator(
         backend,
         u,

@@ -110,7 +110,7 @@ def _laplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Arra
         probes = _draw(call, randomness, k, opts.distribution)
         if opts.return_stderr:
             return _calibrated_laplacian(call, probes, opts)
-        return _sweep(call, probes, None, True, opts.chunk_size) / k, None
+        return _sweep(call, probes, None, collapse=True, chunk_size=opts.chunk_size) / k, None
     if opts.method == "stde":
         n = call.n_in
         k = min(_num_probes(call, opts, randomness), n)
@@ -121,7 +121,13 @@ def _laplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Arra
                 f"0.75-0.93, docs/calibration.md); pass num_probes={n} (exact, stderr 0), or "
                 "use method='hutchinson' with return_stderr=True."
             )
-        terms = _sweep(call, _coordinates(call, randomness, k), None, False, opts.chunk_size)
+        terms = _sweep(
+            call,
+            _coordinates(call, randomness, k),
+            None,
+            collapse=False,
+            chunk_size=opts.chunk_size,
+        )
         mean, err = _mean_and_stderr(call, n * terms, opts.return_stderr)
         # Coordinates drawn without replacement: the finite-population correction.
         return mean, None if err is None else err * math.sqrt(1 - k / n)
@@ -139,7 +145,7 @@ def _laplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Arra
         lap = call.backend.sparse_laplacian(_values(call), call.xb, passes, budget, call)
         if lap is not None:
             return lap, (call.backend.zeros_like(lap) if opts.return_stderr else None)
-    second = _sweep(call, directions, weights, True, opts.chunk_size)
+    second = _sweep(call, directions, weights, collapse=True, chunk_size=opts.chunk_size)
     return second, (call.backend.zeros_like(second) if opts.return_stderr else None)
 
 
@@ -165,7 +171,16 @@ def _hessian_images(call: Call, probes: Array, k: int, chunk_size: int | None) -
             "return_stderr=False, or each output component as its own function."
         )
     _checked_stderr_budget(call, k)
-    return _own_products(call, _grad_spec(call.spec), probes, _itself, k, chunk_size, False, False)
+    return _own_products(
+        call,
+        _grad_spec(call.spec),
+        probes,
+        _itself,
+        k,
+        chunk_size,
+        shared=False,
+        times_tangent=False,
+    )
 
 
 def _calibrated_trace(call: Call, probes: Array, images: Array) -> tuple[Array, Array]:
@@ -195,7 +210,9 @@ def _second_order_transform(
     stochastic_method = opts.method in SWEEP_STOCHASTIC
 
     def transformed(*args: Any, **kwargs: Any) -> Any:
-        randomness, args = _split_randomness(backend, stochastic_method, args, fname)
+        randomness, args = _split_randomness(
+            backend, args, fname, stochastic_method=stochastic_method
+        )
         call = prepare(spec, args, kwargs)
         result, err = values(call, randomness[0] if randomness else None)
         result = _unbatch(call, result, batch_axis)
@@ -262,11 +279,22 @@ def _hvp_laplacian(
     )
     gradient = _gradient(backend, u, argnum, has_aux, fname)
     inner = _divergence_transform(
-        Spec(backend, gradient, argnum, batch_axis, has_aux, coupling, fname, False, ds.mode), ds
+        Spec(
+            backend,
+            gradient,
+            argnum,
+            batch_axis,
+            has_aux,
+            coupling,
+            fname,
+            prefer_reverse=False,
+            direction=ds.mode,
+        ),
+        ds,
     )
 
     def lap_fn(*args: Any, **kwargs: Any) -> Any:
-        _, own = _split_randomness(backend, True, args, fname)
+        _, own = _split_randomness(backend, args, fname, stochastic_method=True)
         call = prepare(spec, own, kwargs)
         backend.ahead(_require_scalar, call)
         _, lap, aux = inner(*args, **kwargs)
@@ -341,7 +369,7 @@ def _weighted_values(
                 hsv = _hessian_images(call, directions, k, opts.chunk_size)
                 images = (backend.moveaxis(M, -1, -2) @ hsv[..., None])[..., 0]
                 return _calibrated_trace(call, v, images)
-            terms = _sweep(call, directions, None, False, opts.chunk_size)
+            terms = _sweep(call, directions, None, collapse=False, chunk_size=opts.chunk_size)
         else:
             v = _draw(call, randomness, k, opts.distribution).reshape(k, B, n)
             if opts.return_stderr:  # tr(A H) from w = A H v
@@ -349,7 +377,7 @@ def _weighted_values(
                 return _calibrated_trace(call, v, (M @ hv[..., None])[..., 0])
             Av = (M @ v[..., None])[..., 0]
             directions = backend.concatenate([v + Av, v - Av]).reshape(2 * k, B, *shape)
-            second = _sweep(call, directions, None, False, opts.chunk_size)
+            second = _sweep(call, directions, None, collapse=False, chunk_size=opts.chunk_size)
             terms = (second[:k] - second[k:]) / 4
         return _mean_and_stderr(call, terms, opts.return_stderr)
     if is_factor:
@@ -368,7 +396,7 @@ def _weighted_values(
         weights = first * 0.5 - 0.25  # 1/4 for the n sums, -1/4 for the n differences
     if planned.coupled:
         directions, weights = _one_sample_at_a_time(call, directions, weights)
-    second = _sweep(call, directions, weights, True, opts.chunk_size)
+    second = _sweep(call, directions, weights, collapse=True, chunk_size=opts.chunk_size)
     return second, (backend.zeros_like(second) if opts.return_stderr else None)
 
 

@@ -147,7 +147,7 @@ def compressed(call: Call, planned: Seeds) -> tuple[Array, Any]:
     Returns the stacked passes ``(k, B, m)`` and the aux.
     """
     seed = shaped(planned.indicator, call.out_sample if planned.reverse else call.in_sample)
-    linear = call.backend.linearize(call, planned.reverse)
+    linear = call.backend.linearize(call, reverse=planned.reverse)
     stacked = linear.passes(
         planned.inputs, seed, _rows(call.batch_size), planned.chunk, shared=True
     )
@@ -299,7 +299,7 @@ def _coupled_jacobian(call: Call, reverse: bool, chunk_size: int | None) -> tupl
         return backend.take_sample(pushed.reshape(B, -1), p // n_seed)
 
     chunk = call.chunk(n_passes, chunk_size)
-    linear = backend.linearize(call, reverse)
+    linear = backend.linearize(call, reverse=reverse)
     blocks = linear.passes(backend.arange(n_passes, xb), seed, finish, chunk, shared=False)
     blocks = blocks.reshape(B, n_seed, -1)
     return (blocks if reverse else backend.moveaxis(blocks, 1, 2)), linear.aux

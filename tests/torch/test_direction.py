@@ -38,9 +38,9 @@ def directions(monkeypatch):
     measured: dict[str, object] = {"answer": True, "calls": 0}
     linearize = _backend.TorchBackend.linearize
 
-    def spy(self, point, reverse):
+    def spy(self, point, *, reverse):
         pushed.append(reverse)
-        return linearize(self, point, reverse)
+        return linearize(self, point, reverse=reverse)
 
     def measure(backend, point):
         measured["calls"] = int(measured["calls"]) + 1

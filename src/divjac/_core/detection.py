@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from .._errors import DetectionMemoryError
-from . import pattern as P, rules
+from . import pattern as P, rules, settings
 from .pattern import BatchLayout, Coupling, SparsityPattern
 from .rules import Deps
 
@@ -53,9 +53,9 @@ _WORKSPACE = 2.5
 def detection_memory_budget() -> int:
     """Bytes the dependency sets of one detection may hold (``DIVJAC_DETECTION_MEMORY_MB``;
     default: a quarter of the machine's memory, at most 4096 MB)."""
-    configured = os.environ.get("DIVJAC_DETECTION_MEMORY_MB")
+    configured = settings.read().detection_memory
     if configured is not None:
-        return int(float(configured) * (1 << 20))
+        return configured
     return min(4096 << 20, physical_memory() // 4)
 
 

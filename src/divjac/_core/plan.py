@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import glob
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +23,7 @@ from .._errors import (
 )
 from .detection import MemoryStop, physical_memory
 from .pattern import SparsityPattern
+from .settings import Settings, read as read_settings
 
 __all__ = [
     "AUTO_DENSE_MAX_PASSES",
@@ -122,19 +122,14 @@ _HOST_MIN_CHUNK = 8
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # of sysfs cache sizes
 
 
-def memory_settings() -> tuple[str | None, str | None]:
-    """The environment's ``DIVJAC_MEMORY_BUDGET_MB`` and ``DIVJAC_MEMORY_LIMIT_MB`` (``None``
-    where unset): what a chunk size depends on besides the device's free memory."""
-    return os.environ.get("DIVJAC_MEMORY_BUDGET_MB"), os.environ.get("DIVJAC_MEMORY_LIMIT_MB")
-
-
-def memory_budget(available: int | None = None) -> int:
-    """Bytes the passes of one call may use at once: ``DIVJAC_MEMORY_BUDGET_MB`` if set, else
-    half of the device's free memory ``available`` where the framework reports it, else 1024 MB.
+def memory_budget(available: int | None = None, settings: Settings | None = None) -> int:
+    """Bytes the passes of one call may use at once: ``DIVJAC_MEMORY_BUDGET_MB`` if set (in
+    ``settings``, else read now), else half of the device's free memory ``available`` where the
+    framework reports it, else 1024 MB.
     """
-    configured = os.environ.get("DIVJAC_MEMORY_BUDGET_MB")
+    configured = (settings or read_settings()).memory_budget
     if configured is not None:
-        return int(float(configured) * (1 << 20))
+        return configured
     if available is not None:
         return int(_DEVICE_SHARE * available)
     return 1024 << 20
@@ -172,9 +167,9 @@ def jacobian_plan(
     """Plan a per-sample Jacobian (``mode`` in :data:`JACOBIAN_MODES`); ``rows_only``: forward
     passes cannot run (an operation without a forward derivative)."""
     if mode == "fwd":
-        return Plan(False, None, n_in)
+        return Plan(reverse=False, colors=None, n_passes=n_in)
     if mode == "rev":
-        return Plan(True, None, n_out)
+        return Plan(reverse=True, colors=None, n_passes=n_out)
     dense_reverse = rows_only or n_out < n_in or (n_out == n_in and prefer_reverse)
     dense = Plan(dense_reverse, None, n_out if dense_reverse else n_in)
     if pattern is None:
@@ -183,8 +178,8 @@ def jacobian_plan(
                 "jacobian_plan: mode='sparse' was planned without a detected pattern"
             )
         return dense
-    by_columns = Plan(False, pattern.colors, pattern.n_colors)
-    by_rows = Plan(True, pattern.row_colors, pattern.n_row_colors)
+    by_columns = Plan(reverse=False, colors=pattern.colors, n_passes=pattern.n_colors)
+    by_rows = Plan(reverse=True, colors=pattern.row_colors, n_passes=pattern.n_row_colors)
     if (
         rows_only
         or by_rows.n_passes < by_columns.n_passes
@@ -248,9 +243,11 @@ def frobenius_plan(
         pattern = pattern.with_diagonal
     candidates = []
     if direction in ("auto", "fwd"):
-        candidates.append(Plan(False, pattern.colors, pattern.n_colors))
+        candidates.append(Plan(reverse=False, colors=pattern.colors, n_passes=pattern.n_colors))
     if direction in ("auto", "rev"):
-        candidates.append(Plan(True, pattern.row_colors, pattern.n_row_colors))
+        candidates.append(
+            Plan(reverse=True, colors=pattern.row_colors, n_passes=pattern.n_row_colors)
+        )
     sparse = min(candidates, key=lambda p: (p.n_passes, p.reverse != prefer_reverse))
     if method == "sparse" or sparse.n_passes <= SPARSE_GAIN * dense.n_passes:
         return sparse
@@ -274,13 +271,14 @@ def color_classes(colors: np.ndarray | None, n: int) -> np.ndarray:
     return classes
 
 
-def memory_limit(available: int | None = None) -> int:
-    """Bytes beyond which passes are refused (``DIVJAC_MEMORY_LIMIT_MB``; default: the device's
-    free memory ``available`` where the framework reports it, else 80 % of the machine's
-    memory): an estimate past it would exhaust the device, whatever the chunk."""
-    configured = os.environ.get("DIVJAC_MEMORY_LIMIT_MB")
+def memory_limit(available: int | None = None, settings: Settings | None = None) -> int:
+    """Bytes beyond which passes are refused (``DIVJAC_MEMORY_LIMIT_MB``, in ``settings``, else
+    read now; default: the device's free memory ``available`` where the framework reports it,
+    else 80 % of the machine's memory): an estimate past it would exhaust the device, whatever
+    the chunk."""
+    configured = (settings or read_settings()).memory_limit
     if configured is not None:
-        return int(float(configured) * (1 << 20))
+        return configured
     if available is not None:
         return available
     return int(0.8 * physical_memory())
@@ -311,6 +309,7 @@ def choose_chunk_size(
     available: int | None = None,
     in_cache: bool = False,
     cache_share: int = 1,
+    settings: Settings | None = None,
 ) -> int:
     """Passes computed at once: ``chunk_size`` if given, else as many as fit the budget, the
     chunks that takes made even (64 passes of which 56 fit: two chunks of 32, not 56 and 8).
@@ -322,7 +321,8 @@ def choose_chunk_size(
     last-level cache (:func:`host_cache_bytes`), in no more chunks than of ``8`` passes each: for
     speed, where more chunks cost nothing else (not where each chunk is recomputed for a
     gradient). ``cache_share``: a pass holds ``1 / cache_share`` of its bytes in the cache at
-    once (a fused sweep).
+    once (a fused sweep). ``settings``: the environment's, as read at the call's start
+    (:func:`divjac._core.settings.read`; read now when ``None``).
 
     Raises:
         OptionError: ``chunk_size`` is not a positive int or ``None``.
@@ -339,14 +339,15 @@ def choose_chunk_size(
     elif n_passes <= 1:  # one chunk whatever the budget
         chunk = 1
     else:
-        fit = memory_budget(available) // max(bytes_per_pass, 1)
-        if in_cache and available is None and "DIVJAC_MEMORY_BUDGET_MB" not in os.environ:
+        settings = settings or read_settings()
+        fit = memory_budget(available, settings) // max(bytes_per_pass, 1)
+        if in_cache and available is None and settings.memory_budget is None:
             held = max(bytes_per_pass // cache_share, 1)  # of a pass, in the cache at once
             cached = max(_HOST_MIN_CHUNK, host_cache_bytes() // held)
             fit = min(fit, cached)
         chunk = int(min(max(fit, 1), n_passes))
         chunk = -(-n_passes // -(-n_passes // chunk))  # as many chunks, of even sizes
-    limit = memory_limit(available)
+    limit = memory_limit(available, settings)
     if chunk * bytes_per_pass > limit:
         fits = limit // max(bytes_per_pass, 1)
         fix = (

@@ -48,12 +48,11 @@ __all__ = ["DENSE", "FEW_PASSES", "PROBES", "Verdict", "screen"]
 FEW_PASSES = 16
 """Dense pass counts at or below which ``"auto"`` never detects the per-sample pattern.
 
-Measured on a 2-core CPU, float32, side by side (detection time over the time of one batched
-pass of the same call): a per-sample detection costs about 11 passes of the 10-class torch CNN
-classifier (B=8, 32x32x3: 1.3 s against 10 reverse passes in 1.16 s), 14 of a 64-wide torch MLP,
-19 of the torch 3-layer CNN and 200 of the JAX one (B=4, 16x16x3). So with at most 16 dense
-passes the sparse plan saves at most 15 passes a call, about what the detection costs at the
-least: it cannot pay on the first call, and saves little on later ones.
+A per-sample detection costs, counted in batched passes of the same call, from about ten
+passes (a small classifier or MLP) to a few hundred (a CNN); ``bench_first_call`` holds the
+measurements. So with at most 16 dense passes the sparse plan saves at most 15 passes a call,
+about what the detection costs at the least: it cannot pay on the first call, and saves little
+on later ones.
 """
 
 PROBES = 16
@@ -91,20 +90,24 @@ def screen(traced: Traced, dense_passes: int) -> Verdict:
     a detection abandoned at once, so that later calls of the same program skip the probe.
     """
     if dense_passes <= FEW_PASSES:
-        return Verdict(False, f"{dense_passes} dense passes: too few for detection to pay off")
+        return Verdict(
+            detect=False, reason=f"{dense_passes} dense passes: too few for detection to pay off"
+        )
     generation = rules.generation()
     detections = traced.detections
     if any(
         gen == generation and per_sample and not whole_batch and limit != _SCREENED
         for gen, per_sample, whole_batch, limit in detections
     ):
-        return Verdict(True)
+        return Verdict(detect=True)
     key = (generation, True, False, _SCREENED)
     if key not in detections:
         if not _dense_on_probes(traced):
-            return Verdict(True)
+            return Verdict(detect=True)
         detections[key] = None
-    return Verdict(False, f"dense on {PROBES} probed inputs: no coloring would save passes")
+    return Verdict(
+        detect=False, reason=f"dense on {PROBES} probed inputs: no coloring would save passes"
+    )
 
 
 def _dense_on_probes(traced: Traced) -> bool:

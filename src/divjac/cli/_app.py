@@ -8,7 +8,6 @@ installed, ...) is reported as one clear message with exit code 2, never a trace
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -16,6 +15,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 
+from .._core import settings
 from ._common import FRAMEWORKS, UsageError
 
 app = typer.Typer(
@@ -44,7 +44,7 @@ def _guarded(body: Callable[[], T]) -> T:
     except (typer.Exit, typer.Abort, KeyboardInterrupt):
         raise
     except Exception as err:
-        if os.environ.get("DIVJAC_DEBUG"):
+        if settings.read().debug:
             raise
         errors.print(
             f"error: {type(err).__name__}: {err}\n(unexpected; set DIVJAC_DEBUG=1 for the "

@@ -38,8 +38,8 @@ def is_array(x: Any) -> bool:
     """Whether ``x`` is an array JAX would trace (not a Python scalar or other object).
 
     Known by ``x``'s type (any tracer is one, whatever its abstract value), remembered per
-    type: ``jax.Array``'s own check is a call into jaxlib, about 1 us, and an eager call asks
-    it of every leaf of its arguments."""
+    type: ``jax.Array``'s own check is a call into jaxlib, and an eager call asks it of every
+    leaf of its arguments."""
     kind = type(x)
     known = _ARRAY_TYPES.get(kind)
     if known is None:

@@ -3,7 +3,8 @@
 Called outside ``jax.jit`` (no argument is a tracer, or only the tracers of an eager
 ``jax.grad`` or ``jax.vmap`` around the call), a transform would run its passes op by op: the
 linearization, every pass program and the colour and index arrays are built and moved to the
-device at every call (seconds per call for a small LSTM's Hessian under an eager ``grad``). :func:`compiled_when_eager` runs the call as one ``jax.jit`` program
+device at every call (a small LSTM's Hessian under an eager ``grad`` would dispatch thousands
+of operations a call). :func:`compiled_when_eager` runs the call as one ``jax.jit`` program
 instead, cached in :data:`CACHE` on everything the program depends on:
 
 - the transform and its options, and the registered rules (their

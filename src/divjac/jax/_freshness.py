@@ -1,8 +1,8 @@
 """What an eager call's trace of the caller's function depends on, checked without tracing.
 
 An eager transform traces ``f`` at every call so that it sees ``f``'s current closures and
-weights (:mod:`divjac.jax._eager`). Where ``f`` is cheap, that trace is most of the call (a few
-milliseconds for FFJORD's ODE function against one for the jitted call). :func:`state` walks
+weights (:mod:`divjac.jax._eager`). Where ``f`` is cheap, that trace is most of the call
+(``bench_jax_eager`` measures it on FFJORD's ODE function). :func:`state` walks
 the Python state ``f``'s code can reach (its closure, defaults and the globals and module
 attributes its code names, recursively through the user's own functions) and returns it as a
 comparable value: while it is unchanged, along with the arguments' structure and types and
@@ -19,9 +19,10 @@ again, as without this check):
   and the globals their code (and nested code) names, recursively; ``functools.partial`` by
   its function and arguments; a bound method by its function and its ``self``;
 - modules, functions and classes of libraries whose functions are pure given their arguments
-  (JAX, NumPy except ``numpy.random``, SciPy, ``math``, ``operator``, ``functools``,
-  Equinox, Flax, Optax, divjac and the standard library's functional modules): by identity;
-  the user's own modules by the attributes the code names;
+  (:data:`~divjac._core.user_state.LIBRARIES` and divjac, less
+  :data:`~divjac._core.user_state.IMPURE`: JAX, NumPy except ``numpy.random``, SciPy,
+  ``math``, Equinox, Flax, Optax, divjac, the standard library's functional modules, ...): by
+  identity; the user's own modules by the attributes the code names;
 - a tracer of an outer transformation, an object of any other type (a Flax ``nnx`` module, an
   Equinox module, a random-number generator), a class of the user's: unknown.
 
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import builtins
 import functools
-import sys
 import types
 from collections.abc import Hashable
 from typing import Any
@@ -42,35 +42,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._core.user_state import code_names, library_definition, pure_module
 from . import _compat
 
 __all__ = ["state"]
-
-_TRUSTED = (
-    "jax",
-    "jaxlib",
-    "numpy",
-    "scipy",
-    "math",
-    "cmath",
-    "operator",
-    "functools",
-    "itertools",
-    "builtins",
-    "_operator",
-    "typing",
-    "collections",
-    "dataclasses",
-    "equinox",
-    "flax",
-    "optax",
-    "einops",
-    "divjac",
-)
-"""Top-level packages whose functions are pure given their arguments (identity is enough)."""
-
-_IMPURE = ("numpy.random", "random", "secrets", "time", "os")
-"""Modules (and their submodules) of global state: never trusted."""
 
 _LIMIT = 4096
 """Values walked at most; beyond it the state is unknown."""
@@ -101,28 +76,6 @@ def _trace_context() -> Hashable:
         return _compat.trace_context()
     except ImportError as error:  # pragma: no cover - a JAX without it: always re-trace
         raise _Unknown from error
-
-
-def _trusted(module: object) -> bool:
-    if not isinstance(module, str):
-        return False
-    if any(module == m or module.startswith(m + ".") for m in _IMPURE):
-        return False
-    return module.split(".", 1)[0] in _TRUSTED
-
-
-def _library_definition(v: Any) -> bool:
-    """Whether ``v`` is what a trusted library's module defines under its name (``jnp.tanh``,
-    ``jax.nn.relu``, ``np.float32``, ``math.sin``): never an instance such a library's classes
-    make for the user (an Equinox or Flax layer)."""
-    module = getattr(v, "__module__", None)
-    name = getattr(v, "__qualname__", None) or getattr(v, "__name__", None)
-    if not _trusted(module) or not isinstance(name, str):
-        return False
-    found: Any = sys.modules.get(str(module))
-    for part in name.split("."):
-        found = getattr(found, part, None)
-    return found is v
 
 
 class _Walk:
@@ -162,10 +115,10 @@ class _Walk:
         if type(v) is dict:
             return (dict, tuple((self.value(k), self.value(x)) for k, x in v.items()))
         if isinstance(v, types.ModuleType):
-            if not _trusted(v.__name__):
+            if not pure_module(v.__name__):
                 raise _Unknown  # the user's modules only through the names code uses
             return ("module", id(v))
-        if _library_definition(v):
+        if library_definition(v):
             return ("library", id(v))
         if isinstance(v, functools.partial):
             return ("partial", self.value(v.func), self.value(v.args), self.value(v.keywords))
@@ -173,7 +126,7 @@ class _Walk:
             return ("method", self.value(v.__func__), self.value(v.__self__))
         if isinstance(v, types.FunctionType):
             return self._function(v)
-        if _trusted(type(v).__module__) and hasattr(v, "__wrapped__"):
+        if pure_module(type(v).__module__) and hasattr(v, "__wrapped__"):
             # A library's wrapper of the user's function (jax.jit, jax.custom_jvp): its rules too.
             inside = getattr(v, "__dict__", None) or {"__wrapped__": v.__wrapped__}
             return ("wrapper", type(v), self.value(dict(inside)))
@@ -193,15 +146,15 @@ class _Walk:
     def _names(self, code: types.CodeType, namespace: dict[str, Any]) -> Hashable:
         """The globals ``code`` (and the code nested in it) names, and the attributes it names
         of the user's modules among them."""
-        names = _names_of(code)
+        names = frozenset(code_names(code))
         found: list[Hashable] = []
         for name in sorted(names):
             if name in namespace:
                 value = namespace[name]
-                if isinstance(value, types.ModuleType) and _trusted(value.__name__):
+                if isinstance(value, types.ModuleType) and pure_module(value.__name__):
                     for a in names:  # np.random.uniform: a library's module of global state
                         inner = getattr(value, a, None)
-                        if isinstance(inner, types.ModuleType) and not _trusted(inner.__name__):
+                        if isinstance(inner, types.ModuleType) and not pure_module(inner.__name__):
                             raise _Unknown
                     found.append((name, "module", id(value)))
                 elif isinstance(value, types.ModuleType):
@@ -216,12 +169,3 @@ class _Walk:
             elif hasattr(builtins, name):
                 found.append((name, "builtin"))
         return tuple(found)
-
-
-@functools.lru_cache(maxsize=1024)
-def _names_of(code: types.CodeType) -> frozenset[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names_of(const)
-    return frozenset(names)

@@ -191,7 +191,7 @@ def lacks_forward_derivative(node: Any, live: set[Any]) -> bool:
         return fwAD.make_dual(t.requires_grad_(), torch.empty_like(t))
 
     missing = False
-    with torch.inference_mode(False), torch.enable_grad(), fwAD.dual_level():
+    with torch.inference_mode(mode=False), torch.enable_grad(), fwAD.dual_level():
         try:
             args, kwargs = pytree.tree_map(meta, (node.args, node.kwargs))
             out = [o for o in pytree.tree_leaves(target(*args, **kwargs)) if inexact(o)]

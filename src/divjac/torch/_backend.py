@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .._backend import Backend, Linear, Point
-from .._core import plan
+from .._core import settings
 from .._core.detection import LRU
 from .._errors import CompileError, FastPathWarning, OptionError, warn_at_caller
 from . import _ddp, _inductor
@@ -89,7 +89,7 @@ _LEAVES = frozenset({torch.Tensor, nn.Parameter, int, float, bool, str, type(Non
 def _normal_tensors() -> contextlib.AbstractContextManager[Any]:
     """Leaves ``torch.inference_mode`` where it is on, for tensors that outlive the call."""
     if torch.is_inference_mode_enabled():
-        return torch.inference_mode(False)
+        return torch.inference_mode(mode=False)
     return contextlib.nullcontext()
 
 
@@ -146,7 +146,7 @@ def _context(backend: TorchBackend, point: Point[Traced]) -> tuple[Any, ...]:
     context): the differentiated input's type, shape, dtype and device, whether the passes go
     on the autograd graph (grad mode, what requires grad), inference mode, a ``torch.func``
     transform around, and the memory the passes may use (the device's free memory,
-    :func:`~divjac._core.plan.memory_settings`)."""
+    :func:`~divjac._core.settings.read`)."""
     xb = point.xb
     return (
         _on_graph(point),
@@ -157,7 +157,7 @@ def _context(backend: TorchBackend, point: Point[Traced]) -> tuple[Any, ...]:
         xb.dtype,
         xb.device,
         backend.memory_available(xb),
-        plan.memory_settings(),
+        settings.read(),
     )
 
 
@@ -368,7 +368,7 @@ class TorchBackend(Backend[Traced]):
         inaccurately (:func:`~divjac.torch._aten.forward_derivative_inexact`)."""
         return bool(self.forward_less(point) or point.traced.forward_inexact)
 
-    def linearize(self, point: Point[Traced], reverse: bool) -> Linear:
+    def linearize(self, point: Point[Traced], *, reverse: bool) -> Linear:
         """Rows on the autograd tape outside ``torch.func`` transforms, ``torch.compile`` and
         ``torch.inference_mode`` (which no tape records, not even under ``enable_grad``: its
         rows would all be zeros), else (and columns) by ``torch.func`` passes, which
@@ -646,7 +646,12 @@ def _measured_reverse(backend: TorchBackend, point: Point[Traced]) -> bool:
         sample = point.out_sample if reverse else point.in_sample
         tangents = point.xb.new_ones((_TIMED, *sample))
         linears[reverse] = functools.partial(
-            backend.linearize(point, reverse).passes, tangents, _as_is, _last, _TIMED, shared=True
+            backend.linearize(point, reverse=reverse).passes,
+            tangents,
+            _as_is,
+            _last,
+            _TIMED,
+            shared=True,
         )
         try:
             linears[reverse]()

@@ -132,7 +132,7 @@ def transforms_mode() -> Iterator[None]:
         return
     token = _LEFT_INFERENCE_MODE.set(True)
     try:
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(mode=False), torch.no_grad():
             yield
     finally:
         _LEFT_INFERENCE_MODE.reset(token)
@@ -253,7 +253,7 @@ def _is_function_class(cls: Any) -> bool:
 
 def mark_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` marked as ``torch._dynamo.assume_constant_result`` marks it (dynamo evaluates its
-    calls as constants), without importing dynamo (seconds) with divjac."""
+    calls as constants), without importing dynamo (a large import) with divjac."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
 

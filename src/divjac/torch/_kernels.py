@@ -34,7 +34,7 @@ def _differentiable_kernels(
     without oneDNN and cuDNN (whose kernels have no forward derivative), the normalizations of
     :class:`_ComposedNorms`, the memory formats of :class:`PlainLayouts`, and the strided
     scatters of :class:`_ComposedScatters`. Only where the
-    graph has them (the contexts cost ~25 us). Separate contexts, entered in one ``with``
+    graph has them (entering the contexts is not free). Separate contexts, entered in one ``with``
     statement (dynamo traces those, not an ``ExitStack``)."""
     norms = traced.norms if forward else traced.norms & {"strided_group"}
     special = traced.attends or traced.runs_rnn or norms or traced.lays_out

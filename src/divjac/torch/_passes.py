@@ -158,8 +158,9 @@ class _Tape(Linear):
     one: the backward kernels of such operations are not composed of differentiable
     operations, and their batching rules are wrong (``cdist``'s in torch 2.13) or missing (the
     in-place arithmetic of the chunked ``linear_cross_entropy``'s backward). Outside ``torch.func`` transforms this is
-    the fast way to pull rows: ``torch.func.vjp`` wraps every operation of the forward pass
-    (about 2 ms per call on FFJORD's ODE function at B=256, against its 1.5 ms of compute).
+    the fast way to pull rows: ``torch.func.vjp`` wraps every operation of the forward pass,
+    an overhead per operation that rivals the compute of a small function (FFJORD's ODE
+    function; ``bench_ffjord``).
 
     With grad mode on (as the caller has it), the passes are on the autograd graph
     (``create_graph``): a loss on the result backpropagates to the parameters and the input.

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .._core import detection
+from .._core.user_state import code_names, library_module
 from .._errors import UnsupportedOperationError
 from ._checks import (
     _ATOMS,
@@ -62,8 +63,6 @@ __all__ = [
 # Steps from the function through closures, globals, attributes and containers (modules are
 # walked whole, with their submodules).
 _DEPTH = 5
-# Packages whose objects and functions are not walked (their state is not the caller's).
-_LIBRARIES = frozenset({"torch", "numpy", "scipy", "builtins", "functools", "typing", "abc"})
 _MODULE_STATE = frozenset(vars(nn.Module()))  # nn.Module's own bookkeeping
 # A recurrent layer's cache of its weights, which its forward refreshes from its parameters
 # (held by the walk): functional_call leaves it on the tensors last passed (a trace's own,
@@ -179,8 +178,8 @@ def reach(fun: Callable[..., Any], static: Sequence[Any], *, record: bool = Fals
     Library objects (torch, NumPy: optimizers, arrays) are not followed: they count by
     identity.
 
-    With ``record``, the walk also records :class:`Checks`: how to tell, much faster than by
-    walking again, that nothing it read has changed (``None`` where it met what they cannot
+    With ``record``, the walk also records :class:`Checks`: how to tell, without walking
+    again, that nothing it read has changed (``None`` where it met what they cannot
     check).
     """
     walk = _Walk(record=record, logs=_logs_of(fun))
@@ -208,24 +207,10 @@ def module_signature(module: nn.Module) -> Hashable:
     return tuple(walk.sig)
 
 
-@functools.lru_cache(maxsize=4096)
-def _code_names(code: types.CodeType) -> tuple[str, ...]:
-    """The global and attribute names a code object and the functions defined in it use."""
-    names = list(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names.extend(_code_names(const))
-    return tuple(dict.fromkeys(names))
-
-
 def library(obj: Any) -> bool:
-    """Whether a class or function belongs to a library (see :data:`_LIBRARIES`)."""
-    return _library_module(getattr(obj, "__module__", None))
-
-
-@functools.lru_cache(maxsize=1024)
-def _library_module(name: str | None) -> bool:
-    return str(name or "").partition(".")[0] in _LIBRARIES
+    """Whether a class or function belongs to a library (one of
+    :data:`~divjac._core.user_state.LIBRARIES`): not walked, counted by identity."""
+    return library_module(getattr(obj, "__module__", None))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -382,7 +367,7 @@ class _Walk:
     def function(self, fn: types.FunctionType, depth: int) -> None:
         code = fn.__code__
         self.sig.append(code)
-        names = _code_names(code)
+        names = code_names(code)
         self.names.update(names)
         if self.record:
             self.check_function(fn, names)

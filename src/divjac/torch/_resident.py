@@ -31,7 +31,7 @@ def resident(host: np.ndarray, device: torch.device) -> torch.Tensor:
     found = _KEPT.get(key)
     if found is not None and found[0]() is host:
         return found[1]
-    with torch.inference_mode(False):
+    with torch.inference_mode(mode=False):
         tensor = torch.as_tensor(host, device=device)
     _KEPT[key] = (weakref.ref(host), tensor)
     # Dropped with the array (not at exit: the interpreter clears modules first).

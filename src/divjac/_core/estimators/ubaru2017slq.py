@@ -168,7 +168,7 @@ def _quadrature(
 
     The first ``m - 1`` steps are one ``loop`` over arrays of fixed shapes (the basis, the
     entries of ``T_m``), so that a framework's loop traces one step whatever ``m`` (an
-    unrolled one traced ``m`` products: 18 s to compile 100 steps in JAX); the last step is
+    unrolled one traces ``m`` products, and its compile time grows with ``m``); the last step is
     its product alone."""
     xp = namespace(q)
     info = xp.finfo(q.dtype)

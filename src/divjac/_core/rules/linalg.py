@@ -72,11 +72,11 @@ def dot_general(
     )
     if rhs.is_empty and rhs_value is not None and _sparse_constant(rhs_value):
         return _dot_with_constant(
-            lhs, rhs_value, (lb, lhs_free, lc), (rb, rc, rhs_free), out_shape, True
+            lhs, rhs_value, (lb, lhs_free, lc), (rb, rc, rhs_free), out_shape, operand_first=True
         )
     if lhs.is_empty and lhs_value is not None and _sparse_constant(lhs_value):
         return _dot_with_constant(
-            rhs, lhs_value, (rb, rhs_free, rc), (lb, lc, lhs_free), out_shape, False
+            rhs, lhs_value, (rb, rhs_free, rc), (lb, lc, lhs_free), out_shape, operand_first=False
         )
 
     def spread(
@@ -84,6 +84,7 @@ def dot_general(
         contract: Sequence[int],
         bdims: Sequence[int],
         free: Sequence[int],
+        *,
         first: bool,
     ) -> Deps:
         if operand.is_empty:
@@ -100,7 +101,9 @@ def dot_general(
             expanded = moved.reshape(moved.shape[:nb] + (1,) * n_other + moved.shape[nb:])
         return gather(reduced, np.broadcast_to(expanded, out_shape))
 
-    return union(spread(lhs, lc, lb, lhs_free, True), spread(rhs, rc, rb, rhs_free, False))
+    return union(
+        spread(lhs, lc, lb, lhs_free, first=True), spread(rhs, rc, rb, rhs_free, first=False)
+    )
 
 
 def _sparse_constant(value: np.ndarray) -> bool:
@@ -115,6 +118,7 @@ def _dot_with_constant(
     operand_axes: tuple[Sequence[int], Sequence[int], Sequence[int]],
     constant_axes: tuple[Sequence[int], Sequence[int], Sequence[int]],
     out_shape: tuple[int, ...],
+    *,
     operand_first: bool,
 ) -> Deps:
     """``dot_general`` of a dependency-carrying operand with a constant, using its zeros.

@@ -78,7 +78,7 @@ def _mlp_jacobian() -> Case:
     w1 = rng.standard_normal((n, hidden)) / np.sqrt(n)
     w2 = rng.standard_normal((hidden, n)) / np.sqrt(hidden)
     x = rng.standard_normal((4, n))
-    return Case(_fd_jacobians(lambda x: np.tanh(x @ w1) @ w2, x), (n,), False)
+    return Case(_fd_jacobians(lambda x: np.tanh(x @ w1) @ w2, x), (n,), hessian=False)
 
 
 def _conv(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -96,7 +96,7 @@ def _cnn_jacobian() -> Case:
     def f(x: np.ndarray) -> np.ndarray:
         return _conv(np.tanh(_conv(x.reshape(-1, *shape), w1)), w2).reshape(len(x), -1)
 
-    return Case(_fd_jacobians(f, rng.standard_normal((4, 128))), shape, False)
+    return Case(_fd_jacobians(f, rng.standard_normal((4, 128))), shape, hessian=False)
 
 
 def _tanh_jacobian(n: int = 64) -> Case:
@@ -105,10 +105,10 @@ def _tanh_jacobian(n: int = 64) -> Case:
     a = rng.standard_normal((n, n)) / np.sqrt(n) * 2
     x = rng.standard_normal((4, n))
     slope = 1 - np.tanh(x @ a) ** 2
-    return Case(slope[:, :, None] * a.T[None] + 0.5 * np.eye(n), (n,), False)
+    return Case(slope[:, :, None] * a.T[None] + 0.5 * np.eye(n), (n,), hessian=False)
 
 
-def _single(matrix: np.ndarray, hessian: bool = False) -> Case:
+def _single(matrix: np.ndarray, *, hessian: bool = False) -> Case:
     return Case(matrix[None], (matrix.shape[-1],), hessian)
 
 
@@ -121,14 +121,14 @@ def _pinn_hessians(d: int, hidden: int = 32) -> Case:
     x = rng.uniform(-1, 1, (4, d))
     z = np.tanh(x @ w1.T + b1)
     curvature = w2 * (-2 * z * (1 - z * z))
-    return Case(np.einsum("hi,bh,hj->bij", w1, curvature, w1), (d,), True)
+    return Case(np.einsum("hi,bh,hj->bij", w1, curvature, w1), (d,), hessian=True)
 
 
 def _gaussian_bump_hessians(d: int = 8) -> Case:
     """Hessians of ``exp(-|x|^2 / 2)``: ``e (x x^T - I)``."""
     x = _rng("bump").standard_normal((4, d)) * 0.7
     e = np.exp(-0.5 * np.sum(x * x, axis=1))
-    return Case(e[:, None, None] * (x[:, :, None] * x[:, None, :] - np.eye(d)), (d,), True)
+    return Case(e[:, None, None] * (x[:, :, None] * x[:, None, :] - np.eye(d)), (d,), hessian=True)
 
 
 def _rosenbrock_hessians(d: int = 10) -> Case:
@@ -139,7 +139,7 @@ def _rosenbrock_hessians(d: int = 10) -> Case:
     h[:, i, i] += 1200 * x[:, :-1] ** 2 - 400 * x[:, 1:] + 2
     h[:, i + 1, i + 1] += 200
     h[:, i, i + 1] = h[:, i + 1, i] = -400 * x[:, :-1]
-    return Case(h, (d,), True)
+    return Case(h, (d,), hessian=True)
 
 
 def _low_rank_noise(n: int = 40, rank: int = 3) -> np.ndarray:
@@ -154,7 +154,9 @@ def _spectrum(n: int, eigenvalues: np.ndarray, name: str) -> np.ndarray:
 
 
 CASES: dict[str, Callable[[], Case]] = {
-    "Hessian of x0^2 + x0 x1 (d=2)": lambda: _single(np.array([[2.0, 1.0], [1.0, 0.0]]), True),
+    "Hessian of x0^2 + x0 x1 (d=2)": lambda: _single(
+        np.array([[2.0, 1.0], [1.0, 0.0]]), hessian=True
+    ),
     "PINN Hessian (d=2)": lambda: _pinn_hessians(2),
     "PINN Hessian (d=3)": lambda: _pinn_hessians(3),
     "PINN Hessian (d=5)": lambda: _pinn_hessians(5),
@@ -162,13 +164,13 @@ CASES: dict[str, Callable[[], Case]] = {
     "Gaussian bump Hessian (d=8)": _gaussian_bump_hessians,
     "Rosenbrock Hessian (d=10)": _rosenbrock_hessians,
     "Wishart G G^T / n (n=12)": lambda: _single(
-        (lambda g: g @ g.T / 12)(_rng("wishart").standard_normal((12, 12))), True
+        (lambda g: g @ g.T / 12)(_rng("wishart").standard_normal((12, 12))), hessian=True
     ),
     "indefinite spectrum +-1/i (n=16)": lambda: _single(
-        _spectrum(16, (-1.0) ** np.arange(16) / np.arange(1, 17), "indefinite"), True
+        _spectrum(16, (-1.0) ** np.arange(16) / np.arange(1, 17), "indefinite"), hessian=True
     ),
     "decaying spectrum 1/i^2 (n=32)": lambda: _single(
-        _spectrum(32, 1 / np.arange(1, 33) ** 2, "decay"), True
+        _spectrum(32, 1 / np.arange(1, 33) ** 2, "decay"), hessian=True
     ),
     "rand(10, 10)": lambda: _single(_rng("rand10").random((10, 10))),
     "rand(15, 15)": lambda: _single(_rng("rand15").random((15, 15))),
@@ -188,7 +190,7 @@ CASES: dict[str, Callable[[], Case]] = {
         + np.diag(np.ones(23), 1)
         - 0.5 * np.diag(np.ones(23), -1)
     ),
-    "diagonal (n=12)": lambda: _single(np.diag(np.arange(1.0, 13.0)), True),
+    "diagonal (n=12)": lambda: _single(np.diag(np.arange(1.0, 13.0)), hessian=True),
 }
 """The calibration set: name -> builder of its per-sample matrices."""
 
@@ -594,11 +596,11 @@ def _field_case(name: str, x: np.ndarray) -> Case:
     kind, w, _ = _fields()[name]
     n = x.size
     if kind == "quadratic":
-        return _single(np.array([[2.0, 1.0], [1.0, 0.0]]), True)
+        return _single(np.array([[2.0, 1.0], [1.0, 0.0]]), hessian=True)
     if kind == "pinn":
         w1, b1, w2 = w
         z = np.tanh(w1 @ x + b1)
-        return _single((w1.T * (w2 * (-2 * z * (1 - z * z)))) @ w1, True)
+        return _single((w1.T * (w2 * (-2 * z * (1 - z * z)))) @ w1, hessian=True)
     if kind == "linear":
         return _single(w)
     slope = 1 - np.tanh(x @ w) ** 2

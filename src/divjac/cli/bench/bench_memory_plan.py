@@ -157,7 +157,7 @@ def _torch_peak(chunk: int, batch: int, channels: int, size: int) -> dict[str, f
     params = models.init_unet(0, channels=channels, in_channels=1)
     leaves = [t for v in params.values() for t in (v if isinstance(v, tuple) else (v,))]
     for t in leaves:
-        t.requires_grad_(True)
+        t.requires_grad_(requires_grad=True)
     x = torch.randn(batch, 1, size, size, generator=torch.Generator().manual_seed(1))
     div = divergence(lambda x: models.unet(params, x), method="sparse", chunk_size=chunk)
     seen, _ = _spy_estimates()
