@@ -265,6 +265,14 @@ class TorchBackend(Backend[Traced]):
         """Passes on the autograd graph are checkpointed chunk by chunk (:func:`_checkpointed`)."""
         return _recomputed(point)
 
+    def rows_overhead_only(self, point: Point[Traced]) -> bool:
+        """Eagerly (not under ``torch.compile``), in a convolution network: its rows share the
+        forward pass recorded once, and ``vmap`` over its backward batches kernels that are
+        large already (a convolution's) or copies their input per row (BatchNorm's backward
+        in eval mode), so a batch of large rows runs slower than the same rows one by one
+        (a 10-class ResNet, ``B >= 8``: 0.3-0.75x the time)."""
+        return not _compiling() and point.traced.has_convolution
+
     def memory_available(self, x: torch.Tensor) -> int | None:
         """The free memory of a CUDA device (``torch.cuda.mem_get_info``); ``None`` elsewhere."""
         if x.device.type != "cuda":
