@@ -268,9 +268,8 @@ class TorchBackend(Backend[Traced]):
     def rows_overhead_only(self, point: Point[Traced]) -> bool:
         """Eagerly (not under ``torch.compile``), in a convolution network: its rows share the
         forward pass recorded once, and ``vmap`` over its backward batches kernels that are
-        large already (a convolution's) or copies their input per row (BatchNorm's backward
-        in eval mode), so a batch of large rows runs slower than the same rows one by one
-        (a 10-class ResNet, ``B >= 8``: 0.3-0.75x the time)."""
+        large already (a convolution's) or whose batching rule is slower than the kernel run
+        row by row (BatchNorm's backward in eval mode), so a batch of large rows runs slower than the same rows one by one."""
         return not _compiling() and point.traced.has_convolution
 
     def memory_available(self, x: torch.Tensor) -> int | None:
