@@ -271,6 +271,12 @@ class Backend(abc.ABC, Generic[TracedT]):
         per-sample gradient (the Hessian's pattern and products) cannot be formed."""
         return frozenset()
 
+    def rows_overhead_only(self, point: Point[TracedT]) -> bool:
+        """Whether batching the rows (VJPs) of the program at ``point``, which share one
+        evaluation of it, saves only the overhead of their kernels: then on the host large
+        rows are pulled one at a time (:func:`~divjac._core.plan.choose_chunk_size`)."""
+        return False
+
     def pass_elements(self, point: Point[TracedT]) -> int:
         """Elements one pass holds at once at ``point`` (memory planning; an upper bound):
         the traced program's estimate, unless a backend keeps more where a gradient will flow

@@ -213,14 +213,22 @@ class Call(Point[Traced]):
         return self.backend.itemsize(xb) * elements // self.backend.batch_shards(xb)
 
     def chunk(
-        self, n_passes: int, chunk_size: int | None, in_cache: bool = True, share: int = 1
+        self,
+        n_passes: int,
+        chunk_size: int | None,
+        in_cache: bool = True,
+        share: int = 1,
+        *,
+        reverse: bool = False,
     ) -> int:
         """Passes run at once: ``chunk_size``, or as many as fit the memory budget (of the
         device, where the framework reports its free memory). ``in_cache``: passes (or the
         directions of a second-order sweep) that on the host run fastest in chunks that stay
         in the CPU's cache, unless the backward of a gradient recomputes every chunk
         (:func:`plan.choose_chunk_size`); ``False`` for a bound by memory alone. ``share``:
-        passes hold ``1 / share`` of their bytes in the cache at once."""
+        passes hold ``1 / share`` of their bytes in the cache at once. ``reverse``: the
+        passes pull rows, which the backend may batch for little gain
+        (:meth:`~divjac._backend.Backend.rows_overhead_only`)."""
         available = self.backend.memory_available(self.xb)
         in_cache = in_cache and not self.backend.recomputes_chunks(self)
         return plan.choose_chunk_size(
@@ -231,6 +239,7 @@ class Call(Point[Traced]):
             in_cache=in_cache,
             cache_share=share,
             settings=self.settings,
+            overhead_only=reverse and self.backend.rows_overhead_only(self),
         )
 
     def detect(

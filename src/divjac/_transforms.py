@@ -138,7 +138,8 @@ def seeds(
     inputs, indicator = call.backend.indicators(
         the_plan.colors, n_seed, the_plan.n_passes, call.xb, indexed=indexed
     )
-    return Seeds(the_plan.reverse, inputs, indicator, call.chunk(the_plan.n_passes, chunk_size))
+    chunk = call.chunk(the_plan.n_passes, chunk_size, reverse=the_plan.reverse)
+    return Seeds(the_plan.reverse, inputs, indicator, chunk)
 
 
 def compressed(call: Call, planned: Seeds) -> tuple[Array, Any]:
@@ -298,7 +299,7 @@ def _coupled_jacobian(call: Call, reverse: bool, chunk_size: int | None) -> tupl
     def finish(p: Array, t: Array, pushed: Array) -> Array:
         return backend.take_sample(pushed.reshape(B, -1), p // n_seed)
 
-    chunk = call.chunk(n_passes, chunk_size)
+    chunk = call.chunk(n_passes, chunk_size, reverse=reverse)
     linear = backend.linearize(call, reverse=reverse)
     blocks = linear.passes(backend.arange(n_passes, xb), seed, finish, chunk, shared=False)
     blocks = blocks.reshape(B, n_seed, -1)

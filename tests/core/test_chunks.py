@@ -32,6 +32,25 @@ def test_on_the_host_a_chunk_of_first_order_passes_fits_the_cache():
 
 
 @pytest.mark.usefixtures("host")
+def test_large_passes_whose_batching_saves_only_overhead_run_one_at_a_time():
+    """Rows that share one forward pass (a convolution network's on PyTorch's tape): where 8
+    of them would fill more than half the cache, one at a time, as a loop of backward passes;
+    small ones keep their chunks of at least 8, in the cache."""
+    # a 10-class ResNet's rows at B = 8 (3 MB each) and B = 128 (49 MB): one at a time
+    assert plan.choose_chunk_size(10, 3 * MIB, None, in_cache=True, overhead_only=True) == 1
+    assert plan.choose_chunk_size(10, 49 * MIB, None, in_cache=True, overhead_only=True) == 1
+    # small rows (an MLP's, a small image's): batched as before
+    assert plan.choose_chunk_size(10, MIB, None, in_cache=True, overhead_only=True) == 10
+    assert plan.choose_chunk_size(147, MIB, None, in_cache=True, overhead_only=True) == 30
+    # passes that batching saves more than overhead (columns, each evaluating the function)
+    assert plan.choose_chunk_size(10, 3 * MIB, None, in_cache=True) == 10
+    assert plan.choose_chunk_size(10, 49 * MIB, None, in_cache=True) == 5  # at least 8
+    # the caller's chunk, a device's memory, a set budget: as they say
+    assert plan.choose_chunk_size(10, 49 * MIB, 10, in_cache=True, overhead_only=True) == 10
+    assert plan.choose_chunk_size(10, 49 * MIB, None, overhead_only=True) == 10
+
+
+@pytest.mark.usefixtures("host")
 def test_a_device_or_a_set_budget_is_not_cut_to_the_cache(monkeypatch):
     assert plan.choose_chunk_size(147, MIB, None, available=8 << 30, in_cache=True) == 147
     monkeypatch.setenv("DIVJAC_MEMORY_BUDGET_MB", "100")
@@ -66,3 +85,41 @@ def test_jax_passes_under_a_gradient_are_not_cut_to_the_cache(monkeypatch):
     div(x)
     jax.grad(lambda x: div(x).sum())(x)
     assert chunks == [7, 20]  # the floor of 8 passes: 3 chunks, made even
+
+
+@pytest.mark.usefixtures("host")
+def test_torch_rows_of_a_convolution_network_are_pulled_one_at_a_time(monkeypatch):
+    """A 10-class convolution network's Jacobian pulls its 10 rows one at a time where they
+    are large (here: every pass, the cache made tiny); an MLP's rows stay batched (chunks of
+    at least 8); the values are those of a loop of backward passes."""
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    from divjac.torch import jacobian
+
+    monkeypatch.setattr(plan, "host_cache_bytes", lambda: 1)
+    chunks = []
+    original = plan.choose_chunk_size
+
+    def spy(*args, **kwargs):
+        chunks.append(original(*args, **kwargs))
+        return chunks[-1]
+
+    monkeypatch.setattr(plan, "choose_chunk_size", spy)
+    torch.manual_seed(0)
+    d = torch.float64
+    conv = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10),
+    ).to(d).eval()  # fmt: skip
+    mlp = nn.Sequential(nn.Flatten(), nn.Linear(48, 16), nn.Tanh(), nn.Linear(16, 10)).to(d)
+    x = torch.randn(2, 3, 4, 4, dtype=d)
+    for net, chunk in ((conv, 1), (mlp, 5)):
+        chunks.clear()
+        with torch.no_grad():
+            jac = jacobian(net)(x)
+        assert chunks == [chunk]
+        xg = x.clone().requires_grad_()
+        out = net(xg)
+        rows = [torch.autograd.grad(out[:, k].sum(), xg, retain_graph=True)[0] for k in range(10)]
+        torch.testing.assert_close(jac, torch.stack(rows, 1))

@@ -119,6 +119,14 @@ _DEVICE_SHARE = 0.5
 # longer in one chunk than in chunks of 8-16, a dense MLP Jacobian (64 passes) 1.8x. Chunks
 # keep at least this many passes (fewer lose the batching of a pass's small kernels).
 _HOST_MIN_CHUNK = 8
+# Passes whose batching saves only the overhead of their kernels (``overhead_only``) run one at
+# a time where a chunk of _HOST_MIN_CHUNK of them would fill more than this share of the cache
+# (the rest holds what every pass reads: the function's saved forward). On 2 EPYC cores (32 MiB
+# of L3), the 10 rows of a ResNet on [B, 3, 32, 32] (BatchNorm in eval mode) pulled one at a
+# time on PyTorch's tape took 0.4-0.8x the time of the chunks of 5-10 that vmap batched
+# (B = 8-128: 3-49 MB a pass), a 3-layer CNN's 48 sparse divergence rows at [8, 3, 32, 32]
+# 0.6x; at 0.4-1.5 MB a pass (B = 1-4) the two were within noise, or batching won.
+_HOST_BATCHED_SHARE = 0.5
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # of sysfs cache sizes
 
 
@@ -310,6 +318,7 @@ def choose_chunk_size(
     in_cache: bool = False,
     cache_share: int = 1,
     settings: Settings | None = None,
+    overhead_only: bool = False,
 ) -> int:
     """Passes computed at once: ``chunk_size`` if given, else as many as fit the budget, the
     chunks that takes made even (64 passes of which 56 fit: two chunks of 32, not 56 and 8).
@@ -322,7 +331,12 @@ def choose_chunk_size(
     speed, where more chunks cost nothing else (not where each chunk is recomputed for a
     gradient). ``cache_share``: a pass holds ``1 / cache_share`` of its bytes in the cache at
     once (a fused sweep). ``settings``: the environment's, as read at the call's start
-    (:func:`divjac._core.settings.read`; read now when ``None``).
+    (:func:`divjac._core.settings.read`; read now when ``None``). ``overhead_only``: the passes
+    share one evaluation of the function and batching them saves only the overhead of their own
+    kernels (the rows of a convolution network on an eager framework's tape); with ``in_cache``,
+    where ``8`` of them would fill more than half the cache, they run one at a time: their
+    kernels are then large enough that the overhead is small, while a batch of them costs the
+    batching rules of their kernels and a working set past the cache.
 
     Raises:
         OptionError: ``chunk_size`` is not a positive int or ``None``.
@@ -343,8 +357,11 @@ def choose_chunk_size(
         fit = memory_budget(available, settings) // max(bytes_per_pass, 1)
         if in_cache and available is None and settings.memory_budget is None:
             held = max(bytes_per_pass // cache_share, 1)  # of a pass, in the cache at once
-            cached = max(_HOST_MIN_CHUNK, host_cache_bytes() // held)
-            fit = min(fit, cached)
+            cache = host_cache_bytes()
+            if overhead_only and _HOST_MIN_CHUNK * held > _HOST_BATCHED_SHARE * cache:
+                fit = 1
+            else:
+                fit = min(fit, max(_HOST_MIN_CHUNK, cache // held))
         chunk = int(min(max(fit, 1), n_passes))
         chunk = -(-n_passes // -(-n_passes // chunk))  # as many chunks, of even sizes
     limit = memory_limit(available, settings)

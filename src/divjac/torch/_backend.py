@@ -266,6 +266,13 @@ class TorchBackend(Backend[Traced]):
         """Passes on the autograd graph are checkpointed chunk by chunk (:func:`_checkpointed`)."""
         return _recomputed(point)
 
+    def rows_overhead_only(self, point: Point[Traced]) -> bool:
+        """Eagerly (not under ``torch.compile``), in a convolution network: its rows share the
+        forward pass recorded once, and ``vmap`` over its backward batches kernels that are
+        large already (a convolution's) or whose batching rule is slower than the kernel run
+        row by row (BatchNorm's backward in eval mode), so a batch of large rows runs slower than the same rows one by one."""
+        return not _compiling() and point.traced.has_convolution
+
     def memory_available(self, x: torch.Tensor) -> int | None:
         """The free memory of a CUDA device (``torch.cuda.mem_get_info``); ``None`` elsewhere."""
         if x.device.type != "cuda":
