@@ -284,6 +284,23 @@ def test_transformer_fast_path_is_off_when_compiled_without_grad(grad: str) -> N
     assert torch.backends.mha.get_fastpath_enabled()  # and switched back on
 
 
+@pytest.mark.parametrize("method", ["sparse", "hutchinson"])
+def test_hessian_diagonal_by_hessian_vector_products_compiles(method: str) -> None:
+    """``hessian_diagonal`` by Hessian-vector products of the gradient (one per diagonal
+    colour, or per probe) under ``torch.compile``: their seeds, direction and chunks are
+    planned ahead of dynamo's trace (dynamo raised a raw ``NameError`` keying the seeds'
+    cache on the colours' ``id``, and could not guard the gradient's spec nor the trace's
+    weak references)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    x = _x()
+    probes = torch.randn(2, *x.shape, dtype=torch.float64)
+    diag = dj.hessian_diagonal(lambda x: net(x).sum(1), method=method, num_probes=2)
+    lead = (probes,) if method == "hutchinson" else ()
+    compiled = torch.compile(lambda x: diag(*lead, x), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), diag(*lead, x), rtol=1e-12, atol=1e-14)
+
+
 def test_train_eval_switch_recompiles() -> None:
     """Dropout in eval mode compiles; in training mode the compiled passes refuse it."""
     torch.manual_seed(0)
