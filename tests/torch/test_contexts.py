@@ -303,6 +303,7 @@ def _check_result(
             sum(leaf.sum() for leaf in _leaves(result)),
             [step.new_params[n] for n in names],
             allow_unused=True,
+            retain_graph=True,  # (the gradient w.r.t. the input follows: check())
         )
         with reference_mode():
             total = sum(leaf.sum() for leaf in _leaves(variant.expect(t, dtype)))
@@ -367,7 +368,7 @@ def check(case: Case) -> None:
     if case.grad == "requires_grad" and case.variant == "divergence-auto-auto":
         # backpropagates to the input
         (grad,) = torch.autograd.grad(result.sum(), steps[-1].args[argnums])
-        _close(grad, truth(case.model, 0.0, steps[-1].times)[0].grad_div, dtype)
+        _close(grad, truth(case.model, steps[-1].shift, steps[-1].times)[0].grad_div, dtype)
 
 
 @pytest.mark.parametrize("case", DEFAULT, ids=lambda c: c.id)
