@@ -270,7 +270,7 @@ def test_attention_and_layer_norm_compile() -> None:
 @pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
 def test_transformer_fast_path_is_off_when_compiled_without_grad(grad: str) -> None:
     """A transformer block in eval mode, its compiled forward passes called under ``no_grad``
-    or ``inference_mode``: the layer's fused fast path (``_transformer_encoder_layer_fwd``,
+    or ``inference_mode``, and its compiled Laplacian sweep: the layer's fused fast path (``_transformer_encoder_layer_fwd``,
     with no forward derivative) is switched off under ``torch.compile`` as in eager (dynamo
     raised "Trying to use forward AD with aten::_transformer_encoder_layer_fwd")."""
     torch.manual_seed(0)
@@ -278,10 +278,12 @@ def test_transformer_fast_path_is_off_when_compiled_without_grad(grad: str) -> N
     net = net.double().eval()
     x = torch.randn(2, 3, 4, dtype=torch.float64)
     jac = dj.jacobian(net, mode="fwd")
-    compiled = torch.compile(lambda x: jac(x), fullgraph=True, backend="aot_eager")
-    with torch.no_grad() if grad == "no_grad" else torch.inference_mode():
-        got = compiled(x)
-    torch.testing.assert_close(got, jac(x).detach(), rtol=1e-12, atol=1e-14)
+    lap = dj.laplacian(lambda x: torch.sin(net(x)).flatten(1).sum(1))  # (the compiled sweep)
+    for transform in (jac, lap):
+        compiled = torch.compile(lambda x, t=transform: t(x), fullgraph=True, backend="aot_eager")
+        with torch.no_grad() if grad == "no_grad" else torch.inference_mode():
+            got = compiled(x)
+        torch.testing.assert_close(got, transform(x).detach(), rtol=1e-12, atol=1e-13)
     assert torch.backends.mha.get_fastpath_enabled()  # and switched back on
 
 
