@@ -261,7 +261,7 @@ class TorchBackend(Backend[Traced]):
         """Under ``torch.compile``, ``xs``'s leading axis is a batch axis (``vmap``, ``chunk``
         at a time: dynamo would unroll a loop into one program per element); eagerly, a loop."""
         if _compiling():
-            return cast(torch.Tensor, torch.func.vmap(fn, chunk_size=chunk)(xs))
+            return torch.func.vmap(fn, chunk_size=chunk)(xs)
         return super().map_stacked(fn, xs, chunk)
 
     def functional(self, fun: Callable[..., Any]) -> Callable[..., Any]:
