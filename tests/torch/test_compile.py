@@ -329,6 +329,21 @@ def test_compiled_hutchinson_bilaplacian_maps_its_probes() -> None:
     assert nodes[0] == nodes[1], nodes
 
 
+def test_derivative_compiles_under_inference_mode() -> None:
+    """A compiled ``derivative`` called under ``torch.inference_mode``: the transform's
+    coefficients reach the passes as a setup's constant (read from its closure, dynamo
+    guarded the NumPy array as a tensor, and the guard failed as it was made: "Guard failed
+    on the same frame it was created")."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    x = _x()
+    d = dj.derivative(lambda x: net(x).sum(1), (0, 1))
+    compiled = torch.compile(lambda x: d(x), fullgraph=True, backend="aot_eager")
+    with torch.inference_mode():
+        got = compiled(x)
+    torch.testing.assert_close(got, d(x).detach(), rtol=1e-12, atol=1e-14)
+
+
 def test_train_eval_switch_recompiles() -> None:
     """Dropout in eval mode compiles; in training mode the compiled passes refuse it."""
     torch.manual_seed(0)
