@@ -137,8 +137,9 @@ def _diagonal_values(
     k = _sampled(call, opts, randomness, n) if hutchinson else None
     if k is not None:
         probes = _draw(call, randomness, k, opts.distribution)
+        how = backend.ahead(_gradient_passes, call, k, opts.chunk_size)
         images = _own_products(
-            call, grad_spec, probes, _itself, k, opts.chunk_size, shared=False, times_tangent=False
+            call, grad_spec, probes, _itself, how, shared=False, times_tangent=False
         )
         v = probes.reshape(k, B, n)
         if not opts.return_stderr:
@@ -148,19 +149,12 @@ def _diagonal_values(
         v, hv = (backend.moveaxis(a, 0, -1) for a in (v, images))
         mean, err = est.diagonal_mean_and_stderr(v, hv, est.namespace(v))
         return mean.reshape(B, *call.in_sample), _shaped(call, err)
-    colors = planned.colors
-    # The sweep pushes forward derivatives: where an operation lacks them, Hessian rows.
-    sweep = colors is None and not planned.coupled
-    if sweep and n and not backend.ahead(Call.columns_possible, call, "auto"):
-        colors = np.arange(n)
-    if colors is not None:
-        n_colors = int(colors.max()) + 1
-        inputs, indicator = backend.indicators(colors, n, n_colors, call.xb)
+    colored = backend.ahead(_colored, call, opts.method, hutchinson, opts.chunk_size)
+    if colored is not None:
+        inputs, indicator, how = colored
         seed = shaped(indicator, call.in_sample)
         # Diagonal colors: H_ij = 0 for i != j of one color, so (H v_c)_i = H_ii for i in c.
-        passes = _own_products(
-            call, grad_spec, inputs, seed, n_colors, opts.chunk_size, shared=True
-        )
+        passes = _own_products(call, grad_spec, inputs, seed, how, shared=True)
         diag = passes.sum(0).reshape(B, *call.in_sample)
         return diag, (backend.zeros_like(diag) if opts.return_stderr else None)
     directions = _basis(call, None)
@@ -177,13 +171,34 @@ def _diagonal_values(
     return diag, (backend.zeros_like(diag) if opts.return_stderr else None)
 
 
+def _colored(
+    call: Call, method: str, hutchinson: bool, chunk_size: int | None
+) -> tuple[Array, Callable[[Array], Array], tuple[bool, int]] | None:
+    """The seeds of the Hessian-vector products of the exact diagonal (the inputs and
+    indicator of :meth:`~divjac._backend.Backend.indicators`), one per diagonal colour, or
+    one per element where the sweep cannot push forward derivatives, and how they run
+    (:func:`_gradient_passes`); ``None`` where the diagonal comes from the sweep. A setup
+    (under ``torch.compile``, evaluated ahead of dynamo's trace, which cannot key the seeds'
+    cache on the colours' ``id``)."""
+    planned = call.backend.ahead(_plan, call, method, hutchinson)
+    colors, n = planned.colors, call.n_in
+    # The sweep pushes forward derivatives: where an operation lacks them, Hessian rows.
+    sweep = colors is None and not planned.coupled
+    if sweep and n and not call.columns_possible("auto"):
+        colors = np.arange(n)
+    if colors is None:
+        return None
+    n_colors = int(colors.max()) + 1
+    inputs, indicator = call.backend.indicators(colors, n, n_colors, call.xb)
+    return inputs, indicator, _gradient_passes(call, n_colors, chunk_size)
+
+
 def _own_products(
     call: Call,
     grad_spec: Spec,
     inputs: Array,
     seed: Callable[[Array], Array],
-    n_passes: int,
-    chunk_size: int | None,
+    how: tuple[bool, int],
     *,
     shared: bool,
     times_tangent: bool = True,
@@ -191,18 +206,27 @@ def _own_products(
     """``v * H v`` ``(k, B, n)`` for the tangents ``v`` of the passes (``H v`` without
     ``times_tangent``): Hessian-vector products, JVPs of the per-sample gradient
     (forward-over-reverse), or its VJPs (``v^T H``, the same by symmetry) where the backend
-    says so (:meth:`~divjac._backend.Backend.pull_hessian_rows`)."""
+    says so, ``how`` (from :func:`_gradient_passes`) with how many at once."""
     backend, B, n = call.backend, call.batch_size, call.n_in
     grad_call = prepare(grad_spec, call.args, call.kwargs)
-    linear = backend.linearize(grad_call, reverse=backend.pull_hessian_rows(grad_call))
+    pulls_rows, chunk = how
+    linear = backend.linearize(grad_call, reverse=pulls_rows)
 
     def own(c: Array, t: Array, pushed: Array) -> Array:
         return (pushed * t if times_tangent else pushed).reshape(B, n)
 
-    # in the CPU's cache on the host, as first-order passes (torch, tanh MLP d = 64 -> 256 ->
-    # 256 -> 1, B = 256: hessian_diagonal 108-112 -> 82-88 ms against one chunk)
-    chunk = backend.ahead(Call.chunk, grad_call, n_passes, chunk_size)
     return linear.passes(inputs, seed, own, chunk, shared=shared)
+
+
+def _gradient_passes(call: Call, n_passes: int, chunk_size: int | None) -> tuple[bool, int]:
+    """Whether the Hessian-vector products of ``call``'s function are pulled (see
+    :meth:`~divjac._backend.Backend.pull_hessian_rows`), and how many run at once (chunked
+    in the CPU's cache on the host, as first-order passes). A setup:
+    under ``torch.compile`` evaluated ahead of dynamo's trace, which can read neither the
+    trace's weak references to what the function captures nor the gradient's closure as an
+    argument."""
+    grad_call = prepare(_grad_spec(call.spec), call.args, call.kwargs)
+    return call.backend.pull_hessian_rows(grad_call), grad_call.chunk(n_passes, chunk_size)
 
 
 def _shaped(call: Call, err: Array | None) -> Array | None:

@@ -402,10 +402,16 @@ def _operator(
     stochastic_method = opts.method in SWEEP_STOCHASTIC
     constants = _constants(coefficients)
 
+    def held_constants(call: Call) -> np.ndarray:
+        return constants
+
     def values(call: Call, randomness: Any) -> tuple[Array, Array | None]:
         plans = backend.ahead(_planned, call, alphas)
         coupled = backend.ahead(_plan, call, opts.method, stochastic_method).coupled
-        c = _coefficients(call, coefficients, constants)
+        # The constants reach the passes as a setup's result: read from this closure under
+        # torch.compile, dynamo guards the array as a tensor, a guard that fails as it is
+        # made under inference_mode (torch 2.13, "Guard failed on the same frame").
+        c = _coefficients(call, coefficients, backend.ahead(held_constants, call))
         if stochastic_method:
             return _sampled_values(call, plans, c, opts, randomness)
         result = _exact_values(call, plans, c, coupled=coupled, chunk=opts.chunk_size)

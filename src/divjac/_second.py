@@ -77,7 +77,7 @@ from ._divergence import (
     _split_randomness,
 )
 from ._errors import ArgnumsError, CoefficientError, NumProbesError, OptionError
-from ._hessian import _own_products, hessian, hessian_diagonal
+from ._hessian import _gradient_passes, _own_products, hessian, hessian_diagonal
 from ._transforms import per_argnum, tuple_of
 
 __all__ = [
@@ -171,15 +171,9 @@ def _hessian_images(call: Call, probes: Array, k: int, chunk_size: int | None) -
             "return_stderr=False, or each output component as its own function."
         )
     _checked_stderr_budget(call, k)
+    how = call.backend.ahead(_gradient_passes, call, k, chunk_size)
     return _own_products(
-        call,
-        _grad_spec(call.spec),
-        probes,
-        _itself,
-        k,
-        chunk_size,
-        shared=False,
-        times_tangent=False,
+        call, _grad_spec(call.spec), probes, _itself, how, shared=False, times_tangent=False
     )
 
 

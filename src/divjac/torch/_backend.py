@@ -256,6 +256,15 @@ class TorchBackend(Backend[Traced]):
     def per_sample(self, fn: Callable[[torch.Tensor], Any], xb: torch.Tensor) -> torch.Tensor:
         return torch.func.vmap(fn)(xb)
 
+    def map_stacked(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], xs: torch.Tensor, chunk: int
+    ) -> torch.Tensor:
+        """Under ``torch.compile``, ``xs``'s leading axis is a batch axis (``vmap``, ``chunk``
+        at a time: dynamo would unroll a loop into one program per element); eagerly, a loop."""
+        if _compiling():
+            return torch.func.vmap(fn, chunk_size=chunk)(xs)
+        return super().map_stacked(fn, xs, chunk)
+
     def functional(self, fun: Callable[..., Any]) -> Callable[..., Any]:
         """A ``torch.compile``d module (an ``OptimizedModule``) is its original module. Any
         other ``fun`` is returned from here, not from a call (dynamo, tracing this under

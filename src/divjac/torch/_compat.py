@@ -60,6 +60,7 @@ __all__ = [
     "outside_transforms",
     "pytree",
     "release",
+    "set_fast_paths",
     "traced_node",
     "transforms_mode",
     "under_transform",
@@ -81,6 +82,16 @@ def is_generator(x: Any) -> bool:
     ``torch.Generator`` a metaclass with an ``__instancecheck__`` of its own, which dynamo
     refuses to run on a tensor (``torch.compile(fullgraph=True)`` of any transform broke)."""
     return not isinstance(x, torch.Tensor) and isinstance(x, torch.Generator)
+
+
+def set_fast_paths(enabled: bool) -> bool:
+    """Switch the fused fast paths of ``nn.MultiheadAttention`` and
+    ``nn.TransformerEncoderLayer`` on or off; returns the previous setting. The flag of
+    ``torch.backends.mha`` is written directly: dynamo traces that store (and the read in the
+    layers' ``forward``), not ``torch.backends.mha.set_fastpath_enabled``."""
+    before = bool(torch.backends.mha._is_fastpath_enabled)
+    torch.backends.mha._is_fastpath_enabled = enabled
+    return before
 
 
 # --- torch.func --------------------------------------------------------------------------------

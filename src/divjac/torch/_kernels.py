@@ -44,9 +44,7 @@ def _differentiable_kernels(
 
     return (
         sdpa_kernel(SDPBackend.MATH) if traced.attends else contextlib.nullcontext(),
-        # (dynamo refuses to trace the switch: under torch.compile the fast paths are as the
-        # compiled code has them, off with grad on)
-        NoFastPaths() if traced.attends and not _compiling() else contextlib.nullcontext(),
+        NoFastPaths() if traced.attends else contextlib.nullcontext(),
         plain_kernels(cudnn=True) if traced.runs_rnn else contextlib.nullcontext(),
         _ComposedNorms(forward) if norms else contextlib.nullcontext(),
         PlainLayouts() if traced.lays_out else contextlib.nullcontext(),

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._compat import FAKE_TENSOR_LOGGER, BatchNorm, is_wrapped, kernel_flags
+from ._compat import FAKE_TENSOR_LOGGER, BatchNorm, is_wrapped, kernel_flags, set_fast_paths
 
 __all__ = [
     "KeptState",
@@ -108,14 +108,14 @@ class NoFastPaths:
     """``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` without their fused fast
     paths, which they take under ``no_grad`` and ``inference_mode`` in eval mode: kernels
     (``_native_multi_head_attention``, ``_transformer_encoder_layer_fwd``) with no forward
-    derivative, nor batching rules for their gradients. A class (dynamo traces its methods)."""
+    derivative, nor batching rules for their gradients. A class (dynamo traces its methods,
+    and the switch under ``torch.compile`` too)."""
 
     def __enter__(self) -> None:
-        self._before = torch.backends.mha.get_fastpath_enabled()
-        torch.backends.mha.set_fastpath_enabled(False)
+        self._before = set_fast_paths(False)
 
     def __exit__(self, *exc: object) -> None:
-        torch.backends.mha.set_fastpath_enabled(self._before)
+        set_fast_paths(self._before)
 
 
 class KeptState:

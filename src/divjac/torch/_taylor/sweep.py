@@ -58,6 +58,7 @@ from .._detect import reach, trace
 from .._kernels import PlainLayouts, _ComposedNorms
 from .._passes import _Generators
 from .._reach import Reached
+from .._running import NoFastPaths
 from .._traced import Traced
 from . import arithmetic, moves, reductions
 from .generic import _by_reverse, _generic
@@ -150,7 +151,8 @@ def reference_sweep(
     derivatives at one draw), or once per direction from the same state of the generators
     where ``vmap`` cannot batch them.
 
-    Attention runs in its math form and layer and instance normalizations composed
+    Attention runs in its math form, without the fused fast paths of
+    :class:`~divjac.torch._running.NoFastPaths`, and layer and instance normalizations composed
     (:class:`~divjac.torch._kernels._ComposedNorms`): the second forward derivatives of their
     kernels are wrong or missing (torch 2.13); memory formats as in
     :class:`~divjac.torch._kernels.PlainLayouts`. With ``by_reverse`` (a function that runs a
@@ -171,7 +173,7 @@ def reference_sweep(
         (y, d1), (_, d2) = cast(Any, jvp(first, (x,), (vk,)))
         return y, d1, d2
 
-    with sdpa_kernel(SDPBackend.MATH), _ComposedNorms(forward=True), PlainLayouts():
+    with sdpa_kernel(SDPBackend.MATH), NoFastPaths(), _ComposedNorms(forward=True), PlainLayouts():
         if not same_randomness:
             ys, d1, d2 = vmap(jet, randomness="error")(v)
         else:
