@@ -1,4 +1,4 @@
-"""``"auto"`` decides before it detects (:mod:`divjac._core.screen`), in both frameworks.
+"""``"auto"`` decides before it detects (:mod:`divjac._core.detection_gate`), in both frameworks.
 
 It skips the per-sample detection where it cannot pay off (few dense passes: a 10-class
 classifier; a pattern dense on a few probed inputs: an MLP, a U-Net with attention), still
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from divjac import BatchCouplingError
-from divjac._core import screen, timing
+from divjac._core import detection_gate, timing
 
 from .reference import jax_diagonal_blocks, torch_diagonal_blocks, traces
 
@@ -222,7 +222,7 @@ def test_dense_on_the_probes_skips_detection(
 ) -> None:
     f, shape = fw.models[model]
     n = math.prod(shape)
-    assert n > screen.FEW_PASSES  # the probe decides, not the pass count
+    assert n > detection_gate.FEW_PASSES  # the probe decides, not the pass count
     x = _input(fw, shape)
     with timing.recording() as stages:
         div = fw.api.divergence(f)(x)
@@ -236,8 +236,8 @@ def test_dense_on_the_probes_skips_detection(
 
 def test_the_verdict_is_cached(fw: Framework, monkeypatch: pytest.MonkeyPatch) -> None:
     probes = []
-    probe = screen._dense_on_probes
-    monkeypatch.setattr(screen, "_dense_on_probes", lambda t: probes.append(t) or probe(t))
+    probe = detection_gate._dense_on_probes
+    monkeypatch.setattr(detection_gate, "_dense_on_probes", lambda t: probes.append(t) or probe(t))
     for model in ("mlp", "cnn"):
         f, shape = fw.models[model]
         x = _input(fw, shape)

@@ -370,10 +370,10 @@ def test_auto_takes_the_sparse_sweep(
 
 
 def _gradient_of(o: Ops, u: Callable[..., Any]) -> Callable[..., Any]:
-    from divjac import _directions
+    from divjac import _second_order_sweep
 
     backend = o.backend_cls()
-    return _directions._gradient(backend, u, 0, False, "laplacian")
+    return _second_order_sweep._gradient(backend, u, 0, False, "laplacian")
 
 
 def test_chunks_of_directions_and_jit(ops: Ops, directions: list[int | str]) -> None:

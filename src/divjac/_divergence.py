@@ -48,13 +48,13 @@ def _pushed(c: Array, t: Array, pushed: Array) -> Array:
     return pushed
 
 
-def _itself(seed: Array) -> Array:
+def itself(seed: Array) -> Array:
     """The seed of a pass whose input is its seed (stacked probes)."""
     return seed
 
 
 @dataclass(frozen=True)
-class _DivSpec:
+class DivSpec:
     """The options of a divergence transform; ``pattern``: a given one (no detection)."""
 
     method: Method
@@ -67,7 +67,7 @@ class _DivSpec:
     pattern: SparsityPattern | None = None
 
 
-def _exact_divergence(call: Call, ds: _DivSpec) -> tuple[Array, Array, Any]:
+def _exact_divergence(call: Call, ds: DivSpec) -> tuple[Array, Array, Any]:
     """Exact per-sample divergence: (batch-first value, divergence (B,), aux)."""
     checks.check_square(call.in_sample, call.out_sample, fname=call.spec.fname)
     planned = call.backend.ahead(_exact_plan, call, ds)
@@ -98,7 +98,7 @@ class _Diagonal:
     batched: bool
 
 
-def _exact_plan(call: Call, ds: _DivSpec) -> _Diagonal:
+def _exact_plan(call: Call, ds: DivSpec) -> _Diagonal:
     B, n = call.batch_size, call.n_in
     batched = True
     if ds.pattern is not None:
@@ -135,7 +135,7 @@ def _exact_plan(call: Call, ds: _DivSpec) -> _Diagonal:
 
 
 def _stochastic_divergence(
-    call: Call, ds: _DivSpec, randomness: Any
+    call: Call, ds: DivSpec, randomness: Any
 ) -> tuple[Array, Array, Array | None, Any]:
     """(batch-first value, estimate (B,), stderr (B,) or ``None`` when not asked for, aux) of a
     stochastic method."""
@@ -147,7 +147,7 @@ def _stochastic_divergence(
         matvec = _batched_matvec(call, linear, ds.chunk_size)
         colors, exact, reps = probing
         signs = backend.moveaxis(
-            _draw(call, randomness, reps, "rademacher").reshape(reps, B, n), 0, -1
+            draw(call, randomness, reps, "rademacher").reshape(reps, B, n), 0, -1
         )
         estimate, stderr = est.probing(
             matvec,
@@ -162,7 +162,7 @@ def _stochastic_divergence(
         k = est.num_random_vectors(ds.method, num, n)
         if ds.return_stderr:
             est.check_stderr_budget(ds.method, num, n, fname=call.spec.fname)
-        columns = _draw(call, randomness, k, ds.distribution)
+        columns = draw(call, randomness, k, ds.distribution)
         if ds.method == "hutchinson" and k < n and not ds.return_stderr:
             # Only the terms: the standard error needs the images J v (est.hutchinson).
             terms = _probe_terms(call, linear, columns, ds.chunk_size)
@@ -174,7 +174,7 @@ def _stochastic_divergence(
     return linear.value, estimate, stderr, linear.aux
 
 
-def _stochastic_plan(call: Call, ds: _DivSpec) -> tuple[bool, tuple[np.ndarray, bool, int] | None]:
+def _stochastic_plan(call: Call, ds: DivSpec) -> tuple[bool, tuple[np.ndarray, bool, int] | None]:
     """Whether a stochastic method's passes pull rows, and the plan of ``"probing"`` (its
     colors, which of them are exact, and how many probes per color)."""
     found = call.detect(per_sample=ds.method == "probing", auto=True)
@@ -218,7 +218,7 @@ def _probe_terms(call: Call, linear: Linear, columns: Array, chunk_size: int | N
         return (pushed * t).sum(sample_axes)
 
     return linear.passes(
-        columns, _itself, dot, call.backend.ahead(Call.chunk, call, k, chunk_size), shared=False
+        columns, itself, dot, call.backend.ahead(Call.chunk, call, k, chunk_size), shared=False
     )
 
 
@@ -232,7 +232,7 @@ def _batched_matvec(call: Call, linear: Linear, chunk_size: int | None) -> Calla
         columns = backend.moveaxis(V, -1, 0).reshape(k, B, *shape)
         out = linear.passes(
             columns,
-            _itself,
+            itself,
             _pushed,
             call.backend.ahead(Call.chunk, call, k, chunk_size),
             shared=False,
@@ -242,14 +242,14 @@ def _batched_matvec(call: Call, linear: Linear, chunk_size: int | None) -> Calla
     return matvec
 
 
-def _is_probes(backend: Backend, randomness: Any) -> bool:
+def is_probes(backend: Backend, randomness: Any) -> bool:
     """Whether the randomness argument is the caller's own probes (a floating array)."""
     return backend.is_array(randomness) and backend.is_floating_input(randomness.dtype)
 
 
 def _check_probes(call: Call, probes: Array, k: int | None, output: bool) -> bool:
     """The one check of the caller's probes, made by every transform that takes them
-    (:func:`caller_count`, :func:`_draw`): shaped ``(k, *x.shape)`` or ``x.shape`` (one
+    (:func:`caller_count`, :func:`draw`): shaped ``(k, *x.shape)`` or ``x.shape`` (one
     probe; ``True``), ``x`` the differentiated input (or with ``output``, the output: reverse
     passes' probes) as the caller passes it. ``k``: the probes needed (``None``: any number).
 
@@ -272,7 +272,7 @@ def caller_count(
 ) -> int | None:
     """How many probes per sample the caller's own probes hold (one when shaped as a single
     probe), ``None`` for a key or generator; the probes are checked (:func:`_check_probes`)."""
-    if not _is_probes(call.backend, randomness):
+    if not is_probes(call.backend, randomness):
         return None
     return 1 if _check_probes(call, randomness, k, output) else int(randomness.shape[0])
 
@@ -304,13 +304,13 @@ def _caller_budget(call: Call, randomness: Any, method: str) -> int | None:
     return {"hutchinson": k, "hutch++": 3 * k // 2, "xtrace": 2 * k}[method]
 
 
-def _draw(call: Call, randomness: Any, k: int, distribution: str, *, output: bool = False) -> Array:
+def draw(call: Call, randomness: Any, k: int, distribution: str, *, output: bool = False) -> Array:
     """Probes ``(k, B, *sample)`` (``sample``: the input's, or with ``output`` the output's):
     the caller's (reusable noise) or ``k`` per sample drawn from ``randomness``."""
     backend, B = call.backend, call.batch_size
     shape = call.out_sample if output else call.in_sample
     n = math.prod(shape)
-    if _is_probes(backend, randomness):
+    if is_probes(backend, randomness):
         probes = backend.differentiable(backend.asarray(randomness, like=call.xb))
         axis = call.spec.batch_axis
         if _check_probes(call, probes, k, output):
@@ -321,7 +321,7 @@ def _draw(call: Call, randomness: Any, k: int, distribution: str, *, output: boo
     return columns.reshape(k, B, *shape)
 
 
-def _split_randomness(
+def split_randomness(
     backend: Backend, args: tuple[Any, ...], fname: str, *, stochastic_method: bool
 ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """``((randomness,), f's arguments)`` of a stochastic transform's call, ``((), args)``
@@ -333,7 +333,7 @@ def _split_randomness(
     """
     if not stochastic_method:
         return (), args
-    if len(args) < 2 or not (_is_probes(backend, args[0]) or backend.is_randomness(args[0])):
+    if len(args) < 2 or not (is_probes(backend, args[0]) or backend.is_randomness(args[0])):
         if not args:
             got = "no argument"
         elif len(args) == 1:
@@ -346,13 +346,13 @@ def _split_randomness(
     return (args[0],), args[1:]
 
 
-def _divergence_transform(spec: Spec, ds: _DivSpec) -> Callable[..., tuple[Array, Any, Any]]:
+def divergence_transform(spec: Spec, ds: DivSpec) -> Callable[..., tuple[Array, Any, Any]]:
     """The shared body of the divergence transforms: ``(*args) -> (value, div, aux)``."""
     backend, fname = spec.backend, spec.fname
     stochastic_method = ds.method in plan.STOCHASTIC_METHODS
 
     def value_and_div(*args: Any, **kwargs: Any) -> tuple[Array, Any, Any]:
-        randomness, args = _split_randomness(
+        randomness, args = split_randomness(
             backend, args, fname, stochastic_method=stochastic_method
         )
         call = prepare(spec, args, kwargs)
@@ -370,7 +370,7 @@ def _divergence_transform(spec: Spec, ds: _DivSpec) -> Callable[..., tuple[Array
     return value_and_div
 
 
-def _check_options(ds: _DivSpec, coupling: Coupling, fname: str) -> None:
+def _check_options(ds: DivSpec, coupling: Coupling, fname: str) -> None:
     check_option("method", ds.method, Method, fname=fname)
     check_option("mode", ds.mode, Direction, fname=fname)
     check_option("distribution", ds.distribution, Distribution, fname=fname)
@@ -385,7 +385,7 @@ def _divergences(
     batch_axis: int | None,
     has_aux: bool,
     coupling: Coupling,
-    ds: _DivSpec,
+    ds: DivSpec,
     fname: str,
 ) -> Callable[..., list[tuple[Array, Any, Any]]]:
     """``(*args) -> [(value, div, aux)]``, one per argument of ``argnums``."""
@@ -393,7 +393,7 @@ def _divergences(
 
     def one(argnum: int) -> Callable[..., tuple[Array, Any, Any]]:
         spec = Spec(backend, f, argnum, batch_axis, has_aux, coupling, fname, None, ds.mode)
-        return _divergence_transform(spec, ds)
+        return divergence_transform(spec, ds)
 
     transform = per_argnum(argnums, one, list, fname=fname)
     if isinstance(argnums, Sequence):
@@ -418,7 +418,7 @@ def divergence(
     probing_distance: int | None,
 ) -> Callable[..., Any]:
     """Per-sample divergence of a batched function (see ``divjac.jax.divergence``)."""
-    ds = _DivSpec(
+    ds = DivSpec(
         method, mode, num_probes, distribution, return_stderr, chunk_size, probing_distance
     )
     results = _divergences(backend, f, argnums, batch_axis, has_aux, coupling, ds, "divergence")
@@ -449,7 +449,7 @@ def value_and_divergence(
     probing_distance: int | None,
 ) -> Callable[..., Any]:
     """``f``'s output and its per-sample divergence (see ``divjac.jax.value_and_divergence``)."""
-    ds = _DivSpec(
+    ds = DivSpec(
         method, mode, num_probes, distribution, return_stderr, chunk_size, probing_distance
     )
     fname = "value_and_divergence"
@@ -477,7 +477,7 @@ def divergence_from_pattern(
 ) -> Callable[..., Any]:
     """Exact per-sample divergence from a given pattern: one pass per diagonal color, no
     detection (see ``divjac.jax.divergence_from_pattern``)."""
-    ds = _DivSpec(
+    ds = DivSpec(
         "sparse",
         "auto",
         None,
@@ -489,7 +489,7 @@ def divergence_from_pattern(
     )
     fname = "divergence_from_pattern"
     spec = Spec(backend, f, argnums, batch_axis, has_aux, "raise", fname, None, ds.mode)
-    inner = _divergence_transform(spec, ds)
+    inner = divergence_transform(spec, ds)
 
     def div_fn(*args: Any, **kwargs: Any) -> Any:
         _, div, aux = inner(*args, **kwargs)
@@ -521,7 +521,7 @@ def grad_divergence(
     no ``B^2`` work.
     """
     fname = "grad_divergence"
-    ds = _DivSpec(
+    ds = DivSpec(
         method,
         mode,
         num_probes,
@@ -535,10 +535,10 @@ def grad_divergence(
 
     def one(argnum: int) -> Callable[..., Any]:
         spec = Spec(backend, f, argnum, batch_axis, has_aux, coupling, fname, None, ds.mode)
-        inner = _divergence_transform(spec, ds)
+        inner = divergence_transform(spec, ds)
 
         def grad_fn(*args: Any, **kwargs: Any) -> Any:
-            randomness, args = _split_randomness(
+            randomness, args = split_randomness(
                 backend, args, fname, stochastic_method=stochastic_method
             )
             at = checks.normalize_argnum(argnum, len(args), fname=fname)

@@ -41,7 +41,7 @@ from ._call import (
 )
 from ._core import checks, estimators as est, plan, timing
 from ._core.estimators._common import device, namespace
-from ._divergence import _draw, _itself, _pushed, _split_randomness, probe_count
+from ._divergence import _pushed, draw, itself, probe_count, split_randomness
 from ._errors import ArgnumsError, NumProbesError, OptionError
 
 __all__ = [
@@ -143,17 +143,17 @@ def _stochastic_norms(
     if exact:
         k, probes = n, _coordinates(call, sample)
     else:
-        probes = _draw(call, randomness, k, options.distribution, output=reverse)
+        probes = draw(call, randomness, k, options.distribution, output=reverse)
     chunk = backend.ahead(Call.chunk, call, k, options.chunk_size)
     if exact or not options.return_stderr:
         finish = _norm_finish(call.batch_size, options.with_divergence, backend)
-        terms = linear.passes(probes, _itself, finish, chunk, shared=False)  # (k, r, B)
+        terms = linear.passes(probes, itself, finish, chunk, shared=False)  # (k, r, B)
         estimates, _ = est.hutchinson_from_terms(terms, stderr=False)
         stderrs = backend.zeros_like(estimates) if options.return_stderr else None
         return linear.value, estimates, stderrs, linear.aux
     # The standard errors need the images of all probes (their cross products).
     B = call.batch_size
-    pushed = linear.passes(probes, _itself, _pushed, chunk, shared=False)  # (k, B, *image)
+    pushed = linear.passes(probes, itself, _pushed, chunk, shared=False)  # (k, B, *image)
     images = backend.moveaxis(pushed.reshape(k, B, -1), 0, -1)  # (B, m, k)
     norm, norm_se = est.squared_norm_mean_and_stderr(images, namespace(images))
     if not options.with_divergence:
@@ -215,7 +215,7 @@ def _norms_transform(
     stochastic_method = options.method in STOCHASTIC_METHODS
 
     def norms(*args: Any, **kwargs: Any) -> tuple[Array, tuple[Any, ...], Any]:
-        randomness, args = _split_randomness(
+        randomness, args = split_randomness(
             backend, args, fname, stochastic_method=stochastic_method
         )
         call = prepare(spec, args, kwargs)
@@ -360,14 +360,14 @@ def _slq_log_abs_det(
             f"(at most n Lanczos steps per probe, where the quadrature is exact); pass "
             f"lanczos_steps <= {n}, or None."
         )
-    probes = _draw(call, randomness, k, options.distribution)  # (k, B, *in)
+    probes = draw(call, randomness, k, options.distribution)  # (k, B, *in)
     chunk = backend.ahead(Call.chunk, call, k, options.chunk_size)
 
     def gram(V: Array) -> Array:
         pushed = columns.passes(
-            backend.moveaxis(V, -1, 0).reshape(k, B, *shape), _itself, _pushed, chunk, shared=False
+            backend.moveaxis(V, -1, 0).reshape(k, B, *shape), itself, _pushed, chunk, shared=False
         )
-        pulled = rows.passes(pushed, _itself, _pushed, chunk, shared=False)
+        pulled = rows.passes(pushed, itself, _pushed, chunk, shared=False)
         return backend.moveaxis(pulled.reshape(k, B, n), 0, -1)
 
     V = backend.moveaxis(probes.reshape(k, B, n), 0, -1)
@@ -404,7 +404,7 @@ def log_abs_det(
         spec = Spec(backend, f, argnum, batch_axis, has_aux, "raise", fname, None, mode)
 
         def logdet_fn(*args: Any, **kwargs: Any) -> Any:
-            randomness, args = _split_randomness(
+            randomness, args = split_randomness(
                 backend, args, fname, stochastic_method=stochastic_method
             )
             call = prepare(spec, args, kwargs)

@@ -16,22 +16,22 @@ from . import _transforms as T
 from ._backend import Array, Backend
 from ._call import Call, Coupling, DiagonalMethod, Distribution, Mode, Spec, check_option, prepare
 from ._core import estimators as est
-from ._directions import (
+from ._divergence import draw, itself, split_randomness
+from ._second_order_sweep import (
+    Options,
     _aux,
     _basis,
-    _check_options,
-    _checked_stderr_budget,
     _grad_spec,
     _gradient,
-    _one_sample_at_a_time,
-    _Options,
-    _own_terms,
     _plan,
-    _require_scalar,
-    _sampled,
     _sweep,
+    check_options,
+    checked_stderr_budget,
+    one_sample_at_a_time,
+    own_terms,
+    require_scalar,
+    sampled,
 )
-from ._divergence import _draw, _itself, _split_randomness
 from ._transforms import per_argnum, shaped, tuple_of
 
 __all__ = ["hessian", "hessian_diagonal"]
@@ -81,7 +81,7 @@ def _checked_scalar(call: Call) -> None:
     """Refuse a function that mixes samples (the per-sample gradient would not see it: a sum
     over samples of terms each in one sample is per-sample again) or has vector outputs."""
     call.detect(per_sample=False)
-    _require_scalar(call)
+    require_scalar(call)
 
 
 def hessian_diagonal(
@@ -101,8 +101,8 @@ def hessian_diagonal(
     """The diagonal of the per-sample Hessians of a scalar-per-sample function, shaped as the
     input (see ``divjac.jax.hessian_diagonal``)."""
     fname = "hessian_diagonal"
-    opts = _Options(method, num_probes, distribution, return_stderr, chunk_size)
-    _check_options(opts, coupling, DiagonalMethod, fname)
+    opts = Options(method, num_probes, distribution, return_stderr, chunk_size)
+    check_options(opts, coupling, DiagonalMethod, fname)
 
     def one(argnum: int) -> Callable[..., Any]:
         spec = Spec(backend, u, argnum, batch_axis, has_aux, coupling, fname)
@@ -110,7 +110,7 @@ def hessian_diagonal(
         hutchinson = method == "hutchinson"
 
         def diag_fn(*args: Any, **kwargs: Any) -> Any:
-            randomness, args = _split_randomness(backend, args, fname, stochastic_method=hutchinson)
+            randomness, args = split_randomness(backend, args, fname, stochastic_method=hutchinson)
             call = prepare(spec, args, kwargs)
             diag, err = _diagonal_values(
                 call, opts, randomness[0] if randomness else None, grad_spec
@@ -125,27 +125,27 @@ def hessian_diagonal(
 
 
 def _diagonal_values(
-    call: Call, opts: _Options, randomness: Any, grad_spec: Spec
+    call: Call, opts: Options, randomness: Any, grad_spec: Spec
 ) -> tuple[Array, Array | None]:
     """``(diagonal, stderr or None)``, batch first ``(B, *in)``."""
     backend, B, n = call.backend, call.batch_size, call.n_in
     hutchinson = opts.method == "hutchinson"
     planned = backend.ahead(_plan, call, opts.method, hutchinson)
-    backend.ahead(_require_scalar, call)
+    backend.ahead(require_scalar, call)
     # Bekas, Kokiopoulou & Saad: E[v * H v] = diag(H) when E[v v^T] = I; a budget of n
     # probes or more pays for the exact diagonal (n directions, no error).
-    k = _sampled(call, opts, randomness, n) if hutchinson else None
+    k = sampled(call, opts, randomness, n) if hutchinson else None
     if k is not None:
-        probes = _draw(call, randomness, k, opts.distribution)
-        how = backend.ahead(_gradient_passes, call, k, opts.chunk_size)
-        images = _own_products(
-            call, grad_spec, probes, _itself, how, shared=False, times_tangent=False
+        probes = draw(call, randomness, k, opts.distribution)
+        how = backend.ahead(gradient_passes, call, k, opts.chunk_size)
+        images = own_products(
+            call, grad_spec, probes, itself, how, shared=False, times_tangent=False
         )
         v = probes.reshape(k, B, n)
         if not opts.return_stderr:
             return (v * images).mean(0).reshape(B, *call.in_sample), None
         # Two probes leave the bound itself too noisy (coverage 0.93, docs/calibration.md).
-        _checked_stderr_budget(call, k, least=3)
+        checked_stderr_budget(call, k, least=3)
         v, hv = (backend.moveaxis(a, 0, -1) for a in (v, images))
         mean, err = est.diagonal_mean_and_stderr(v, hv, est.namespace(v))
         return mean.reshape(B, *call.in_sample), _shaped(call, err)
@@ -154,13 +154,13 @@ def _diagonal_values(
         inputs, indicator, how = colored
         seed = shaped(indicator, call.in_sample)
         # Diagonal colors: H_ij = 0 for i != j of one color, so (H v_c)_i = H_ii for i in c.
-        passes = _own_products(call, grad_spec, inputs, seed, how, shared=True)
+        passes = own_products(call, grad_spec, inputs, seed, how, shared=True)
         diag = passes.sum(0).reshape(B, *call.in_sample)
         return diag, (backend.zeros_like(diag) if opts.return_stderr else None)
     directions = _basis(call, None)
     if planned.coupled:
-        spread, _ = _one_sample_at_a_time(call, directions, None)
-        terms = _own_terms(
+        spread, _ = one_sample_at_a_time(call, directions, None)
+        terms = own_terms(
             call, _sweep(call, spread, None, collapse=False, chunk_size=opts.chunk_size)
         )
     else:
@@ -177,7 +177,7 @@ def _colored(
     """The seeds of the Hessian-vector products of the exact diagonal (the inputs and
     indicator of :meth:`~divjac._backend.Backend.indicators`), one per diagonal colour, or
     one per element where the sweep cannot push forward derivatives, and how they run
-    (:func:`_gradient_passes`); ``None`` where the diagonal comes from the sweep. A setup
+    (:func:`gradient_passes`); ``None`` where the diagonal comes from the sweep. A setup
     (under ``torch.compile``, evaluated ahead of dynamo's trace, which cannot key the seeds'
     cache on the colours' ``id``)."""
     planned = call.backend.ahead(_plan, call, method, hutchinson)
@@ -190,10 +190,10 @@ def _colored(
         return None
     n_colors = int(colors.max()) + 1
     inputs, indicator = call.backend.indicators(colors, n, n_colors, call.xb)
-    return inputs, indicator, _gradient_passes(call, n_colors, chunk_size)
+    return inputs, indicator, gradient_passes(call, n_colors, chunk_size)
 
 
-def _own_products(
+def own_products(
     call: Call,
     grad_spec: Spec,
     inputs: Array,
@@ -206,7 +206,7 @@ def _own_products(
     """``v * H v`` ``(k, B, n)`` for the tangents ``v`` of the passes (``H v`` without
     ``times_tangent``): Hessian-vector products, JVPs of the per-sample gradient
     (forward-over-reverse), or its VJPs (``v^T H``, the same by symmetry) where the backend
-    says so, ``how`` (from :func:`_gradient_passes`) with how many at once."""
+    says so, ``how`` (from :func:`gradient_passes`) with how many at once."""
     backend, B, n = call.backend, call.batch_size, call.n_in
     grad_call = prepare(grad_spec, call.args, call.kwargs)
     pulls_rows, chunk = how
@@ -218,7 +218,7 @@ def _own_products(
     return linear.passes(inputs, seed, own, chunk, shared=shared)
 
 
-def _gradient_passes(call: Call, n_passes: int, chunk_size: int | None) -> tuple[bool, int]:
+def gradient_passes(call: Call, n_passes: int, chunk_size: int | None) -> tuple[bool, int]:
     """Whether the Hessian-vector products of ``call``'s function are pulled (see
     :meth:`~divjac._backend.Backend.pull_hessian_rows`), and how many run at once (chunked
     in the CPU's cache on the host, as first-order passes). A setup:

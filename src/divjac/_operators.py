@@ -27,18 +27,18 @@ import numpy as np
 from ._backend import Array, Backend
 from ._call import Call, Coupling, OperatorMethod, check_num_probes, check_option
 from ._core import partials
-from ._directions import (
+from ._divergence import is_probes
+from ._errors import CoefficientError, MultiIndexError, NumProbesError
+from ._second import SWEEP_STOCHASTIC, second_order_transform
+from ._second_order_sweep import (
+    Options,
     _num_probes,
-    _one_sample_at_a_time,
-    _Options,
     _plan,
     _sweep,
     _values,
+    one_sample_at_a_time,
     sweep_chunk,
 )
-from ._divergence import _is_probes
-from ._errors import CoefficientError, MultiIndexError, NumProbesError
-from ._second import SWEEP_STOCHASTIC, _second_order_transform
 from ._transforms import per_argnum, tuple_of
 
 __all__ = ["derivative", "differential_operator"]
@@ -223,7 +223,7 @@ def _order_value(
     """``sum_k w_k (v_k . grad)^order u`` ``[B, *out]``: directions ``[K, 1, *in]``, weights
     ``[K]`` or ``[K, B]``."""
     if coupled:
-        directions, weights = _one_sample_at_a_time(call, directions, weights)
+        directions, weights = one_sample_at_a_time(call, directions, weights)
     elif order == 1:  # linear in the direction: one JVP along the weighted sum
         w = weights if weights.ndim == 2 else weights[:, None]
         flat = directions.reshape(int(directions.shape[0]), 1, -1)
@@ -322,7 +322,7 @@ def _sampled_values(
     call: Call,
     plans: list[partials.OrderPlan],
     coefficients: Any,
-    opts: _Options,
+    opts: Options,
     randomness: Any,
 ) -> tuple[Array, Array | None]:
     """The operator, stratified by order (:func:`_strata`): the orders within the budget
@@ -334,7 +334,7 @@ def _sampled_values(
     covered 0.49-0.96 (docs/calibration.md), so ``return_stderr=True`` below the exact
     budget raises :class:`~divjac.NumProbesError` naming it."""
     backend, B = call.backend, call.batch_size
-    if _is_probes(backend, randomness):
+    if is_probes(backend, randomness):
         raise NumProbesError(
             f"{call.spec.fname}: method={opts.method!r} samples the operator's directions "
             f"itself; pass a source of randomness ({backend.randomness_example}) rather than "
@@ -394,7 +394,7 @@ def _operator(
     alphas: tuple[tuple[int, ...], ...],
     *,
     batch_axis: int | None,
-    opts: _Options,
+    opts: Options,
     has_aux: bool,
     coupling: Coupling,
     fname: str,
@@ -418,7 +418,7 @@ def _operator(
         return result, (backend.zeros_like(result) if opts.return_stderr else None)
 
     def one(argnum: int) -> Callable[..., Any]:
-        return _second_order_transform(
+        return second_order_transform(
             backend, u, argnum, batch_axis, has_aux, coupling, opts, fname, values
         )
 
@@ -446,7 +446,7 @@ def differential_operator(
     check_option("coupling", coupling, Coupling, fname=fname)
     check_num_probes(num_probes, fname=fname)
     coefficients, alphas = _checked_terms(terms, fname)
-    opts = _Options(method, num_probes, "rademacher", return_stderr, chunk_size)
+    opts = Options(method, num_probes, "rademacher", return_stderr, chunk_size)
     return _operator(
         backend,
         u,
@@ -476,7 +476,7 @@ def derivative(
     ``divjac.jax.derivative``)."""
     fname = "derivative"
     check_option("coupling", coupling, Coupling, fname=fname)
-    opts = _Options("exact", None, "rademacher", return_stderr=False, chunk_size=chunk_size)
+    opts = Options("exact", None, "rademacher", return_stderr=False, chunk_size=chunk_size)
     return _operator(
         backend,
         u,

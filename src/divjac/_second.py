@@ -13,7 +13,7 @@ Hessian-vector products: they are Jacobian passes of the per-sample gradient
 (forward-over-reverse). The Hessian pattern is that of the per-sample gradient's Jacobian,
 detected by the engine as for any function. The Hessian and its diagonal are in
 :mod:`divjac._hessian`, what the operators share (options, plans, directions, the sweep in
-chunks) in :mod:`divjac._directions`. Imports neither JAX nor PyTorch.
+chunks) in :mod:`divjac._second_order_sweep`. Imports neither JAX nor PyTorch.
 
 References:
     - Li, Zhang, Wang, Ren & Chen (2023), "A computational framework for neural network-based
@@ -47,37 +47,37 @@ from ._call import (
     prepare,
 )
 from ._core import checks, estimators as est
-from ._directions import (
+from ._divergence import (
+    DivSpec,
+    divergence_transform,
+    draw,
+    is_probes,
+    itself,
+    split_randomness,
+)
+from ._errors import ArgnumsError, CoefficientError, NumProbesError, OptionError
+from ._hessian import gradient_passes, hessian, hessian_diagonal, own_products
+from ._second_order_sweep import (
+    Options,
     _aux,
     _basis,
-    _check_options,
-    _checked_stderr_budget,
-    _coordinates,
     _eye,
     _grad_spec,
     _gradient,
-    _mean_and_stderr,
     _num_probes,
-    _one_sample_at_a_time,
-    _Options,
     _plan,
-    _require_scalar,
-    _sampled,
     _sweep,
-    _unbatch,
     _values,
+    check_options,
+    checked_stderr_budget,
+    coordinates,
+    mean_and_stderr,
+    one_sample_at_a_time,
+    require_scalar,
+    sampled,
     sweep_chunk,
+    unbatch,
 )
-from ._divergence import (
-    _divergence_transform,
-    _DivSpec,
-    _draw,
-    _is_probes,
-    _itself,
-    _split_randomness,
-)
-from ._errors import ArgnumsError, CoefficientError, NumProbesError, OptionError
-from ._hessian import _gradient_passes, _own_products, hessian, hessian_diagonal
 from ._transforms import per_argnum, tuple_of
 
 __all__ = [
@@ -100,14 +100,14 @@ SWEEP_STOCHASTIC = ("hutchinson", "stde")
 # --- the Laplacian ------------------------------------------------------------------------------
 
 
-def _laplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Array, Array | None]:
+def _laplacian_values(call: Call, opts: Options, randomness: Any) -> tuple[Array, Array | None]:
     """``(Laplacian, stderr or None)``, batch first ``(B, *out)``."""
     stochastic_method = opts.method in SWEEP_STOCHASTIC
     planned = call.backend.ahead(_plan, call, opts.method, stochastic_method)
     # A budget of n directions or more pays for the exact sweep (n directions, no error).
-    k = _sampled(call, opts, randomness, call.n_in) if opts.method == "hutchinson" else None
+    k = sampled(call, opts, randomness, call.n_in) if opts.method == "hutchinson" else None
     if k is not None:
-        probes = _draw(call, randomness, k, opts.distribution)
+        probes = draw(call, randomness, k, opts.distribution)
         if opts.return_stderr:
             return _calibrated_laplacian(call, probes, opts)
         return _sweep(call, probes, None, collapse=True, chunk_size=opts.chunk_size) / k, None
@@ -123,17 +123,17 @@ def _laplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Arra
             )
         terms = _sweep(
             call,
-            _coordinates(call, randomness, k),
+            coordinates(call, randomness, k),
             None,
             collapse=False,
             chunk_size=opts.chunk_size,
         )
-        mean, err = _mean_and_stderr(call, n * terms, opts.return_stderr)
+        mean, err = mean_and_stderr(call, n * terms, opts.return_stderr)
         # Coordinates drawn without replacement: the finite-population correction.
         return mean, None if err is None else err * math.sqrt(1 - k / n)
     directions, weights = _basis(call, planned.colors), None
     if planned.coupled:
-        directions, weights = _one_sample_at_a_time(call, directions, None)
+        directions, weights = one_sample_at_a_time(call, directions, None)
     elif opts.method in ("exact", "auto") and call.n_in > 0:
         # Stored sparse where intermediates depend on few inputs, when that halves the work of
         # the dense passes it replaces (in the memory a chunk of them may take): the unit
@@ -149,7 +149,7 @@ def _laplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Arra
     return second, (call.backend.zeros_like(second) if opts.return_stderr else None)
 
 
-def _calibrated_laplacian(call: Call, probes: Array, opts: _Options) -> tuple[Array, Array]:
+def _calibrated_laplacian(call: Call, probes: Array, opts: Options) -> tuple[Array, Array]:
     """Hutchinson's Laplacian with a standard error that holds: the probes' Hessian-vector
     products ``H v`` (forward-over-reverse) give the terms ``v^T H v`` and the variance bound
     of :func:`~divjac._core.estimators.mean_and_stderr`, which the terms alone do not (a Taylor
@@ -170,10 +170,10 @@ def _hessian_images(call: Call, probes: Array, k: int, chunk_size: int | None) -
             f"outputs of shape {call.out_sample}: pass num_probes={n} (exact, stderr 0), "
             "return_stderr=False, or each output component as its own function."
         )
-    _checked_stderr_budget(call, k)
-    how = call.backend.ahead(_gradient_passes, call, k, chunk_size)
-    return _own_products(
-        call, _grad_spec(call.spec), probes, _itself, how, shared=False, times_tangent=False
+    checked_stderr_budget(call, k)
+    how = call.backend.ahead(gradient_passes, call, k, chunk_size)
+    return own_products(
+        call, _grad_spec(call.spec), probes, itself, how, shared=False, times_tangent=False
     )
 
 
@@ -187,14 +187,14 @@ def _calibrated_trace(call: Call, probes: Array, images: Array) -> tuple[Array, 
     return mean.reshape(shape), err.reshape(shape)
 
 
-def _second_order_transform(
+def second_order_transform(
     backend: Backend[Any],
     u: Callable[..., Any],
     argnum: int,
     batch_axis: int | None,
     has_aux: bool,
     coupling: Coupling,
-    opts: _Options,
+    opts: Options,
     fname: str,
     values: Callable[..., tuple[Array, Array | None]],
 ) -> Callable[..., Any]:
@@ -204,13 +204,13 @@ def _second_order_transform(
     stochastic_method = opts.method in SWEEP_STOCHASTIC
 
     def transformed(*args: Any, **kwargs: Any) -> Any:
-        randomness, args = _split_randomness(
+        randomness, args = split_randomness(
             backend, args, fname, stochastic_method=stochastic_method
         )
         call = prepare(spec, args, kwargs)
         result, err = values(call, randomness[0] if randomness else None)
-        result = _unbatch(call, result, batch_axis)
-        out = (result, _unbatch(call, err, batch_axis)) if opts.return_stderr else result
+        result = unbatch(call, result, batch_axis)
+        out = (result, unbatch(call, err, batch_axis)) if opts.return_stderr else result
         return (out, _aux(call)) if has_aux else out
 
     return transformed
@@ -232,8 +232,8 @@ def laplacian(
 ) -> Callable[..., Any]:
     """Per-sample Laplacian of each output component (see ``divjac.jax.laplacian``)."""
     fname = "laplacian"
-    opts = _Options(method, num_probes, distribution, return_stderr, chunk_size)
-    _check_options(opts, coupling, LaplacianMethod, fname)
+    opts = Options(method, num_probes, distribution, return_stderr, chunk_size)
+    check_options(opts, coupling, LaplacianMethod, fname)
 
     def one(argnum: int) -> Callable[..., Any]:
         if method in _HVP_METHODS:
@@ -242,7 +242,7 @@ def laplacian(
         def values(call: Call, randomness: Any) -> Any:
             return _laplacian_values(call, opts, randomness)
 
-        return _second_order_transform(
+        return second_order_transform(
             backend, u, argnum, batch_axis, has_aux, coupling, opts, fname, values
         )
 
@@ -256,13 +256,13 @@ def _hvp_laplacian(
     batch_axis: int | None,
     has_aux: bool,
     coupling: Coupling,
-    opts: _Options,
+    opts: Options,
 ) -> Callable[..., Any]:
     """The Laplacian of a scalar-per-sample ``u`` as the divergence of its gradient, for the
     estimators that need Hessian-vector products (Hutch++, XTrace, probing)."""
     fname = "laplacian"
     spec = Spec(backend, u, argnum, batch_axis, has_aux, coupling, fname)
-    ds = _DivSpec(
+    ds = DivSpec(
         cast(Method, opts.method),  # one of the divergence's stochastic methods
         "auto",
         opts.num_probes,
@@ -272,7 +272,7 @@ def _hvp_laplacian(
         None,
     )
     gradient = _gradient(backend, u, argnum, has_aux, fname)
-    inner = _divergence_transform(
+    inner = divergence_transform(
         Spec(
             backend,
             gradient,
@@ -288,9 +288,9 @@ def _hvp_laplacian(
     )
 
     def lap_fn(*args: Any, **kwargs: Any) -> Any:
-        _, own = _split_randomness(backend, args, fname, stochastic_method=True)
+        _, own = split_randomness(backend, args, fname, stochastic_method=True)
         call = prepare(spec, own, kwargs)
-        backend.ahead(_require_scalar, call)
+        backend.ahead(require_scalar, call)
         _, lap, aux = inner(*args, **kwargs)
         return (lap, aux) if has_aux else lap
 
@@ -331,7 +331,7 @@ def _coefficient(call: Call, coefficient: Any, is_factor: bool) -> tuple[Array, 
 
 
 def _weighted_values(
-    call: Call, coefficient: Any, is_factor: bool, opts: _Options, randomness: Any
+    call: Call, coefficient: Any, is_factor: bool, opts: Options, randomness: Any
 ) -> tuple[Array, Array | None]:
     """``(tr(A H), stderr or None)`` per sample and output component, batch first.
 
@@ -347,10 +347,10 @@ def _weighted_values(
     shape = call.in_sample
     # A budget of as many directions as the exact sum (n, or the factor's r) computes it.
     exact_directions = int(M.shape[-1]) if is_factor else n
-    k = _sampled(call, opts, randomness, exact_directions) if opts.method == "hutchinson" else None
+    k = sampled(call, opts, randomness, exact_directions) if opts.method == "hutchinson" else None
     if k is not None:
         if is_factor:
-            if _is_probes(backend, randomness):
+            if is_probes(backend, randomness):
                 raise NumProbesError(
                     f"{call.spec.fname}: with a factor, the probes are drawn in its r "
                     f"columns; pass a source of randomness ({backend.randomness_example})."
@@ -365,7 +365,7 @@ def _weighted_values(
                 return _calibrated_trace(call, v, images)
             terms = _sweep(call, directions, None, collapse=False, chunk_size=opts.chunk_size)
         else:
-            v = _draw(call, randomness, k, opts.distribution).reshape(k, B, n)
+            v = draw(call, randomness, k, opts.distribution).reshape(k, B, n)
             if opts.return_stderr:  # tr(A H) from w = A H v
                 hv = _hessian_images(call, v.reshape(k, B, *shape), k, opts.chunk_size)
                 return _calibrated_trace(call, v, (M @ hv[..., None])[..., 0])
@@ -373,7 +373,7 @@ def _weighted_values(
             directions = backend.concatenate([v + Av, v - Av]).reshape(2 * k, B, *shape)
             second = _sweep(call, directions, None, collapse=False, chunk_size=opts.chunk_size)
             terms = (second[:k] - second[k:]) / 4
-        return _mean_and_stderr(call, terms, opts.return_stderr)
+        return mean_and_stderr(call, terms, opts.return_stderr)
     if is_factor:
         directions = backend.moveaxis(M, -1, 0).reshape(int(M.shape[-1]), -1, *shape)
         weights = None
@@ -389,7 +389,7 @@ def _weighted_values(
         first = backend.asarray(backend.arange(2 * n, call.xb) < n, like=call.xb)
         weights = first * 0.5 - 0.25  # 1/4 for the n sums, -1/4 for the n differences
     if planned.coupled:
-        directions, weights = _one_sample_at_a_time(call, directions, weights)
+        directions, weights = one_sample_at_a_time(call, directions, weights)
     second = _sweep(call, directions, weights, collapse=True, chunk_size=opts.chunk_size)
     return second, (backend.zeros_like(second) if opts.return_stderr else None)
 
@@ -417,14 +417,14 @@ def weighted_laplacian(
         raise ArgnumsError(
             f"{fname}: argnums must be one int (A acts on one argument); got {argnums!r}."
         )
-    opts = _Options(method, num_probes, distribution, return_stderr, chunk_size)
-    _check_options(opts, coupling, WeightedMethod, fname)
+    opts = Options(method, num_probes, distribution, return_stderr, chunk_size)
+    check_options(opts, coupling, WeightedMethod, fname)
 
     def with_coefficient(coefficient: Any, *args: Any, **kwargs: Any) -> Any:
         def values(call: Call, randomness: Any) -> Any:
             return _weighted_values(call, coefficient, is_factor, opts, randomness)
 
-        transform = _second_order_transform(
+        transform = second_order_transform(
             backend, u, argnums, batch_axis, has_aux, coupling, opts, fname, values
         )
         return transform(*args, **kwargs)
@@ -470,7 +470,7 @@ def _nested(
     return sum(parts[1:], parts[0])
 
 
-def _bilaplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Array, Array | None]:
+def _bilaplacian_values(call: Call, opts: Options, randomness: Any) -> tuple[Array, Array | None]:
     """``(bi-Laplacian, stderr or None)``, batch first ``(B, *out)``.
 
     ``"exact"``: the Laplacian of the Laplacian, a collapsed sweep of the unit basis through
@@ -486,7 +486,7 @@ def _bilaplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Ar
     """
     coupled = call.backend.ahead(_coupled, call, opts.method)
     if opts.method == "hutchinson":
-        if _is_probes(call.backend, randomness):
+        if is_probes(call.backend, randomness):
             raise NumProbesError(
                 f"{call.spec.fname}: method='hutchinson' draws its Gaussian probes itself: its "
                 "terms are unbiased only for standard normal directions (their fourth moments, "
@@ -494,7 +494,7 @@ def _bilaplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Ar
                 "a third), which the caller's probes cannot be checked to be. Pass a source of randomness ({call.backend.randomness_example})."
             )
         k = _num_probes(call, opts, randomness)
-        probes = _draw(call, randomness, k, "gaussian")
+        probes = draw(call, randomness, k, "gaussian")
 
         def term(probe: Array) -> Array:
             return _nested(call, probe[None], probe[None], opts.chunk_size)
@@ -502,10 +502,10 @@ def _bilaplacian_values(call: Call, opts: _Options, randomness: Any) -> tuple[Ar
         # The probes a batch axis: one nested sweep traced, whatever their number.
         chunk = sweep_chunk(call, k, opts.chunk_size)
         stacked = call.backend.map_stacked(term, probes, chunk) / 3
-        return _mean_and_stderr(call, stacked, opts.return_stderr)
+        return mean_and_stderr(call, stacked, opts.return_stderr)
     basis, weights = _basis(call, None), None
     if coupled:
-        basis, weights = _one_sample_at_a_time(call, basis, None)
+        basis, weights = one_sample_at_a_time(call, basis, None)
     result = _nested(call, basis, basis, opts.chunk_size, weights)
     return result, (call.backend.zeros_like(result) if opts.return_stderr else None)
 
@@ -540,7 +540,7 @@ def bilaplacian(
     check_option("method", method, BiLaplacianMethod, fname=fname)
     check_option("coupling", coupling, Coupling, fname=fname)
     check_num_probes(num_probes, fname=fname)
-    opts = _Options(method, num_probes, "gaussian", return_stderr, chunk_size)
+    opts = Options(method, num_probes, "gaussian", return_stderr, chunk_size)
     if method == "hutchinson" and return_stderr:
         raise OptionError(
             f"{fname}: method='hutchinson' has no error bar that holds (its terms, fourth "
@@ -552,7 +552,7 @@ def bilaplacian(
         def values(call: Call, randomness: Any) -> Any:
             return _bilaplacian_values(call, opts, randomness)
 
-        return _second_order_transform(
+        return second_order_transform(
             backend, u, argnum, batch_axis, has_aux, coupling, opts, fname, values
         )
 

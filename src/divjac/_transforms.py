@@ -25,7 +25,7 @@ import numpy as np
 
 from ._backend import Array, Backend, Seed
 from ._call import Call, Coupling, Mode, Spec, check_option, prepare
-from ._core import plan, screen, timing
+from ._core import detection_gate, plan, timing
 from ._core.pattern import SparsityPattern
 from ._errors import ArgnumsError, InternalError, PatternError, PatternTypeError
 
@@ -157,10 +157,10 @@ def compressed(call: Call, planned: Seeds) -> tuple[Array, Any]:
 
 def auto_detects(call: Call, dense_passes: int) -> bool:
     """Whether mode/method ``"auto"`` detects the per-sample pattern of this call, whose dense
-    plan takes ``dense_passes`` passes (see :mod:`divjac._core.screen`); when not, the caller
+    plan takes ``dense_passes`` passes (see :mod:`divjac._core.detection_gate`); when not, the caller
     checks coupling alone."""
     with timing.stage("screening"):
-        return screen.screen(call.traced, dense_passes).detect
+        return detection_gate.screen(call.traced, dense_passes).detect
 
 
 def check_pattern(call: Call, pattern: SparsityPattern) -> None:

@@ -258,7 +258,7 @@ def test_an_index_array_traced_by_an_outer_vmap_is_an_argument_not_a_constant():
 
 
 # --------------------------------------------------------------------------------------------
-# The last trace is reused only while everything it read is unchanged (divjac.jax._freshness)
+# The last trace is reused only while everything it read is unchanged (divjac.jax._trace_reuse)
 # --------------------------------------------------------------------------------------------
 
 SCALE = jnp.asarray(0.5)

@@ -19,7 +19,7 @@ from torch import nn
 
 from divjac import BatchCouplingError, DetectionMemoryError, _divergence
 from divjac.models import torch as models
-from divjac.torch import _detect, _reach, divergence, jacobian, value_and_divergence
+from divjac.torch import _detect, _trace_keys, divergence, jacobian, value_and_divergence
 from tests.reference import torch_diagonal_blocks, traces
 
 D = torch.float64
@@ -241,7 +241,7 @@ def test_changes_of_a_module_between_calls_are_seen(name, traces_made):
 
 def test_checks_see_tensor_metadata_changed_in_place():
     net = Shift()
-    checks = _reach.reach(net, [], record=True).checks
+    checks = _trace_keys.reach(net, [], record=True).checks
     assert checks is not None and checks.hold()
     net.gain.weight.data = net.gain.weight.data.float()  # the same Parameter, another dtype
     assert not checks.hold()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from divjac import BatchCouplingError, RetraceWarning
-from divjac.torch import _detect, _reach, divergence, jacobian, laplacian, sparsity
+from divjac.torch import _detect, _trace_keys, divergence, jacobian, laplacian, sparsity
 from divjac.torch._backend import BACKEND
 from tests.reference import torch_diagonal_blocks, traces
 
@@ -430,8 +430,8 @@ def test_guard_cost_grows_with_tensors_not_their_elements():
 
     small, large = mlp(8), mlp(2048)
     assert sum(p.numel() for p in large.parameters()) > 10_000_000
-    sig_small = _reach.reach(small, []).signature
-    sig_large = _reach.reach(large, []).signature
+    sig_small = _trace_keys.reach(small, []).signature
+    sig_large = _trace_keys.reach(large, []).signature
     assert len(sig_small) == len(sig_large)
 
 

@@ -2,7 +2,7 @@
 
 A transform keys its cached trace of the caller's function on the state that function reaches
 (closures, defaults, the globals and module attributes its code names): JAX's eager transforms
-in :mod:`divjac.jax._freshness`, torch's in :mod:`divjac.torch._reach`. Both walks read code
+in :mod:`divjac.jax._trace_reuse`, torch's in :mod:`divjac.torch._trace_keys`. Both walks read code
 objects the same way (:func:`code_names`) and draw the same line between the caller's state,
 which they walk, and a library's definitions, which count by identity
 (:data:`LIBRARIES`, :data:`OWN`, :func:`library_module`, :func:`pure_module`, :func:`library_definition`).

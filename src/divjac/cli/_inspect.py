@@ -4,7 +4,7 @@ The function is called as ``f(x)`` with one array ``x`` of the given shape, the 
 (functions of several arguments: wrap them, e.g. ``def f(x): return net(params, x)``). The report
 gives the per-sample Jacobian pattern, its colorings, batch independence and the plans that
 ``jacobian(mode="auto")`` and ``divergence(method="auto")`` follow, with their pass counts (and,
-where ``"auto"`` skips the detection, why: :mod:`divjac._core.screen`). It times the first call
+where ``"auto"`` skips the detection, why: :mod:`divjac._core.detection_gate`). It times the first call
 of the ``auto`` transform (the divergence of a square Jacobian, else the Jacobian) with fresh
 caches, by stage (trace, coupling check, screening, detection, coloring, passes), against its
 second call.
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._core import plan, screen, timing
+from .._core import detection_gate, plan, timing
 from .._errors import DivjacError
 from ._common import (
     FRAMEWORKS,
@@ -303,8 +303,8 @@ def inspect_function(
         traced = importlib.import_module(f"divjac.{framework}._backend").BACKEND.trace(
             fn, (x,), {}, argnum=0, batch_axis=0, has_aux=False
         )
-        jacobian_verdict = screen.screen(traced, min(n_in, n_out))
-        divergence_verdict = screen.screen(traced, n_in)
+        jacobian_verdict = detection_gate.screen(traced, min(n_in, n_out))
+        divergence_verdict = detection_gate.screen(traced, n_in)
     coupling = None
     if pattern.coupling is not None:
         c = pattern.coupling
@@ -361,7 +361,7 @@ _REFUSED = (
 )
 
 
-def _jacobian_plan(pattern: SparsityPattern, verdict: screen.Verdict) -> Plan:
+def _jacobian_plan(pattern: SparsityPattern, verdict: detection_gate.Verdict) -> Plan:
     n_out, n_in = pattern.shape
     dense = min(n_in, n_out)
     if not pattern.is_batch_independent:
@@ -376,7 +376,7 @@ def _jacobian_plan(pattern: SparsityPattern, verdict: screen.Verdict) -> Plan:
     return Plan(method, chosen.n_passes, dense, direction)
 
 
-def _divergence_plan(pattern: SparsityPattern, verdict: screen.Verdict) -> Plan | None:
+def _divergence_plan(pattern: SparsityPattern, verdict: detection_gate.Verdict) -> Plan | None:
     if not pattern.is_square:
         return None
     n = pattern.shape[1]

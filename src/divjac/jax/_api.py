@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from .._core import stochastic
-from .._divergence import _is_probes
+from .._divergence import is_probes
 from .._public import Api
 from . import _detect, _eager
 from ._backend import BACKEND
@@ -48,7 +48,7 @@ class JaxApi(Api[jax.Array]):
             (make.__name__, positional, tuple(sorted(options.items()))),
             skip=skip,
             functional=BACKEND.functional,
-            randomness=lambda r: BACKEND.is_randomness(r) or _is_probes(BACKEND, r),
+            randomness=lambda r: BACKEND.is_randomness(r) or is_probes(BACKEND, r),
         )
         return leaked_tracers_refused(make.__name__)(call)  # a context, used as a decorator
 

@@ -1,7 +1,7 @@
 """JAX's primitives for divjac's transforms (:mod:`divjac._transforms`, :mod:`divjac._divergence`).
 
 Passes are pushed through the JVP of ``jax.linearize`` (or the VJP of ``jax.vjp``) a chunk at a
-time (``lax.map`` over the chunks) by :func:`~divjac.jax._sink.pushes`, which keeps the work of
+time (``lax.map`` over the chunks) by :func:`~divjac.jax._tangent_passes.pushes`, which keeps the work of
 each sample on the device holding it and computes the batch-constant prefix of the linear
 program (the first matmul of an MLP, the first convolution of a CNN) once for a tangent that is
 the same in every sample. Passes read their own entries with gathers within each sample.
@@ -25,7 +25,7 @@ from .._core import plan
 from .._errors import OptionError
 from . import _compat, _sharding, _sparse_taylor, _taylor
 from ._detect import Traced, is_array, trace
-from ._sink import pushes, varying_axes, varying_like
+from ._tangent_passes import pushes, varying_axes, varying_like
 
 __all__ = ["BACKEND", "SEED_MATRIX_ELEMENTS", "JaxBackend"]
 

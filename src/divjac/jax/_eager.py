@@ -22,7 +22,7 @@ instead, cached in :data:`CACHE` on everything the program depends on:
 
 The floating-point constants the function captures (weights), its random keys, scalar
 constants (step counters) and any value an outer ``grad`` or ``vmap`` traces are arguments of the compiled program, not part of the key: updated
-weights reuse it, and the cache keeps none of them alive (each transform keeps its last call's trace, and so its weights, while it lives: :mod:`divjac.jax._freshness`). (Detection then sees such a scalar as
+weights reuse it, and the cache keeps none of them alive (each transform keeps its last call's trace, and so its weights, while it lives: :mod:`divjac.jax._trace_reuse`). (Detection then sees such a scalar as
 unknown, which may only make a pattern denser, never wrong.)
 The program evaluates the traced function (its jaxpr) rather than calling the caller's function
 again, so a cached program can never read stale values.
@@ -41,8 +41,8 @@ from .._core import rules
 from .._core.detection import LRU
 from . import _compat
 from ._detect import GRADIENT, digest, fingerprint, is_array, is_differentiated
-from ._freshness import state
 from ._jaxpr import is_inexact
+from ._trace_reuse import state
 
 __all__ = ["CACHE", "VARYING", "compiled_when_eager"]
 
@@ -269,7 +269,7 @@ def _rebuild(leaves: list[Any], dynamic: list[bool], treedef: Any, dyn: Any) -> 
 
 class _Trace(NamedTuple):
     """The last eager call's trace of the caller's function and the compiled program it chose,
-    reused by the next call where :func:`~divjac.jax._freshness.state` of the function, the
+    reused by the next call where :func:`~divjac.jax._trace_reuse.state` of the function, the
     argument tree, the static leaves' values and the dynamic leaves' types are unchanged."""
 
     state: Hashable

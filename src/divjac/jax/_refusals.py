@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from .._errors import UnsupportedOperationError
 from . import _compat
-from ._sink import _bind
+from ._tangent_passes import bind
 
 __all__ = ["check_differentiable_twice", "leaked_tracers_refused"]
 
@@ -84,7 +84,7 @@ def check_differentiable_twice(eqn: Any) -> None:
             full = list(operands)
             for i, ai in zip(floats, a, strict=True):
                 full[i] = ai
-            return _bind(eqn, *full)
+            return bind(eqn, *full)
 
         at = tuple(operands[i] for i in floats)
         ones = tuple(jnp.ones_like(a) for a in at)

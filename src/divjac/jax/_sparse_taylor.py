@@ -41,8 +41,8 @@ from .._core.plan import sparse_sweep_share
 from .._core.sparse_index import compressed, positions, union
 from . import _compat
 from ._ops import ELEMENTWISE, SWEPT_CALLS
-from ._sink import _bind, _Passes, _real, varying_like
-from ._taylor import _inexact, _Sweep
+from ._tangent_passes import Passes, bind, real, varying_like
+from ._taylor import Sweep, inexact
 
 __all__ = ["sparse_cost", "sparse_laplacian"]
 
@@ -132,7 +132,7 @@ def _distributed(jaxpr: Any, consts: Sequence[Any], x: jax.Array) -> Any:
                     piece = lax.slice_in_dim(rhs, start, start + width, axis=axis)
                     start += width
                     own = depends(part)
-                    term = product(part, piece, eqn) if own else _bind(eqn, read(part), piece)
+                    term = product(part, piece, eqn) if own else bind(eqn, read(part), piece)
                     total = term if total is None else total + term
                 return total
         if src is not None and src.primitive.name == "broadcast_in_dim" and len(src.invars) == 1:
@@ -144,7 +144,7 @@ def _distributed(jaxpr: Any, consts: Sequence[Any], x: jax.Array) -> Any:
                 if not set(grown) & (set(lc) | set(lb)):
                     out_shape = tuple(eqn.outvars[0].aval.shape)
                     return jnp.broadcast_to(product(g, rhs, eqn), out_shape)
-        return _bind(eqn, read(v), rhs)
+        return bind(eqn, read(v), rhs)
 
     for var, val in zip(jaxpr.constvars, consts, strict=True):
         env[var] = val
@@ -157,7 +157,7 @@ def _distributed(jaxpr: Any, consts: Sequence[Any], x: jax.Array) -> Any:
             with jax.named_scope(_CONV_SCOPE):
                 outs = [_conv_as_products(eqn, read(lhs), read(eqn.invars[1]))]
         else:
-            out = _bind(eqn, *(read(v) for v in eqn.invars))
+            out = bind(eqn, *(read(v) for v in eqn.invars))
             outs = list(out) if eqn.primitive.multiple_results else [out]
         for var, val in zip(eqn.outvars, outs, strict=True):
             env[var] = val
@@ -213,7 +213,7 @@ def _conv_as_products(eqn: Any, lhs: Any, rhs: Any) -> Any:
     return jnp.transpose(total, [held.index(dn.out_spec.index(a)) for a in range(len(out))])
 
 
-class _SparseSweep(_Sweep):
+class _SparseSweep(Sweep):
     """The collapsed sweep over the unit basis of ``k`` inputs, first-order terms stored sparse
     while that pays; ``stored`` and ``dense`` count the work on first-order terms it does and
     the dense sweep would (:meth:`count`), ``moved`` the elements its gathers move,
@@ -235,11 +235,11 @@ class _SparseSweep(_Sweep):
         if (
             concrete
             and eqn.primitive.name not in _MESH_BOUND
-            and not any(_inexact(v.aval) for v in eqn.outvars)
+            and not any(inexact(v.aval) for v in eqn.outvars)
         ):
             with jax.ensure_compile_time_eval():
-                return _bind(eqn, *values)
-        return _bind(eqn, *values)
+                return bind(eqn, *values)
+        return bind(eqn, *values)
 
     def equation(self, eqn: Any, ins: list[Any], dep: list[int]) -> list[Any]:
         if eqn.primitive.name in SWEPT_CALLS:  # its equations are counted one by one
@@ -249,8 +249,8 @@ class _SparseSweep(_Sweep):
         if planned is None and eqn.primitive.name == "reduce_sum" and sparse == [0]:
             # Summed while expanded: the one-hot product contracts the summed axes too.
             ((p, t, s),) = ins
-            y, dense_t = _bind(eqn, p), _expand(t, self.k, eqn.params["axes"])
-            outs = [(y, dense_t, None if s is None else _bind(eqn, s))]
+            y, dense_t = bind(eqn, p), _expand(t, self.k, eqn.params["axes"])
+            outs = [(y, dense_t, None if s is None else bind(eqn, s))]
             self.count(eqn, outs, [None])
             return outs
         if planned is None:
@@ -261,9 +261,9 @@ class _SparseSweep(_Sweep):
         laid, idxs = planned
         # A gather per element of an operand laid out anew (counted as work too).
         self.moved += sum(math.prod(laid[i].shape) for i in laid if laid[i] is not ins[i][1].terms)
-        pushed = [(p, _Passes(laid[i]) if i in laid else t, s) for i, (p, t, s) in enumerate(ins)]
+        pushed = [(p, Passes(laid[i]) if i in laid else t, s) for i, (p, t, s) in enumerate(ins)]
         sparse_outs: list[Any] = [
-            (y, None if t is None else _Sparse(_real(t).front(), idx), s)
+            (y, None if t is None else _Sparse(real(t).front(), idx), s)
             for (y, t, s), idx in zip(super().equation(eqn, pushed, dep), idxs, strict=True)
         ]
         self.count(eqn, sparse_outs, idxs)
@@ -401,7 +401,7 @@ def _gathered_index(eqn: Any, idx: np.ndarray, indices: Any) -> np.ndarray | Non
     if isinstance(indices, _compat.Tracer):
         return None
     with jax.ensure_compile_time_eval():
-        slots = [np.asarray(_bind(eqn, jnp.asarray(i + 1, jnp.int32), indices)) for i in idx]
+        slots = [np.asarray(bind(eqn, jnp.asarray(i + 1, jnp.int32), indices)) for i in idx]
     moved = np.stack(slots).astype(np.int64) - 1
     return np.where(moved < 0, -1, moved)  # a filled (out of bounds) element has no input
 
@@ -451,7 +451,7 @@ def _padded(a: Any, m: int, fill: int) -> Any:
     return jnp.concatenate([a, jnp.zeros((m - a.shape[0], *a.shape[1:]), a.dtype)])
 
 
-def _expand(t: _Sparse, k: int, axes: Sequence[int] = ()) -> _Passes:
+def _expand(t: _Sparse, k: int, axes: Sequence[int] = ()) -> Passes:
     """The dense first-order terms ``[k, *S]`` of ``t``, summed over its ``axes`` (of ``S``):
     one product with the one-hot matrix of its index (contracting the slots and the summed
     axes), over the axes along which the index varies only."""
@@ -474,4 +474,4 @@ def _expand(t: _Sparse, k: int, axes: Sequence[int] = ()) -> _Passes:
     )
     order = [*batch, *(a for a in rest if a not in varying), -1]  # the product's axes
     kept = [a for a in range(len(shape)) if a not in axes]
-    return _Passes(dense.transpose((len(order) - 1, *(order.index(a) for a in kept))))
+    return Passes(dense.transpose((len(order) - 1, *(order.index(a) for a in kept))))

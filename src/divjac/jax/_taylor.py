@@ -18,7 +18,7 @@ caller keeps them apart). An equation ``z = p(a)`` maps them as
     dz[v_k] = dp(a)[da[v_k]],   d2z = dp(a)[d2a] + sum_k w_k d2p(a)[da[v_k], da[v_k]].
 
 The first-order part is ``p``'s own linearization, pushed for every pass at once by
-:mod:`divjac.jax._sink` (batch-local, shared directions kept unbroadcast through the first
+:mod:`divjac.jax._tangent_passes` (batch-local, shared directions kept unbroadcast through the first
 linear layers). The curvature term is zero for linear and piecewise-linear primitives, is
 ``p''(a) * sum_k w_k da_k^2`` for the element-wise functions with a known second derivative
 (both facts read from the op-fact table :data:`divjac.jax._ops.ELEMENTWISE`),
@@ -44,7 +44,7 @@ from jax import lax
 from . import _compat, _sharding
 from ._ops import ELEMENTWISE, SWEPT_CALLS
 from ._refusals import check_differentiable_twice
-from ._sink import _Bcast, _bind, _eval, _lift, _Passes, _real, varying_like
+from ._tangent_passes import Bcast, Passes, _eval, bind, lift, real, varying_like
 
 __all__ = ["second_order_sweep"]
 
@@ -79,20 +79,20 @@ def second_order_sweep(
     # then reduce blocks that stay in cache, fused with their operands (a tanh MLP of width
     # 256, d = 64, B = 256: 1.4x faster than with the passes in front, as folx lays them out).
     if v.shape[1] == x.shape[0]:
-        seed: Any = _Passes.behind(varying_like(v, x))
+        seed: Any = Passes.behind(varying_like(v, x))
     else:  # shared by the samples: kept unbroadcast until an operation needs the batch
-        seed = _Bcast(_Passes(varying_like(v[:, 0], x)), tuple(x.shape), (0,), behind=True)
+        seed = Bcast(Passes(varying_like(v[:, 0], x)), tuple(x.shape), (0,), behind=True)
     apart = not collapse or (weights is not None and weights.ndim == 2)
     w = None if weights is None or apart else weights.astype(x.dtype)
     closed = jax.make_jaxpr(f)(x)
     if len(closed.jaxpr.outvars) != 1:
         closed = jax.make_jaxpr(lambda p: jnp.asarray(f(p)))(x)
-    sweep = _Sweep(w, apart)
+    sweep = Sweep(w, apart)
     ((y, t, s),) = sweep.eval(closed.jaxpr, closed.consts, [(x, seed, None)])
-    t = _real(t)
-    first = t.front() if isinstance(t, _Passes) else jnp.zeros((k, *jnp.shape(y)), y.dtype)
+    t = real(t)
+    first = t.front() if isinstance(t, Passes) else jnp.zeros((k, *jnp.shape(y)), y.dtype)
     if apart:
-        second = s.front() if isinstance(s, _Passes) else jnp.zeros((k, *jnp.shape(y)), y.dtype)
+        second = s.front() if isinstance(s, Passes) else jnp.zeros((k, *jnp.shape(y)), y.dtype)
         return y, first, second if not collapse else _weighted_sum(second, weights)
     return y, first, jnp.zeros_like(y) if s is None else jnp.broadcast_to(s, jnp.shape(y))
 
@@ -120,7 +120,7 @@ _BILINEAR = {"mul", "dot_general", "conv_general_dilated"}
 _Value = tuple[Any, Any, Any]  # (primal, first-order terms or None, second-order term or None)
 
 
-class _Sweep:
+class Sweep:
     """One collapsed Taylor sweep: ``w`` the weights ``[K]`` (``None``: all 1) of the summed
     second-order term, or ``apart``: keep one second-order term per pass (unweighted)."""
 
@@ -141,7 +141,7 @@ class _Sweep:
         for eqn in jaxpr.eqns:
             ins = [read(v) for v in eqn.invars]
             dep = [i for i, (_, t, _) in enumerate(ins) if t is not None]
-            if not dep or not any(_inexact(v.aval) for v in eqn.outvars):
+            if not dep or not any(inexact(v.aval) for v in eqn.outvars):
                 out = self.constant(eqn, [p for p, _, _ in ins])
                 outs = [(o, None, None) for o in (out if eqn.primitive.multiple_results else [out])]
             else:
@@ -152,7 +152,7 @@ class _Sweep:
 
     def constant(self, eqn: Any, values: list[Any]) -> Any:
         """An equation without terms (no dependent operand, or integer outputs)."""
-        return _bind(eqn, *values)
+        return bind(eqn, *values)
 
     def equation(self, eqn: Any, ins: list[_Value], dep: list[int]) -> list[_Value]:
         name = eqn.primitive.name
@@ -204,39 +204,39 @@ class _Sweep:
         ]
 
     def second(self, value: Any) -> Any:
-        value = _real(value)
+        value = real(value)
         if self.apart:
-            return value if isinstance(value, _Passes) else None
+            return value if isinstance(value, Passes) else None
         return value
 
     def add(self, a: Any, b: Any) -> Any:
         if a is None or b is None:
             return b if a is None else a
-        return _lift(jnp.add, a, b)
+        return lift(jnp.add, a, b)
 
     def scale(self, c: Any, ta: Any, tb: Any) -> Any:
         """``c * sum_k w_k ta_k tb_k`` (``c`` an array of one pass's shape, or a number)."""
         q = self.contract(ta, tb)
-        return _lift(lambda v: c * v, q)
+        return lift(lambda v: c * v, q)
 
     def contract(self, ta: Any, tb: Any) -> Any:
         """``sum_k w_k ta_k tb_k`` (element-wise; per pass when kept apart)."""
         if (
-            isinstance(ta, _Bcast)
-            and isinstance(tb, _Bcast)
+            isinstance(ta, Bcast)
+            and isinstance(tb, Bcast)
             and (ta.shape, ta.new_axes) == (tb.shape, tb.new_axes)
             and not self.apart
         ):  # on the unbroadcast bases
-            return _Bcast(
+            return Bcast(
                 self.reduce(*_product(ta.base, tb.base)), ta.shape, ta.new_axes
             ).materialize()
-        return self.reduce(*_product(_real(ta), _real(tb)))
+        return self.reduce(*_product(real(ta), real(tb)))
 
     def reduce(self, terms: jax.Array, axis: int = 0) -> Any:
         """``sum_k w_k terms_k`` over the passes, on ``terms``' axis ``axis`` (kept apart:
         the terms themselves)."""
         if self.apart:
-            return _Passes(terms, axis)
+            return Passes(terms, axis)
         if axis:  # a reduction XLA fuses with the product that made the terms
             if self.w is None:
                 return terms.sum(axis)
@@ -253,7 +253,7 @@ class _Sweep:
 
     def dot_curvature(self, eqn: Any, ta: Any, tb: Any) -> Any:
         """``2 sum_k w_k dot_general(ta_k, tb_k)``: one product with the passes contracted."""
-        pa, pb = _real(ta), _real(tb)
+        pa, pb = real(ta), real(tb)
         a, b = pa.value, pb.value
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
         pref = eqn.params.get("preferred_element_type")
@@ -263,7 +263,7 @@ class _Sweep:
                 partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=pref),
                 in_axes=(pa.axis, pb.axis),
             )
-            return _Passes(2 * products(a, b))
+            return Passes(2 * products(a, b))
         if self.w is not None:
             w = self.w.astype(a.dtype)
             a = a * w.reshape((-1,) + (1,) * (a.ndim - pa.axis - 1))
@@ -277,7 +277,7 @@ class _Sweep:
         """Any other equation: ``jvp`` of ``jvp`` of it, batched over the passes."""
         primals = [p for p, _, _ in ins]
         fn = _partial(eqn, primals, dep)
-        floats = [i for i, v in enumerate(eqn.outvars) if _inexact(v.aval)]
+        floats = [i for i, v in enumerate(eqn.outvars) if inexact(v.aval)]
         at = tuple(primals[i] for i in dep)
 
         def g(*a: Any) -> tuple[Any, ...]:
@@ -287,7 +287,7 @@ class _Sweep:
         def h(a: tuple[Any, ...], t: tuple[Any, ...]) -> tuple[Any, ...]:
             return jax.jvp(g, a, t)[1]
 
-        tangents = tuple(_real(ins[i][1]).front() for i in dep)
+        tangents = tuple(real(ins[i][1]).front() for i in dep)
         seconds = [ins[i][2] for i in dep]
         if self.apart:
             s_in = tuple(
@@ -295,7 +295,7 @@ class _Sweep:
                 for t, s in zip(tangents, seconds, strict=True)
             )
             d1, d2 = jax.vmap(lambda t, s: jax.jvp(h, (at, t), (t, s)))(tangents, s_in)
-            second = [_Passes(q) for q in d2]
+            second = [Passes(q) for q in d2]
         else:
             d1, d2 = jax.vmap(lambda t: jax.jvp(lambda a: h(a, t), (at,), (t,)))(tangents)
             second = [self.reduce(q) for q in d2]
@@ -307,11 +307,11 @@ class _Sweep:
         ys = fn(*at)
         outs: list[_Value] = [(y, None, None) for y in ys]
         for j, i in enumerate(floats):
-            outs[i] = (ys[i], _Passes(d1[j]), second[j])
+            outs[i] = (ys[i], Passes(d1[j]), second[j])
         return outs
 
 
-def _product(a: _Passes, b: _Passes) -> tuple[jax.Array, int]:
+def _product(a: Passes, b: Passes) -> tuple[jax.Array, int]:
     """The element-wise product of every pass of ``a`` and ``b`` (one of them possibly of a
     rank-0 operand of a binary operation), and the axis of its passes."""
     if a.axis == b.axis and a.value.ndim == b.value.ndim:
@@ -330,7 +330,7 @@ def _partial(eqn: Any, primals: list[Any], dep: list[int]) -> Callable[..., list
         full = list(primals)
         for i, a in zip(dep, args, strict=True):
             full[i] = a
-        out = _bind(eqn, *full)
+        out = bind(eqn, *full)
         return list(out) if eqn.primitive.multiple_results else [out]
 
     return fn
@@ -338,9 +338,7 @@ def _partial(eqn: Any, primals: list[Any], dep: list[int]) -> Callable[..., list
 
 def _tangent(value: Any) -> Any:
     """A pushed first-order value, or ``None`` where no pass reached it (a zero)."""
-    if isinstance(value, _Passes) or (
-        isinstance(value, _Bcast) and isinstance(value.base, _Passes)
-    ):
+    if isinstance(value, Passes) or (isinstance(value, Bcast) and isinstance(value.base, Passes)):
         return value
     return None
 
@@ -353,5 +351,5 @@ def _complex_abs(eqn: Any) -> bool:
     )
 
 
-def _inexact(aval: Any) -> bool:
+def inexact(aval: Any) -> bool:
     return jnp.issubdtype(aval.dtype, jnp.inexact)

@@ -3,7 +3,7 @@
 :class:`TorchBackend` runs the passes of :mod:`divjac.torch._passes` (in the kernels of
 :mod:`divjac.torch._kernels`) and the second-order sweep of :mod:`divjac.torch._taylor.sweep`; under
 ``torch.compile`` the setup of a call is evaluated ahead of dynamo's trace
-(:mod:`divjac.torch._ahead`).
+(:mod:`divjac.torch._compile_setup`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from .._core import settings
 from .._core.detection import LRU
 from .._errors import CompileError, FastPathWarning, OptionError, warn_at_caller
 from . import _ddp, _inductor
-from ._ahead import _Ahead, _compiling, _constant, _prepared
 from ._compat import (
     COMPILES,
     SPARSE_WARNINGS,
@@ -38,9 +37,10 @@ from ._compat import (
     pytree,
     under_transform,
 )
+from ._compile_setup import Ahead, compiling, constant, prepared
 from ._detect import trace
-from ._kernels import _differentiable_kernels
-from ._passes import _checkpointed, _on_graph, _Passes, _recomputed, _split_aux, _Tape
+from ._kernels import differentiable_kernels
+from ._passes import Passes, Tape, _checkpointed, on_graph, recomputed, split_aux
 from ._resident import resident
 from ._taylor import sparse as _taylor_sparse, sweep as _taylor
 from ._traced import TensorSpec, Traced
@@ -59,7 +59,7 @@ _SEEDS: LRU[tuple[Any, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]] = 
 class _Indicator:
     """The indicator of a pass from its input: the input itself (a row of the seed matrix),
     or where the ``labels`` of the elements are the pass's index (a value, not a closure: it
-    goes through :func:`_constant`)."""
+    goes through :func:`constant`)."""
 
     labels: torch.Tensor | None
     dtype: torch.dtype
@@ -113,7 +113,7 @@ def _trace(
         leaves, treedef = pytree.tree_flatten((args, kwargs))
         x_leaf = len(pytree.tree_leaves(args[:argnum]))
     traced = trace(fun, leaves, treedef, x_leaf=x_leaf, batch_axis=batch_axis, has_aux=has_aux)
-    if _Ahead.active:
+    if Ahead.active:
         _check_compilable(traced)
     return traced
 
@@ -149,7 +149,7 @@ def _context(backend: TorchBackend, point: Point[Traced]) -> tuple[Any, ...]:
     :func:`~divjac._core.settings.read`)."""
     xb = point.xb
     return (
-        _on_graph(point),
+        on_graph(point),
         torch.is_inference_mode_enabled(),
         not under_transform(),
         type(xb),
@@ -167,7 +167,7 @@ def _check_compilable(traced: Traced) -> None:
     passes read of the trace are computed here (dynamo reads them as constants, and calls no
     method of the trace)."""
     _ddp.check_synchronized(traced.modules)
-    _differentiable_kernels(traced)
+    differentiable_kernels(traced)
     _ = traced.forward_less  # (reverse passes read it: rows one by one)
     if traced.draws_random:
         what = "draws random numbers (dropout in training mode, randn)"
@@ -237,7 +237,7 @@ class TorchBackend(Backend[Traced]):
         refuses the tensor itself: no ``requires_grad_``, nothing saved for a backward), as
         users write by hand (``x.clone()``). Under ``torch.compile``, which traces no
         inference tensor: itself."""
-        if not _compiling() and x.is_inference() and not torch.is_inference_mode_enabled():
+        if not compiling() and x.is_inference() and not torch.is_inference_mode_enabled():
             return x.clone()
         return x
 
@@ -261,7 +261,7 @@ class TorchBackend(Backend[Traced]):
     ) -> torch.Tensor:
         """Under ``torch.compile``, ``xs``'s leading axis is a batch axis (``vmap``, ``chunk``
         at a time: dynamo would unroll a loop into one program per element); eagerly, a loop."""
-        if _compiling():
+        if compiling():
             return torch.func.vmap(fn, chunk_size=chunk)(xs)
         return super().map_stacked(fn, xs, chunk)
 
@@ -273,14 +273,14 @@ class TorchBackend(Backend[Traced]):
 
     def recomputes_chunks(self, point: Point[Traced]) -> bool:
         """Passes on the autograd graph are checkpointed chunk by chunk (:func:`_checkpointed`)."""
-        return _recomputed(point)
+        return recomputed(point)
 
     def rows_overhead_only(self, point: Point[Traced]) -> bool:
         """Eagerly (not under ``torch.compile``), in a convolution network: its rows share the
         forward pass recorded once, and ``vmap`` over its backward batches kernels that are
         large already (a convolution's) or whose batching rule is slower than the kernel run
         row by row (BatchNorm's backward in eval mode), so a batch of large rows runs slower than the same rows one by one."""
-        return not _compiling() and point.traced.has_convolution
+        return not compiling() and point.traced.has_convolution
 
     def memory_available(self, x: torch.Tensor) -> int | None:
         """The free memory of a CUDA device (``torch.cuda.mem_get_info``); ``None`` elsewhere."""
@@ -299,10 +299,10 @@ class TorchBackend(Backend[Traced]):
         batch_axis: int | None,
         has_aux: bool,
     ) -> Traced:
-        if _compiling():
+        if compiling():
             if not COMPILES:
                 _refuse_compile()
-            return _constant(_trace, fun, args, kwargs, argnum, batch_axis, has_aux)
+            return constant(_trace, fun, args, kwargs, argnum, batch_axis, has_aux)
         traced = _trace(fun, args, kwargs, argnum, batch_axis, has_aux)
         if not torch.is_grad_enabled() and traced.nests:
             warn_at_caller(
@@ -322,10 +322,10 @@ class TorchBackend(Backend[Traced]):
         """Under ``torch.compile``: evaluated once, when dynamo traces the call, on the call
         prepared again from its (example) inputs. Eagerly: kept with the trace, per context
         (:func:`_kept`), so that a steady-state call plans nothing again."""
-        if not _compiling():
+        if not compiling():
             return _kept(self, setup, point, static)
         call: Any = point  # a Call: its spec prepares it again
-        return _constant(_prepared, setup, call.spec, call.args, call.kwargs, static)
+        return constant(prepared, setup, call.spec, call.args, call.kwargs, static)
 
     def prefer_reverse(self, point: Point[Traced], *, measure: bool = False) -> bool:
         """Columns where a linear solve broadcasts its matrix over a batch of right-hand sides
@@ -347,30 +347,30 @@ class TorchBackend(Backend[Traced]):
         guess = not traced.has_convolution
         if not (measure and _measurable(point)):
             return guess
-        key = (_on_graph(point), torch.is_inference_mode_enabled(), point.xb.device)
+        key = (on_graph(point), torch.is_inference_mode_enabled(), point.xb.device)
         if key not in traced.directions:
             traced.directions[key] = _measured_reverse(self, point)
         return traced.directions[key]
 
     def refuse_compiled_sweep(self, point: Point[Traced], fname: str) -> None:
-        if _compiling():
+        if compiling():
             self.ahead(_inductor.refuse_crashing_sweep, point, fname)
 
     def forward_less(self, point: Point[Traced]) -> frozenset[str]:
         """The operations without a forward derivative, and, where a gradient will flow
-        through the passes (:func:`_on_graph`: training, ``grad_divergence``), those whose
+        through the passes (:func:`on_graph`: training, ``grad_divergence``), those whose
         forward derivative PyTorch does not differentiate right (linalg solves, determinants)."""
         traced = point.traced
-        if _on_graph(point):
+        if on_graph(point):
             return traced.forward_less | traced.forward_twice_wrong
         return traced.forward_less
 
     def pass_elements(self, point: Point[Traced]) -> int:
-        """Where the passes go on the autograd graph (:func:`_on_graph`), what a pass keeps
+        """Where the passes go on the autograd graph (:func:`on_graph`), what a pass keeps
         for the backward, which recomputes it chunk by chunk (:func:`_checkpointed`):
         :attr:`~divjac.torch._traced.Traced.graph_elements` (under ``torch.compile``, whose
         partitioner decides, the program's own estimate)."""
-        if _recomputed(point):
+        if recomputed(point):
             return point.traced.graph_elements
         return point.traced.pass_elements
 
@@ -391,12 +391,12 @@ class TorchBackend(Backend[Traced]):
         differentiate under inference mode too, inference tensors included. Under
         ``torch.compile`` the modules were checked synchronized when the setup traced the
         function (:func:`_check_compilable`)."""
-        if _compiling():
-            return _Passes(point, reverse)
+        if compiling():
+            return Passes(point, reverse)
         _ddp.check_synchronized(point.traced.modules)
         if reverse and not under_transform() and not inference_mode_enabled():
-            return _Tape(point)
-        return _Passes(point, reverse)
+            return Tape(point)
+        return Passes(point, reverse)
 
     def second_order_sweep(
         self,
@@ -436,7 +436,7 @@ class TorchBackend(Backend[Traced]):
     ) -> Any:
         x = self.differentiable(x)
         if has_aux:
-            tensors_only, rebuild = _split_aux(fn)
+            tensors_only, rebuild = split_aux(fn)
 
             def summed_and_aux(x: torch.Tensor) -> tuple[torch.Tensor, Any]:
                 values, tensors = tensors_only(x)
@@ -538,7 +538,7 @@ class TorchBackend(Backend[Traced]):
     def sparse_format(self, layout: torch.layout | None) -> torch.layout:
         """``torch.sparse_coo`` (the default) or ``torch.sparse_csr``; not under
         ``torch.compile`` (dynamo traces no sparse tensor, torch 2.13)."""
-        if _compiling():
+        if compiling():
             raise CompileError(
                 "sparse_jacobian cannot run under torch.compile (dynamo does not trace "
                 "torch's sparse tensors, torch 2.13). Call it outside the compiled function, "
@@ -643,7 +643,7 @@ def _measurable(point: Point[Traced]) -> bool:
     in_n, out_n = math.prod(point.in_sample), math.prod(point.out_sample)
     return (
         in_n == out_n >= MEASURED_FROM
-        and not _compiling()
+        and not compiling()
         and not under_transform()
         and not point.traced.draws_random
         and not (torch.distributed.is_available() and torch.distributed.is_initialized())

@@ -18,7 +18,7 @@ import torch.fx
 
 from .._errors import InternalError, RetraceWarning, warn_at_caller
 from ._compat import OpOverload
-from ._reach import Reached
+from ._trace_keys import Reached
 
 __all__ = ["MAX_BRANCHES", "Branch", "Branches", "branch"]
 

@@ -1,4 +1,4 @@
-"""Telling fast that nothing a walk of :func:`divjac.torch._reach.reach` read has changed:
+"""Telling fast that nothing a walk of :func:`divjac.torch._trace_keys.reach` read has changed:
 :class:`Checks`, which a memo of a trace compares instead of walking again (like
 ``torch.compile``'s guards)."""
 
@@ -19,24 +19,24 @@ from ._compat import dict_version
 __all__ = ["Checks", "any_dead"]
 
 # Containers longer than this are not walked (their contents are not guarded).
-_MAX_ITEMS = 64
+MAX_ITEMS = 64
 # Values recorded as they are (hashable, and compared by value).
-_ATOMS = frozenset(
+ATOMS = frozenset(
     {bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout}
 )
 
 # Kinds of checks (first item of each).
-_VALUE, _TENSOR, _TUPLE, _REF, _SAME, _EMPTY = range(6)  # what a slot holds
-_DICT, _LIST, _OBJECT, _FUNCTION, _CLASS, _MODULE, _META = range(6, 13)  # objects
+VALUE, TENSOR, TUPLE, REF, SAME, EMPTY = range(6)  # what a slot holds
+DICT, LIST, OBJECT, FUNCTION, CLASS, MODULE, META = range(6, 13)  # objects
 # The dicts of a module whose contents the walk reads.
-_MODULE_DICTS = ("_parameters", "_buffers", "_modules", "_forward_pre_hooks", "_forward_hooks")
+MODULE_DICTS = ("_parameters", "_buffers", "_modules", "_forward_pre_hooks", "_forward_hooks")
 
 
 def _version(d: dict[Any, Any]) -> int:
     return int(dict_version(d))
 
 
-def _full(cell: types.CellType) -> bool:
+def full(cell: types.CellType) -> bool:
     try:
         cell.cell_contents  # noqa: B018
     except ValueError:
@@ -47,20 +47,20 @@ def _full(cell: types.CellType) -> bool:
 def _holds(slot: tuple[Any, ...], value: Any) -> bool:
     """Whether ``value`` is what :meth:`_Walk.slot` recorded as ``slot``."""
     kind = slot[0]
-    if kind == _REF:
+    if kind == REF:
         return slot[1]() is value
-    if kind == _VALUE:
+    if kind == VALUE:
         return type(value) is slot[1] and bool(value == slot[2])
-    if kind == _TENSOR:
+    if kind == TENSOR:
         ref = slot[2]
         return (
             isinstance(value, torch.Tensor)
             and (value.shape, value.dtype, value.device) == slot[1]
             and (ref is None or ref() is value)
         )
-    if kind == _SAME:
+    if kind == SAME:
         return value is slot[1] and (slot[2] is None or _version(value) == slot[2])
-    if kind == _TUPLE:
+    if kind == TUPLE:
         parts = slot[1]
         return type(value) is tuple and len(value) == len(parts) and all(map(_holds, parts, value))
     return False  # _EMPTY: checked where a slot may be empty
@@ -80,16 +80,16 @@ class Checks:
     __slots__ = ("_meta", "_modules", "_others")
 
     def __init__(self, items: list[tuple[Any, ...]]) -> None:
-        metas = [item for item in items if item[0] == _META]
+        metas = [item for item in items if item[0] == META]
         self._meta = (tuple(item[1] for item in metas), [item[2:] for item in metas])
-        modules = [item for item in items if item[0] == _MODULE]
+        modules = [item for item in items if item[0] == MODULE]
         self._modules = (
             tuple(item[1] for item in modules),
             [item[2] for item in modules],
             [item[3] for item in modules],
             [v for item in modules for v in item[4:]],
         )
-        self._others = [item for item in items if item[0] not in (_META, _MODULE)]
+        self._others = [item for item in items if item[0] not in (META, MODULE)]
 
     def hold(self) -> bool:
         # Tensors, then modules, each in a few passes of C-level iteration (map, ==).
@@ -119,28 +119,28 @@ def any_dead(refs: Sequence[weakref.ref[Any]]) -> bool:
 _deref = weakref.ref.__call__
 _is_none = functools.partial(operator.is_, None)
 _dict_of = operator.attrgetter("__dict__")
-_module_dicts = operator.itemgetter(*_MODULE_DICTS)
+_module_dicts = operator.itemgetter(*MODULE_DICTS)
 _meta_of = operator.attrgetter("shape", "dtype", "device")
 
 
 def _object_holds(item: tuple[Any, ...]) -> bool:
     kind = item[0]
-    if kind == _FUNCTION:
+    if kind == FUNCTION:
         return _function_holds(item)
-    if kind == _DICT:
+    if kind == DICT:
         return bool(_version(item[1]) == item[2])
-    if kind == _OBJECT:
+    if kind == OBJECT:
         obj = item[1]()
         return obj is not None and type(obj) is item[2] and _version(vars(obj)) == item[3]
-    if kind == _CLASS:
+    if kind == CLASS:
         attrs = vars(item[1])
         return tuple(attrs) == item[2] and all(map(operator.is_, attrs.values(), item[3]))
-    if kind == _LIST:
+    if kind == LIST:
         lst, items = item[1], item[2]
         if items is None:
-            return len(lst) > _MAX_ITEMS
+            return len(lst) > MAX_ITEMS
         return len(lst) == len(items) and all(
-            (type(v) in _ATOMS) if slot is None else _holds(slot, v)
+            (type(v) in ATOMS) if slot is None else _holds(slot, v)
             for slot, v in zip(items, lst, strict=True)
         )
     return False
@@ -153,10 +153,10 @@ def _function_holds(item: tuple[Any, ...]) -> bool:
         return False
     closure = fn.__closure__ or ()
     for slot, cell in zip(cells, closure, strict=True):
-        if slot[0] == _EMPTY:
-            if _full(cell):
+        if slot[0] == EMPTY:
+            if full(cell):
                 return False
-        elif not _full(cell) or not _holds(slot, cell.cell_contents):
+        elif not full(cell) or not _holds(slot, cell.cell_contents):
             return False
     if not (_holds(defaults, fn.__defaults__) and _holds(kwdefaults, fn.__kwdefaults__)):
         return False
@@ -165,7 +165,7 @@ def _function_holds(item: tuple[Any, ...]) -> bool:
     if now == version[0]:
         return True
     for name, slot in found:  # some global changed: are those the code names the same?
-        if slot[0] == _EMPTY:
+        if slot[0] == EMPTY:
             if name in scope:
                 return False
         elif name not in scope or not _holds(slot, scope[name]):

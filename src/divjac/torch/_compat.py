@@ -346,7 +346,7 @@ def release() -> tuple[int, int]:
 COMPILES = release() >= (2, 13)
 """Whether divjac's transforms run under ``torch.compile``: from torch 2.13 on. Before it
 (2.11), dynamo's ``assume_constant_result``, which evaluates divjac's setup ahead of the trace
-(:mod:`divjac.torch._ahead`), takes tensors and constants only, and ``make_fx`` cannot trace a
+(:mod:`divjac.torch._compile_setup`), takes tensors and constants only, and ``make_fx`` cannot trace a
 function passed a ``torch.Generator``."""
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.fx
 
 from ._compat import OpOverload, pytree
-from ._reach import Reached
+from ._trace_keys import Reached
 
 __all__ = [
     "captured_floats",

@@ -73,7 +73,15 @@ from ._constants import (
     readable_constants,
 )
 from ._interpret import decompositions
-from ._reach import (
+from ._retraces import check_own_changes, warn_numbers_retraced, warn_uncached
+from ._side_effects import (
+    KeptState,
+    NoFastPaths,
+    plain_kernels,
+    quiet_batch_norm,
+    quiet_fake_tensors,
+)
+from ._trace_keys import (
     Checks,
     Reached,
     changed_lists,
@@ -82,15 +90,7 @@ from ._reach import (
     module_signature,
     reach,
 )
-from ._retraces import check_own_changes, warn_numbers_retraced, warn_uncached
-from ._running import (
-    KeptState,
-    NoFastPaths,
-    plain_kernels,
-    quiet_batch_norm,
-    quiet_fake_tensors,
-)
-from ._traced import DECOMPOSED, TensorSpec, Traced, _live_peak
+from ._traced import DECOMPOSED, TensorSpec, Traced, live_peak
 
 __all__ = [
     "CACHE",
@@ -277,7 +277,7 @@ def trace(
         x_shape=detection.batch_first_shape(tuple(tensors[x_pos].shape), batch_axis),
         out_shape=tuple(out_val.shape),
         out_tree=out_tree[0],
-        pass_elements=2 * _live_peak(gm),
+        pass_elements=2 * live_peak(gm),
         gm=gm,
         x_pos=x_pos,
         module_refs=tuple(weakref.ref(m) for m in (*reached.modules, *unreached.values())),

@@ -1,6 +1,6 @@
 """The kernels the passes run in: contexts and function modes that put in place of torch's
 kernels that forward-mode AD, ``vmap`` or double backward cannot go through (torch 2.13) other
-forms with the same values (:func:`_differentiable_kernels`), and the normalization kernels
+forms with the same values (:func:`differentiable_kernels`), and the normalization kernels
 composed of torch's own decompositions (:func:`composed_norm`).
 """
 
@@ -15,30 +15,30 @@ import torch
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from ._ahead import _compiling
 from ._aten import located, packet, storage_positions
 from ._compat import decomposition_table
+from ._compile_setup import compiling
 from ._detect import plain_kernels
-from ._running import NoFastPaths
+from ._side_effects import NoFastPaths
 from ._traced import LAYOUTS, Traced
 
 __all__ = ["PlainLayouts", "composed_norm"]
 
 
-def _differentiable_kernels(
+def differentiable_kernels(
     traced: Traced, *, forward: bool = False
 ) -> tuple[contextlib.AbstractContextManager[Any], ...]:
     """Kernels that forward-mode AD, ``vmap`` and double backward go through: attention in its
     math form (the fused CPU and CUDA kernels have no forward derivative, nor batching rules
     for their gradients) and without the fast paths of :class:`NoFastPaths`, recurrent layers
     without oneDNN and cuDNN (whose kernels have no forward derivative), the normalizations of
-    :class:`_ComposedNorms`, the memory formats of :class:`PlainLayouts`, and the strided
+    :class:`ComposedNorms`, the memory formats of :class:`PlainLayouts`, and the strided
     scatters of :class:`_ComposedScatters`. Only where the
     graph has them (entering the contexts is not free). Separate contexts, entered in one ``with``
     statement (dynamo traces those, not an ``ExitStack``)."""
     norms = traced.norms if forward else traced.norms & {"strided_group"}
     special = traced.attends or traced.runs_rnn or norms or traced.lays_out
-    if not (special or traced.scatters_strided or _compiling()):
+    if not (special or traced.scatters_strided or compiling()):
         return _PLAIN  # (most graphs: no context to make per call)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -46,7 +46,7 @@ def _differentiable_kernels(
         sdpa_kernel(SDPBackend.MATH) if traced.attends else contextlib.nullcontext(),
         NoFastPaths() if traced.attends else contextlib.nullcontext(),
         plain_kernels(cudnn=True) if traced.runs_rnn else contextlib.nullcontext(),
-        _ComposedNorms(forward) if norms else contextlib.nullcontext(),
+        ComposedNorms(forward) if norms else contextlib.nullcontext(),
         PlainLayouts() if traced.lays_out else contextlib.nullcontext(),
         _ComposedScatters() if traced.scatters_strided else contextlib.nullcontext(),
     )
@@ -91,7 +91,7 @@ def _as_strided_scatter(
     input (contiguous where its elements share memory, as torch's ``clone_preserve_strides``)."""
     if not src.numel():
         return input.clone()
-    out = _without_overlap(input)
+    out = without_overlap(input)
     offset = int(input.storage_offset() if storage_offset is None else storage_offset)
     index, written = located(
         storage_positions(input, out.shape, out.stride(), int(out.storage_offset())),
@@ -119,7 +119,7 @@ class PlainLayouts(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _ComposedNorms(TorchFunctionMode):
+class ComposedNorms(TorchFunctionMode):
     """Normalizations whose torch kernels fail the passes, run in other forms with the same
     values (torch 2.13):
 
@@ -235,7 +235,7 @@ _GROUP_NORMS = frozenset({F.group_norm, torch.group_norm})
 _LAYER_NORMS = frozenset({F.layer_norm, torch.layer_norm})
 
 
-def _without_overlap(x: torch.Tensor) -> torch.Tensor:
+def without_overlap(x: torch.Tensor) -> torch.Tensor:
     """``x``, copied if elements share memory (an expanded tensor): forward-mode AD writes
     tangents into a tensor of its layout."""
     if any(stride == 0 and size > 1 for stride, size in zip(x.stride(), x.shape, strict=True)):

@@ -24,9 +24,9 @@ from torch.utils.checkpoint import checkpoint
 
 from .._backend import Finish, Linear, Point, Seed
 from .._errors import OptionError
-from ._ahead import _compiling
 from ._compat import pytree
-from ._kernels import _differentiable_kernels, _without_overlap
+from ._compile_setup import compiling
+from ._kernels import differentiable_kernels, without_overlap
 from ._traced import Traced
 
 __all__: list[str] = []
@@ -34,7 +34,7 @@ __all__: list[str] = []
 R = TypeVar("R")
 
 
-class _Passes(Linear):
+class Passes(Linear):
     """The JVP (or VJP) of the batch-first function, run as vmapped ``torch.func`` passes.
 
     The function is evaluated by the passes (the VJP's forward pass is shared by all of them);
@@ -47,10 +47,10 @@ class _Passes(Linear):
         self._g: Callable[[torch.Tensor], Any] = point.g
         self._aux_of: Callable[[Any], Any] | None = None
         if point.has_aux:
-            self._g, self._aux_of = _split_aux(point.g)
+            self._g, self._aux_of = split_aux(point.g)
         self._vjp: Any = None
         self._traced = point.traced
-        self._rng = _Generators(point.xb.device) if self._traced.draws_random else None
+        self._rng = Generators(point.xb.device) if self._traced.draws_random else None
 
     def _keep(self, y: torch.Tensor, aux: Any) -> None:
         if self.value is None:
@@ -60,7 +60,7 @@ class _Passes(Linear):
         self, inputs: torch.Tensor, seed: Seed, finish: Finish, chunk: int, *, shared: bool
     ) -> torch.Tensor:
         point = self._point
-        xb, B = _without_overlap(point.xb), point.batch_size
+        xb, B = without_overlap(point.xb), point.batch_size
         g, aux_of = self._g, self._aux_of
         n_passes = int(inputs.shape[0])
 
@@ -71,8 +71,8 @@ class _Passes(Linear):
 
         traced = self._traced
         # Under torch.compile no batch normalization runs (_check_compilable).
-        quiet = contextlib.nullcontext() if _compiling() else traced.running_stats()
-        attention, fused, rnn, norms, layouts, scatters = _differentiable_kernels(
+        quiet = contextlib.nullcontext() if compiling() else traced.running_stats()
+        attention, fused, rnn, norms, layouts, scatters = differentiable_kernels(
             traced, forward=not self._reverse
         )
         n_chunks = -(-n_passes // chunk)
@@ -131,7 +131,7 @@ class _Passes(Linear):
             return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-class _Generators:
+class Generators:
     """The state of torch's global generators (the CPU's, and that of the input's device) when
     the passes of a call start. Every evaluation of the function is rewound to it, so it draws
     what the first one drew, and leaves them where one evaluation does."""
@@ -150,7 +150,7 @@ class _Generators:
             self._module.set_rng_state(self._own, self._device)
 
 
-class _Tape(Linear):
+class Tape(Linear):
     """The VJP of the batch-first function on torch's autograd tape, as FFJORD's code does it:
     one forward pass, then ``torch.autograd.grad`` per chunk of cotangents (batched by
     ``vmap``, or one by one for a few). Graphs with an operation that has no forward
@@ -178,7 +178,7 @@ class _Tape(Linear):
         xb = point.xb
         # On the graph only when something the caller has requires grad (the input, an
         # argument or a captured parameter); else the results carry no graph, as torch.func's.
-        create = _on_graph(point)
+        create = on_graph(point)
         with contextlib.nullcontext() if torch.is_grad_enabled() else torch.enable_grad():
             x = xb if xb.requires_grad else xb.detach().requires_grad_()
             out = point.g(x)
@@ -246,7 +246,7 @@ class _Tape(Linear):
 
         traced = self._traced
         parts: list[torch.Tensor] = []
-        attention, fused, rnn, norms, layouts, scatters = _differentiable_kernels(traced)
+        attention, fused, rnn, norms, layouts, scatters = differentiable_kernels(traced)
         with traced.running_stats(), attention, fused, rnn, norms, layouts, scatters:
             if self._tape is None:
                 self._tape = self._record()
@@ -268,7 +268,7 @@ def _no_passes(pull: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tenso
     return pull(inputs.new_zeros(inputs.shape[1:]))[None][:0]
 
 
-def _on_graph(point: Point[Traced]) -> bool:
+def on_graph(point: Point[Traced]) -> bool:
     """Whether the results of the passes at ``point`` go on the autograd graph: grad mode is
     on and something the caller has requires grad (the input, an argument or a captured
     parameter)."""
@@ -282,10 +282,10 @@ def _on_graph(point: Point[Traced]) -> bool:
     )
 
 
-def _recomputed(point: Point[Traced]) -> bool:
+def recomputed(point: Point[Traced]) -> bool:
     """Whether the backward recomputes each chunk of passes at ``point``: their results go on
     the autograd graph, outside ``torch.compile`` (whose partitioner chooses what to recompute)."""
-    return not _compiling() and _on_graph(point)
+    return not compiling() and on_graph(point)
 
 
 def _checkpointed(
@@ -301,7 +301,7 @@ def _checkpointed(
     running statistics that the chunk ran within). Peak memory then follows the chunk size
     (one chunk's graph at a time, and the function's own, which a tape keeps), at the cost of
     computing every chunk twice when a gradient is taken."""
-    if n_chunks < 2 or not _recomputed(point):
+    if n_chunks < 2 or not recomputed(point):
         return lambda run: run
 
     @contextlib.contextmanager
@@ -329,14 +329,14 @@ def _pass_contexts(
     traced: Traced, *, forward: bool = False
 ) -> Callable[[], tuple[contextlib.AbstractContextManager[Any], ...]]:
     """The contexts the passes run within (for their recomputation), made anew per call."""
-    return lambda: (traced.running_stats(), *_differentiable_kernels(traced, forward=forward))
+    return lambda: (traced.running_stats(), *differentiable_kernels(traced, forward=forward))
 
 
 # Chunks of up to this many passes pull their cotangents one by one (no vmap to set up).
 _ONE_BY_ONE = 4
 
 
-def _split_aux(
+def split_aux(
     g: Callable[[torch.Tensor], Any],
 ) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], Any]]:
     """``g`` returning ``(y, tensor leaves of aux)`` (what ``torch.func`` passes through) and

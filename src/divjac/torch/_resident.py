@@ -14,7 +14,7 @@ import weakref
 import numpy as np
 import torch
 
-from ._ahead import _compiling
+from ._compile_setup import compiling
 
 __all__: list[str] = []
 
@@ -25,7 +25,7 @@ def resident(host: np.ndarray, device: torch.device) -> torch.Tensor:
     """``host`` as a tensor on ``device``: one per host array and device, kept while the
     array lives (and made as a normal tensor under ``torch.inference_mode``: a later call may
     record a graph). Under ``torch.compile``: made in the trace, a constant of the graph."""
-    if _compiling():
+    if compiling():
         return torch.as_tensor(host, device=device)
     key = (id(host), device)
     found = _KEPT.get(key)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._errors import RetraceWarning, warn_at_caller
-from ._reach import Reached
+from ._trace_keys import Reached
 
 __all__ = ["check_own_changes", "warn_numbers_retraced", "warn_uncached"]
 

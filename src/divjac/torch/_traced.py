@@ -27,8 +27,8 @@ from ._aten import (
 from ._checks import any_dead
 from ._compat import OpOverload, outside_transforms, pytree
 from ._interpret import Interpreter, is_convolution
-from ._reach import module_signature
-from ._running import quiet_batch_norm
+from ._side_effects import quiet_batch_norm
+from ._trace_keys import module_signature
 
 __all__ = ["DECOMPOSED", "LAYOUTS", "TensorSpec", "Traced"]
 
@@ -56,7 +56,7 @@ class Traced(detection.Traced):
     """The ATen graph of a batched function, batch-first in and out, with cached detections.
 
     ``pass_elements`` is twice the most elements the graph's intermediates hold at once
-    (:func:`_live_peak`; memory planning).
+    (:func:`live_peak`; memory planning).
 
     Attributes:
         gm: graph whose inputs are the tensor leaves of ``(args, kwargs)``, the differentiated
@@ -68,7 +68,7 @@ class Traced(detection.Traced):
             (the caller's own objects, in ``versioned``) and the literals of the program.
         versioned: the readable constants that are the caller's tensors.
         identified: weak references to the objects the cache key identifies by ``id``.
-        unreached: modules the trace ran that :func:`~divjac.torch._reach.reach` did not
+        unreached: modules the trace ran that :func:`~divjac.torch._trace_keys.reach` did not
             find, with the signature of their state then.
         batch_norms: the batch normalization modules the trace ran (their running statistics
             are kept still during passes).
@@ -142,10 +142,10 @@ class Traced(detection.Traced):
     def graph_elements(self) -> int:
         """Elements one pass keeps when a gradient will flow through it (memory planning): its
         intermediates, saved for the backward, and the gradients alive at once in the
-        backward, which runs the graph in reverse (its live peak, :func:`_live_peak`): 1.8x the
+        backward, which runs the graph in reverse (its live peak, :func:`live_peak`): 1.8x the
         measured peak per pass of a 32x32 U-Net's sparse divergence + backward
         (``bench_memory_plan``), where twice the sum of the intermediates was 2.9x."""
-        return sum(map(_elements, self.gm.graph.nodes)) + _live_peak(self.gm)
+        return sum(map(_elements, self.gm.graph.nodes)) + live_peak(self.gm)
 
     @functools.cached_property
     def draws_random(self) -> bool:
@@ -317,7 +317,7 @@ def _elements(node: torch.fx.Node) -> int:
     )
 
 
-def _live_peak(gm: torch.fx.GraphModule) -> int:
+def live_peak(gm: torch.fx.GraphModule) -> int:
     """The most elements the intermediates of ``gm`` hold at once, run in order: what one pass
     holds of tangents (the skip connections of a U-Net stay alive across it), where the
     largest intermediate alone underestimates a U-Net's passes 3x and the sum of all of them

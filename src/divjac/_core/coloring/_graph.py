@@ -85,7 +85,7 @@ def as_pattern(pattern: SparseLike) -> sp.csr_array:
     return out
 
 
-def _as_colors(colors: ArrayLike, n: int | None, what: str) -> IntArray:
+def as_colors(colors: ArrayLike, n: int | None, what: str) -> IntArray:
     arr = np.asarray(colors)
     if arr.ndim != 1 or (n is not None and arr.shape[0] != n):
         length = "" if n is None else f" of length {n}"
@@ -95,7 +95,7 @@ def _as_colors(colors: ArrayLike, n: int | None, what: str) -> IntArray:
     return arr.astype(np.int64, copy=False)
 
 
-def _check_orders(orders: Sequence[str]) -> tuple[OrderName, ...]:
+def check_orders(orders: Sequence[str]) -> tuple[OrderName, ...]:
     names = (orders,) if isinstance(orders, str) else tuple(orders)
     if not names or any(o not in _ORDER_NAMES for o in names):
         raise PatternError(
@@ -104,7 +104,7 @@ def _check_orders(orders: Sequence[str]) -> tuple[OrderName, ...]:
     return cast("tuple[OrderName, ...]", names)
 
 
-def _row_ids(indptr: NDArray[np.integer], n_rows: int) -> IntArray:
+def row_ids(indptr: NDArray[np.integer], n_rows: int) -> IntArray:
     """Row index of every stored entry, in CSR order."""
     return np.repeat(np.arange(n_rows, dtype=np.int64), np.diff(indptr))
 
@@ -127,7 +127,7 @@ def _degrees(graph: sp.csr_array) -> IntArray:
 # --------------------------------------------------------------------------------------------
 
 
-def _greedy(indptr: NDArray[np.integer], indices: NDArray[np.integer], order: IntArray) -> IntArray:
+def greedy(indptr: NDArray[np.integer], indices: NDArray[np.integer], order: IntArray) -> IntArray:
     """First-fit coloring; the graph must be symmetric (self-loops are harmless)."""
     n = indptr.shape[0] - 1
     # `n` marks "not colored yet": stamping forbidden[n] is harmless, and the scanned prefix
@@ -262,10 +262,10 @@ def greedy_coloring(adjacency: SparseLike, order: ArrayLike) -> IntArray:
             f"order must be a permutation of range({n}) (one entry per vertex), got an array of "
             f"shape {perm.shape} and dtype {perm.dtype}."
         )
-    return _greedy(graph.indptr, graph.indices, perm.astype(np.int64))
+    return greedy(graph.indptr, graph.indices, perm.astype(np.int64))
 
 
-def _clique_lower_bound(graph: sp.csr_array, starts: Sequence[int]) -> int:
+def clique_lower_bound(graph: sp.csr_array, starts: Sequence[int]) -> int:
     """Size of the largest of a few greedily grown cliques: a lower bound on any coloring.
 
     From each start vertex, repeatedly add the lowest-index vertex adjacent to every member.
@@ -284,7 +284,7 @@ def _clique_lower_bound(graph: sp.csr_array, starts: Sequence[int]) -> int:
     return best
 
 
-def _best_greedy(
+def best_greedy(
     graph: sp.csr_array,
     orders: tuple[OrderName, ...],
     lower_bound: int = 1,
@@ -301,16 +301,16 @@ def _best_greedy(
     runnable = [
         o for o in orders if o != "smallest_last" or n_edges <= SMALLEST_LAST_MAX_EDGES
     ] or ["natural"]
-    best = _greedy(graph.indptr, graph.indices, _order(graph, runnable[0], degrees))
+    best = greedy(graph.indptr, graph.indices, _order(graph, runnable[0], degrees))
     for name in runnable[1:]:
-        if _count(best) <= lower_bound:
+        if count(best) <= lower_bound:
             break
-        colors = _greedy(graph.indptr, graph.indices, _order(graph, name, degrees))
-        if _count(colors) < _count(best):
+        colors = greedy(graph.indptr, graph.indices, _order(graph, name, degrees))
+        if count(colors) < count(best):
             best = colors
     return best
 
 
-def _count(colors: IntArray) -> int:
+def count(colors: IntArray) -> int:
     """Number of colors of a contiguous coloring."""
     return int(colors.max()) + 1 if colors.size else 0

@@ -21,16 +21,16 @@ from ._graph import (
     IntArray,
     OrderName,
     SparseLike,
-    _as_colors,
-    _best_greedy,
-    _check_orders,
-    _clique_lower_bound,
-    _count,
     _degrees,
-    _greedy,
     _order,
-    _row_ids,
+    as_colors,
     as_pattern,
+    best_greedy,
+    check_orders,
+    clique_lower_bound,
+    count,
+    greedy,
+    row_ids,
 )
 
 __all__ = [
@@ -79,7 +79,7 @@ def _distinct_nonempty_rows(p: sp.csr_array) -> sp.csr_array:
         return p[rows]
     rep_of_row = np.arange(n_rows, dtype=np.int64)
     rep_of_row[rows] = rows[first[inverse]]
-    entry_rows = _row_ids(p.indptr, n_rows)
+    entry_rows = row_ids(p.indptr, n_rows)
     start = p.indptr.astype(np.int64)
     pos = np.arange(p.nnz, dtype=np.int64) - start[entry_rows] + start[rep_of_row[entry_rows]]
     same_nnz = np.array_equal(nnz_row, nnz_row[rep_of_row])
@@ -136,7 +136,7 @@ def _column_coloring_canonical(
     if math.prod(sides) <= max_row:  # a stencil: the box coloring is optimal
         return _box.residue_colors(shape, sides)
     best = _greedy_column_coloring(p, orders, max_row)
-    return _box.residue_colors(shape, sides) if math.prod(sides) < _count(best) else best
+    return _box.residue_colors(shape, sides) if math.prod(sides) < count(best) else best
 
 
 def _greedy_column_coloring(
@@ -161,10 +161,10 @@ def _greedy_column_coloring(
             graph, degrees = conflicts
             if name == "smallest_last" and int(degrees.sum()) // 2 > _graph.SMALLEST_LAST_MAX_EDGES:
                 continue
-            colors = _greedy(graph.indptr, graph.indices, _order(graph, name, degrees))
-        if best is None or _count(colors) < _count(best):
+            colors = greedy(graph.indptr, graph.indices, _order(graph, name, degrees))
+        if best is None or count(colors) < count(best):
             best = colors
-        if _count(best) <= lower_bound:
+        if count(best) <= lower_bound:
             break
     if best is None:  # every order was skipped (too large): natural
         best = _distance2_greedy(distinct, np.arange(n_in, dtype=np.int64))
@@ -233,7 +233,7 @@ def column_coloring(
     """
     p = as_pattern(pattern)
     grid = None if shape is None else _box.check_shape(shape, p.shape[1], "column shape")
-    return _column_coloring_canonical(p, _check_orders(orders), grid)
+    return _column_coloring_canonical(p, check_orders(orders), grid)
 
 
 def row_coloring(
@@ -267,7 +267,7 @@ def row_coloring(
     """
     p = as_pattern(as_pattern(pattern).T)
     grid = None if shape is None else _box.check_shape(shape, p.shape[1], "row shape")
-    return _column_coloring_canonical(p, _check_orders(orders), grid)
+    return _column_coloring_canonical(p, check_orders(orders), grid)
 
 
 def diagonal_coloring(
@@ -305,7 +305,7 @@ def diagonal_coloring(
         >>> diagonal_coloring(tridiagonal)
         array([0, 1, 0, 1])
     """
-    orders_ = _check_orders(orders)
+    orders_ = check_orders(orders)
     p = as_pattern(pattern)
     n_out, n_in = p.shape
     if n_out != n_in:
@@ -321,7 +321,7 @@ def diagonal_coloring(
     if _box.is_clique(p, grid, sides):  # a stencil: the box coloring is optimal
         return _box.residue_colors(grid, sides)
     best = _greedy_diagonal_coloring(p, orders_)
-    return _box.residue_colors(grid, sides) if math.prod(sides) < _count(best) else best
+    return _box.residue_colors(grid, sides) if math.prod(sides) < count(best) else best
 
 
 def _greedy_diagonal_coloring(p: sp.csr_array, orders: tuple[OrderName, ...]) -> IntArray:
@@ -335,8 +335,8 @@ def _greedy_diagonal_coloring(p: sp.csr_array, orders: tuple[OrderName, ...]) ->
         return np.arange(n_in, dtype=np.int64)
     degrees = _degrees(graph)
     starts = [0, int(degrees.argmin()), int(degrees.argmax()), n_in - 1]
-    return _best_greedy(
-        graph, orders, lower_bound=_clique_lower_bound(graph, starts), degrees=degrees
+    return best_greedy(
+        graph, orders, lower_bound=clique_lower_bound(graph, starts), degrees=degrees
     )
 
 
@@ -349,7 +349,7 @@ def _no_repeated_color_per_row(p: sp.csr_array, colors: IntArray) -> bool:
     if p.nnz == 0:
         return True
     k = int(colors.max()) + 1
-    keys = _row_ids(p.indptr, p.shape[0]) * k + colors[p.indices]
+    keys = row_ids(p.indptr, p.shape[0]) * k + colors[p.indices]
     keys.sort()
     return not bool(np.any(keys[1:] == keys[:-1]))
 
@@ -375,7 +375,7 @@ def is_valid_column_coloring(pattern: SparseLike, colors: ArrayLike) -> bool:
         (True, False)
     """
     p = as_pattern(pattern)
-    c = _as_colors(colors, p.shape[1], "colors")
+    c = as_colors(colors, p.shape[1], "colors")
     if c.size and int(c.min()) < 0:
         return False
     return _no_repeated_color_per_row(p, c)
@@ -402,7 +402,7 @@ def is_valid_row_coloring(pattern: SparseLike, row_colors: ArrayLike) -> bool:
         (True, False)
     """
     pt = as_pattern(as_pattern(pattern).T)
-    c = _as_colors(row_colors, pt.shape[1], "row_colors")
+    c = as_colors(row_colors, pt.shape[1], "row_colors")
     if c.size and int(c.min()) < 0:
         return False
     return _no_repeated_color_per_row(pt, c)
@@ -434,9 +434,9 @@ def is_valid_diagonal_coloring(pattern: SparseLike, colors: ArrayLike) -> bool:
         raise NonSquareJacobianError(
             f"a diagonal coloring needs a square pattern, got shape {p.shape}."
         )
-    c = _as_colors(colors, p.shape[1], "colors")
+    c = as_colors(colors, p.shape[1], "colors")
     if c.size and int(c.min()) < 0:
         return False
-    rows = _row_ids(p.indptr, p.shape[0])
+    rows = row_ids(p.indptr, p.shape[0])
     off = rows != p.indices
     return not bool(np.any(c[rows[off]] == c[p.indices[off]]))

@@ -15,7 +15,7 @@ import scipy.sparse as sp
 from numpy.typing import NDArray
 
 from ..._errors import NumProbesError, PatternError
-from ._graph import ORDERS, IntArray, OrderName, SparseLike, _check_orders, _row_ids, as_pattern
+from ._graph import ORDERS, IntArray, OrderName, SparseLike, as_pattern, check_orders, row_ids
 from ._jacobian import diagonal_coloring
 
 __all__ = [
@@ -139,7 +139,7 @@ def restrict_to_distance(
     p = _pattern_for_shape(pattern, shape_)
     if all(d >= size - 1 for d, size in zip(dists, shape_, strict=True)):
         return p
-    rows = _row_ids(p.indptr, p.shape[0])
+    rows = row_ids(p.indptr, p.shape[0])
     keep = _within(rows, p.indices, shape_, dists)
     indptr = np.zeros(p.shape[0] + 1, dtype=np.int64)
     np.cumsum(np.bincount(rows[keep], minlength=p.shape[0]), out=indptr[1:])
@@ -268,7 +268,7 @@ def probing_coloring(
     shape_ = _check_shape(shape)
     if int(max_colors) != max_colors or max_colors < 1:
         raise NumProbesError(f"max_colors must be a positive integer, got {max_colors!r}.")
-    orders_ = _check_orders(orders)
+    orders_ = check_orders(orders)
     n = math.prod(shape_)
     if n == 0:
         return np.zeros(0, dtype=np.int64), 0
@@ -289,7 +289,7 @@ def probing_coloring(
         return lattice_coloring(shape_, per_axis(good)), good
 
     p = _pattern_for_shape(pattern, shape_)
-    farthest = _chebyshev(_row_ids(p.indptr, n), p.indices, shape_).max(initial=0)
+    farthest = _chebyshev(row_ids(p.indptr, n), p.indices, shape_).max(initial=0)
     d_max = min(d_max, int(farthest))
     cache: dict[int, IntArray] = {}
 

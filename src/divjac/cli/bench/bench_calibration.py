@@ -238,9 +238,7 @@ def _beyond_three(dof: float | None) -> float:
     return float(2 * special.stdtr(dof, -3 * t_factor(float(dof))))
 
 
-def _score(
-    estimates: np.ndarray, stderr: np.ndarray, exact: np.ndarray
-) -> tuple[float, float, int]:
+def score(estimates: np.ndarray, stderr: np.ndarray, exact: np.ndarray) -> tuple[float, float, int]:
     """Coverage within 2 stderr, fraction beyond 3 stderr, number of draws. Results within
     rounding of the truth (exact answers, stderr 0) count as covered."""
     tol = 1e-9 * (1.0 + np.abs(exact))
@@ -420,7 +418,7 @@ def core_cells(
                 if got is None:
                     continue
                 estimate, stderr, exact, dof = got
-                coverage, beyond, count = _score(estimate, stderr, exact)
+                coverage, beyond, count = score(estimate, stderr, exact)
                 yield Cell(
                     estimator, "core (NumPy)", name, budget, count, coverage, beyond,
                     _beyond_three(dof),
@@ -432,7 +430,7 @@ def core_cells(
 # --------------------------------------------------------------------------------------------
 
 
-def _pinn_weights(d: int, hidden: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pinn_weights(d: int, hidden: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rng = _rng(f"pinn{d}")
     return (
         rng.standard_normal((hidden, d)),
@@ -446,8 +444,8 @@ def _fields() -> dict[str, tuple[str, Any, np.ndarray]]:
     rng = _rng("fields")
     return {
         "x0^2 + x0 x1 (d=2)": ("quadratic", None, np.array([0.3, -0.7])),
-        "PINN (d=2)": ("pinn", _pinn_weights(2), rng.uniform(-1, 1, 2)),
-        "PINN (d=5)": ("pinn", _pinn_weights(5), rng.uniform(-1, 1, 5)),
+        "PINN (d=2)": ("pinn", pinn_weights(2), rng.uniform(-1, 1, 2)),
+        "PINN (d=5)": ("pinn", pinn_weights(5), rng.uniform(-1, 1, 5)),
         "rand(10, 10) x": ("linear", _rng("rand10").random((10, 10)), rng.standard_normal(10)),
         "tanh(x @ A) + 0.5 x (n=64)": (
             "tanh",
@@ -585,7 +583,7 @@ def framework_cells(
                 except NumProbesError:  # a budget the method refuses at this n
                     continue
                 estimate, stderr = np.asarray(estimate), np.asarray(stderr)
-                coverage, beyond, count = _score(
+                coverage, beyond, count = score(
                     estimate, stderr, np.broadcast_to(truth, estimate.shape)
                 )
                 yield Cell(what, framework, name, budget, count, coverage, beyond, float("nan"))
@@ -631,7 +629,7 @@ def markdown(cells: list[Cell]) -> str:
     return "\n".join([head, *(c.row() for c in cells), "", *summary])
 
 
-def _summary_rows(cells: list[Cell]) -> list[Result]:
+def summary_rows(cells: list[Cell]) -> list[Result]:
     lowest: dict[tuple[str, str], Cell] = {}
     for cell in cells:
         key = (cell.estimator, cell.framework)
@@ -662,7 +660,7 @@ def run(quick: bool) -> list[Result]:
             cells += list(framework_cells(framework, draws))
         except ImportError:
             continue
-    return _summary_rows(cells)
+    return summary_rows(cells)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -24,7 +24,7 @@ import numpy as np
 from ..._call import OperatorMethod
 from ..._errors import NumProbesError
 from ._harness import Result
-from .bench_calibration import Cell, _pinn_weights, _score, _summary_rows, lib_array, markdown
+from .bench_calibration import Cell, lib_array, markdown, pinn_weights, score, summary_rows
 
 Terms = list[tuple[float, tuple[int, ...]]]
 
@@ -109,7 +109,7 @@ def operator_cells(
 
         lib, randomness = dt, torch.Generator().manual_seed(0)
     for d in dimensions:
-        weights = _pinn_weights(d)
+        weights = pinn_weights(d)
         x = np.random.default_rng(d).uniform(-1, 1, d)
         u = _pinn(lib, weights)
         xb = lib_array(lib, np.tile(x, (draws, 1)))
@@ -126,7 +126,7 @@ def operator_cells(
                     except NumProbesError:  # a budget the method refuses here
                         continue
                     estimate, stderr = np.asarray(estimate), np.asarray(stderr)
-                    coverage, beyond, count = _score(
+                    coverage, beyond, count = score(
                         estimate, stderr, np.full(estimate.shape, truth)
                     )
                     yield Cell(
@@ -148,7 +148,7 @@ def run(quick: bool) -> list[Result]:
             cells += list(operator_cells(framework))
         except ImportError:
             continue
-    return _summary_rows(cells)
+    return summary_rows(cells)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -14,7 +14,7 @@ four models in each framework, float32:
 * the 3-layer 3x3 CNN (16 channels) on 32x32x3, where the sparse plan wins and ``"auto"`` must
   keep it: ``divergence``, ``"exact"`` and ``"sparse"``.
 
-``"auto"`` skips the per-sample detection where it cannot pay off (:mod:`divjac._core.screen`);
+``"auto"`` skips the per-sample detection where it cannot pay off (:mod:`divjac._core.detection_gate`);
 the target is ``auto <= 1.2x`` the best explicit first call. Each mode is run once untimed first
 (the framework's one-time costs: imports, kernel registration), then the medians of repeats in
 rotated order. ``--quick``: small sizes (``B = 2``, 8x8 images, ``d = 16``), one repeat.

@@ -1,7 +1,7 @@
 """JAX transforms called eagerly (no ``jax.jit`` around them) against the same call jitted.
 
 An eager call traces the function again where anything its last trace read may have changed
-(``divjac.jax._freshness``: here nothing, the weights being arguments) and runs one cached
+(``divjac.jax._trace_reuse``: here nothing, the weights being arguments) and runs one cached
 compiled program; the target is eager / jit <= 1.3 on the built-in 3-layer CNN
 (16 channels, tanh) on ``[8, 16, 16, 3]`` and on FFJORD's ODE function (concat-squash layers,
 ``d = 64``, ``B = 256``), float32. The jitted baseline takes the weights as arguments, as a

@@ -1,4 +1,4 @@
-"""The generic rule of the second-order sweep (:func:`_generic`): any operation pushed by
+"""The generic rule of the second-order sweep (:func:`generic`): any operation pushed by
 ``torch.func``, ``jvp`` of ``jvp`` batched over the directions, with the operations whose
 derivatives torch gets wrong pushed in other forms.
 """
@@ -15,8 +15,8 @@ from torch.func import jvp, vjp, vmap
 from ..._errors import OptionError
 from .._aten import forward_derivative_wrong, inexact, lacks_forward_derivative, packet
 from .._compat import pytree
-from .._kernels import _without_overlap, composed_norm
-from .jets import _full, _Jet, _Sweep
+from .._kernels import composed_norm, without_overlap
+from .jets import Jet, Sweep, _full
 
 __all__: list[str] = []
 
@@ -72,7 +72,7 @@ _REWRITTEN: dict[Any, Callable[..., Any]] = {
 }
 
 
-def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+def generic(sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """Any operation, by ``torch.func``: the first-order terms by ``jvp``, the second-order
     ones by ``jvp`` of ``jvp`` (zero for :data:`_LINEAR` operations), batched over the
     directions with ``vmap``."""
@@ -88,7 +88,7 @@ def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[
     pos = [i for i, n in enumerate(node_leaves) if sw.jet(n) is not None]
     # Materialized where elements share memory (an expanded value): forward-mode AD writes
     # tangents into a tensor of the primal's layout.
-    primals = tuple(_without_overlap(leaves[i]) for i in pos)
+    primals = tuple(without_overlap(leaves[i]) for i in pos)
     jets = [sw.jet(node_leaves[i]) for i in pos]
 
     def fn(*deps: Tensor) -> tuple[Tensor, ...]:
@@ -159,9 +159,9 @@ def _generic(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[
         d2 = tuple(sw.weighted(c) for c in curv)
         if has_second:
             d2 = tuple(c + s for c, s in zip(d2, vmap(push)(*seconds), strict=True))
-    jets_out: list[_Jet | None] = [None] * len(outs)
+    jets_out: list[Jet | None] = [None] * len(outs)
     for j, i in enumerate(floating):
-        jets_out[i] = _Jet(d1[j], None if d2 is None else d2[j])
+        jets_out[i] = Jet(d1[j], None if d2 is None else d2[j])
     return y, jets_out if isinstance(y, tuple | list) else jets_out[0]
 
 

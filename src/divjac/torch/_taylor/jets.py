@@ -1,5 +1,5 @@
 """The jets of the second-order sweep of :mod:`divjac.torch._taylor.sweep`: the Taylor terms one
-value carries (:class:`_Jet`), the state of one run (:class:`_Sweep`), and the algebra of terms
+value carries (:class:`Jet`), the state of one run (:class:`Sweep`), and the algebra of terms
 the rules share.
 """
 
@@ -20,7 +20,7 @@ Tensor = torch.Tensor
 
 
 @dataclass
-class _Jet:
+class Jet:
     """The Taylor terms of one value of shape ``s``: ``first`` ``[K, *s]`` and ``second``
     ``[M, *s]`` (``M = 1``: the weighted sum; ``M = K``: per direction; ``None``: zero), each
     possibly of size one on axes it is constant along (broadcastable to its full shape)."""
@@ -29,7 +29,7 @@ class _Jet:
     second: Tensor | None
 
 
-Rule = Callable[["_Sweep", torch.fx.Node, Sequence[Any], dict[str, Any]], tuple[Any, Any]]
+Rule = Callable[["Sweep", torch.fx.Node, Sequence[Any], dict[str, Any]], tuple[Any, Any]]
 
 
 def registrar(table: dict[Any, Rule]) -> Callable[..., Callable[[Rule], Rule]]:
@@ -46,7 +46,7 @@ def registrar(table: dict[Any, Rule]) -> Callable[..., Callable[[Rule], Rule]]:
     return targets
 
 
-class _Sweep:
+class Sweep:
     """The jets of one run, and the weighted sums over the directions."""
 
     def __init__(self, k: int, w: Tensor | None, per_direction: bool) -> None:
@@ -56,9 +56,9 @@ class _Sweep:
         self.per_direction = per_direction
         self.jets: dict[torch.fx.Node, Any] = {}
 
-    def jet(self, arg: Any) -> _Jet | None:
+    def jet(self, arg: Any) -> Jet | None:
         found = self.jets.get(arg) if isinstance(arg, torch.fx.Node) else None
-        return found if isinstance(found, _Jet) else None
+        return found if isinstance(found, Jet) else None
 
     def apply(
         self, rule: Rule, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
@@ -66,7 +66,7 @@ class _Sweep:
         """The value of ``node`` and its jet, by ``rule``."""
         return rule(self, node, args, kwargs)
 
-    def needed(self, arg: Any) -> _Jet:
+    def needed(self, arg: Any) -> Jet:
         """The jet of an argument a rule was given as dependent."""
         found = self.jet(arg)
         if found is None:
@@ -86,7 +86,7 @@ class _Sweep:
         return self.weighted(a * b)
 
 
-def _add(*terms: Tensor | None) -> Tensor | None:
+def add(*terms: Tensor | None) -> Tensor | None:
     found = [t for t in terms if t is not None]
     if not found:
         return None
@@ -101,14 +101,14 @@ def _scale(t: Tensor | None, c: Any) -> Tensor | None:
 
 
 @overload
-def _lift(t: Tensor, ndim: int) -> Tensor: ...
+def lift(t: Tensor, ndim: int) -> Tensor: ...
 @overload
-def _lift(t: None, ndim: int) -> None: ...
+def lift(t: None, ndim: int) -> None: ...
 @overload
-def _lift(t: Tensor | None, ndim: int) -> Tensor | None: ...
+def lift(t: Tensor | None, ndim: int) -> Tensor | None: ...
 
 
-def _lift(t: Tensor | None, ndim: int) -> Tensor | None:
+def lift(t: Tensor | None, ndim: int) -> Tensor | None:
     """Terms ``[K, *s]`` with axes of one inserted after ``K`` up to ``ndim`` value axes (as
     broadcasting aligns the value with a larger one)."""
     if t is None or t.ndim - 1 >= ndim:
@@ -119,10 +119,10 @@ def _lift(t: Tensor | None, ndim: int) -> Tensor | None:
 def _full(t: Tensor, shape: Sequence[int]) -> Tensor:
     """Terms broadcast to their full shape ``[*, *shape]`` (materialized)."""
     target = (t.shape[0], *shape)
-    return t if tuple(t.shape) == target else _lift(t, len(shape)).expand(target).contiguous()
+    return t if tuple(t.shape) == target else lift(t, len(shape)).expand(target).contiguous()
 
 
-def _folded(t: Tensor, shape: Sequence[int], fn: Callable[[Tensor], Tensor]) -> Tensor:
+def folded(t: Tensor, shape: Sequence[int], fn: Callable[[Tensor], Tensor]) -> Tensor:
     """``fn`` of each sample's value applied to the terms ``[K, *shape]`` with the directions
     folded into the batch axis (an operation on a batch, such as a convolution or a pooling;
     terms shared by the samples stay so)."""
@@ -132,6 +132,6 @@ def _folded(t: Tensor, shape: Sequence[int], fn: Callable[[Tensor], Tensor]) -> 
     return out.reshape(*t.shape[:2], *out.shape[1:])
 
 
-def _map(jet: _Jet, fn: Callable[[Tensor], Tensor]) -> _Jet:
+def _map(jet: Jet, fn: Callable[[Tensor], Tensor]) -> Jet:
     """The jet of a linear map of the value (``fn`` maps terms with the leading axis)."""
-    return _Jet(fn(jet.first), None if jet.second is None else fn(jet.second))
+    return Jet(fn(jet.first), None if jet.second is None else fn(jet.second))

@@ -15,9 +15,9 @@ import torch.fx
 
 from ..._errors import OptionError
 from .._aten import dims, located, storage_positions
-from .._kernels import _without_overlap
-from .generic import _generic
-from .jets import Rule, _folded, _full, _Jet, _lift, _map, _Sweep, registrar
+from .._kernels import without_overlap
+from .generic import generic
+from .jets import Jet, Rule, Sweep, _full, _map, folded, lift, registrar
 
 __all__: list[str] = []
 
@@ -30,7 +30,7 @@ _rule = registrar(_RULES)
 
 
 @_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-def _view_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+def _view_rule(sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     x = args[0]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     a = sw.needed(node.args[0])
@@ -53,18 +53,18 @@ def _view_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dic
 
 @_rule(aten.permute.default)
 def _permute_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     x = args[0]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     a = sw.needed(node.args[0])
     dims = [0, *(int(d) % max(x.ndim, 1) + 1 for d in args[1])]
-    return y, _map(a, lambda t: _lift(t, x.ndim).permute(dims))
+    return y, _map(a, lambda t: lift(t, x.ndim).permute(dims))
 
 
 @_rule(aten.t.default, aten.transpose.int)
 def _transpose_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     x = args[0]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
@@ -73,33 +73,31 @@ def _transpose_rule(
         return y, a
     d0, d1 = (0, 1) if node.target is aten.t.default else (int(args[1]), int(args[2]))
     d0, d1 = d0 % x.ndim + 1, d1 % x.ndim + 1
-    return y, _map(a, lambda t: _lift(t, x.ndim).transpose(d0, d1))
+    return y, _map(a, lambda t: lift(t, x.ndim).transpose(d0, d1))
 
 
 @_rule(aten.expand.default)
 def _expand_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     a = sw.needed(node.args[0])
-    return y, _map(a, lambda t: _lift(t, y.ndim))
+    return y, _map(a, lambda t: lift(t, y.ndim))
 
 
 @_rule(aten.unsqueeze.default)
 def _unsqueeze_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     x = args[0]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     a = sw.needed(node.args[0])
     d = int(args[1]) % (x.ndim + 1) + 1
-    return y, _map(a, lambda t: _lift(t, x.ndim).unsqueeze(d))
+    return y, _map(a, lambda t: lift(t, x.ndim).unsqueeze(d))
 
 
 @_rule(aten.select.int, aten.slice.Tensor)
-def _along_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
-) -> Any:
+def _along_rule(sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """Elements taken along one axis (``u(x)[..., 0]``, ``h[:, 1:3]``): the same taken from
     each direction's terms, one axis further. Terms broadcast along that axis (size one) are
     constant there: taken as they are (``select``: their one element)."""
@@ -112,7 +110,7 @@ def _along_rule(
     rest = {k: v for k, v in kwargs.items() if k != "dim"}
 
     def take(t: Tensor) -> Tensor:
-        t = _lift(t, x.ndim)
+        t = lift(t, x.ndim)
         if t.shape[dim + 1] == x.shape[dim]:
             return node.target(t, dim + 1, *args[2:], **rest)  # type: ignore[operator]
         return t.select(dim + 1, 0) if node.target is aten.select.int else t
@@ -122,7 +120,7 @@ def _along_rule(
 
 @_rule(aten.squeeze.dim, aten.squeeze.dims)
 def _squeeze_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     """The axes of one removed from each direction's terms too (one axis further)."""
     x = args[0]
@@ -130,7 +128,7 @@ def _squeeze_rule(
     a = sw.needed(node.args[0])
     dims = args[1] if isinstance(args[1], list | tuple) else [args[1]]
     gone = [int(d) % x.ndim + 1 for d in dims if x.ndim and x.shape[int(d)] == 1]
-    return y, _map(a, lambda t: _lift(t, x.ndim).squeeze(gone))
+    return y, _map(a, lambda t: lift(t, x.ndim).squeeze(gone))
 
 
 def _gathered(t: Tensor, shape: Sequence[int], index: Tensor) -> Tensor:
@@ -149,7 +147,7 @@ def _strided_view(args: Sequence[Any], kwargs: dict[str, Any], at: int) -> tuple
 
 @_rule(aten.as_strided.default, aten.as_strided_copy.default)
 def _as_strided_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     # The view reads the storage of its input: its terms are those of the input's elements at
     # the positions it reads (a gather; vmap cannot view a batched tensor so).
@@ -171,7 +169,7 @@ def _as_strided_rule(
 
 @_rule(aten.as_strided_scatter.default)
 def _as_strided_scatter_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     # The input's values, those its strided view reads replaced by src's: the terms likewise,
     # by the storage positions of the output (laid out as the input, or contiguous where the
@@ -179,7 +177,7 @@ def _as_strided_scatter_rule(
     x, src = args[0], args[1]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     a, b = sw.jet(node.args[0]), sw.jet(node.args[1])
-    out = _without_overlap(x)
+    out = without_overlap(x)
     index, written = located(
         storage_positions(x, out.shape, out.stride(), int(out.storage_offset())),
         storage_positions(x, *_strided_view(args, kwargs, 2)),
@@ -189,13 +187,13 @@ def _as_strided_scatter_rule(
     def scatter(self_terms: Tensor | None, src_terms: Tensor | None) -> Tensor | None:
         if self_terms is None and src_terms is None:
             return None
-        kept = 0 if self_terms is None else _lift(self_terms, n)
+        kept = 0 if self_terms is None else lift(self_terms, n)
         put = 0 if src_terms is None else _gathered(src_terms, src.shape, index)
         return torch.where(written, put, kept).expand(-1, *y.shape)
 
     first = scatter(None if a is None else a.first, None if b is None else b.first)
     second = scatter(None if a is None else a.second, None if b is None else b.second)
-    return y, _Jet(first, second)  # type: ignore[arg-type]
+    return y, Jet(first, second)  # type: ignore[arg-type]
 
 
 def _joined(terms: Sequence[Tensor | None], shapes: Sequence[Sequence[int]], axis: int) -> Any:
@@ -206,7 +204,7 @@ def _joined(terms: Sequence[Tensor | None], shapes: Sequence[Sequence[int]], axi
     if not found:
         return None
     n = len(shapes[0])
-    lifted = [None if t is None else _lift(t, n) for t in terms]
+    lifted = [None if t is None else lift(t, n) for t in terms]
     constant = [
         i != axis - 1 and all(t is None or t.shape[i + 1] == 1 for t in lifted) for i in range(n)
     ]
@@ -219,14 +217,14 @@ def _joined(terms: Sequence[Tensor | None], shapes: Sequence[Sequence[int]], axi
     return torch.cat(parts, axis)
 
 
-def _joined_jet(jets: Sequence[_Jet | None], shapes: Sequence[Sequence[int]], axis: int) -> Any:
+def _joined_jet(jets: Sequence[Jet | None], shapes: Sequence[Sequence[int]], axis: int) -> Any:
     first = _joined([None if j is None else j.first for j in jets], shapes, axis)
     second = _joined([None if j is None else j.second for j in jets], shapes, axis)
-    return _Jet(first, second)
+    return Jet(first, second)
 
 
 @_rule(aten.cat.default)
-def _cat_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+def _cat_rule(sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     dim = int(args[1] if len(args) > 1 else kwargs.get("dim", 0)) % y.ndim
     # torch skips empty one-axis tensors beside values of more axes (legacy concatenation)
@@ -240,15 +238,13 @@ def _cat_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict
 
 
 @_rule(aten.stack.default)
-def _stack_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
-) -> Any:
+def _stack_rule(sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     dim = int(args[1] if len(args) > 1 else kwargs.get("dim", 0)) % y.ndim
     shape = tuple(args[0][0].shape)  # the same for all
 
     def stood(t: Tensor) -> Tensor:
-        return _lift(t, len(shape)).unsqueeze(dim + 1)
+        return lift(t, len(shape)).unsqueeze(dim + 1)
 
     jets = [None if (j := sw.jet(n)) is None else _map(j, stood) for n in node.args[0]]  # type: ignore[union-attr]
     shapes = [(*shape[:dim], 1, *shape[dim:])] * len(jets)
@@ -256,9 +252,7 @@ def _stack_rule(
 
 
 @_rule(aten.where.self)
-def _where_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
-) -> Any:
+def _where_rule(sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """Each element's terms from the operand the condition picks (zero: a constant's)."""
     cond = args[0]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
@@ -266,44 +260,44 @@ def _where_rule(
     return y, _paired(a, b, y.ndim, lambda ta, tb: torch.where(cond, ta, tb).to(y.dtype))
 
 
-def _paired(a: _Jet | None, b: _Jet | None, n: int, combine: Callable[[Any, Any], Tensor]) -> _Jet:
+def _paired(a: Jet | None, b: Jet | None, n: int, combine: Callable[[Any, Any], Tensor]) -> Jet:
     """The jet of an element-wise choice between two operands of ``n`` axes (at least one
     dependent): ``combine`` of their terms, order by order (a constant's: ``0.0``)."""
 
     def part(ta: Tensor | None, tb: Tensor | None) -> Tensor | None:
         if ta is None and tb is None:
             return None
-        return combine(0.0 if ta is None else _lift(ta, n), 0.0 if tb is None else _lift(tb, n))
+        return combine(0.0 if ta is None else lift(ta, n), 0.0 if tb is None else lift(tb, n))
 
     first = part(None if a is None else a.first, None if b is None else b.first)
     second = part(None if a is None else a.second, None if b is None else b.second)
-    return _Jet(first, second)  # type: ignore[arg-type]
+    return Jet(first, second)  # type: ignore[arg-type]
 
 
 @_rule(aten.masked_fill.Scalar)
 def _masked_fill_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     """The value where the mask is set (a constant): zero terms there."""
     x, mask = args[0], args[1]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     a = sw.needed(node.args[0])
-    return y, _map(a, lambda t: _lift(t, x.ndim).masked_fill(mask, 0))
+    return y, _map(a, lambda t: lift(t, x.ndim).masked_fill(mask, 0))
 
 
 @_rule(aten.flip.default)
-def _flip_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+def _flip_rule(sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     x = args[0]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     a = sw.needed(node.args[0])
     if x.ndim == 0:
         return y, a
     axes = [int(d) % x.ndim + 1 for d in args[1]]
-    return y, _map(a, lambda t: _lift(t, x.ndim).flip(axes))
+    return y, _map(a, lambda t: lift(t, x.ndim).flip(axes))
 
 
 @_rule(aten.roll.default)
-def _roll_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+def _roll_rule(sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     x = args[0]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     a = sw.needed(node.args[0])
@@ -319,12 +313,12 @@ def _roll_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dic
 
         return y, _map(a, flat)
     moved = [int(d) % x.ndim + 1 for d in axes]
-    return y, _map(a, lambda t: _lift(t, x.ndim).roll(shifts, moved))
+    return y, _map(a, lambda t: lift(t, x.ndim).roll(shifts, moved))
 
 
 @_rule(aten.repeat.default)
 def _repeat_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     """Tiled: terms constant along an axis (and along the new leading axes) stay of size one."""
     x, repeats = args[0], [int(r) for r in args[1]]
@@ -333,7 +327,7 @@ def _repeat_rule(
     extra = len(repeats) - x.ndim
 
     def tile(t: Tensor) -> Tensor:
-        t = _lift(t, x.ndim)
+        t = lift(t, x.ndim)
         t = t.reshape(t.shape[0], *([1] * extra), *t.shape[1:])
         return t.repeat(1, *(r if s > 1 else 1 for r, s in zip(repeats, t.shape[1:], strict=True)))
 
@@ -342,7 +336,7 @@ def _repeat_rule(
 
 @_rule(aten.index_select.default, aten.gather.default)
 def _select_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     """Elements taken by an index along one axis (``index_select``: whole slices, terms
     constant along the axis kept as they are; ``gather``: one element per position)."""
@@ -354,7 +348,7 @@ def _select_rule(
     axis = int(args[1]) % x.ndim + 1
 
     def take(t: Tensor) -> Tensor:
-        t = _lift(t, x.ndim)
+        t = lift(t, x.ndim)
         if node.target is aten.gather.default:
             t = t.expand(-1, *x.shape)
             return t.gather(axis, index.expand(t.shape[0], *index.shape))
@@ -364,15 +358,13 @@ def _select_rule(
 
 
 @_rule(aten.index.Tensor, aten._unsafe_index.Tensor)
-def _index_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
-) -> Any:
+def _index_rule(sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """Advanced indexing (``h[:, idx]``, ``h[mask]``): the same indices one axis further.
     Indices apart from each other move their axes first (torch's rule): pushed generically."""
     x, indices = args[0], list(args[1])
     at = [i for i, ix in enumerate(indices) if ix is not None]
     if at != list(range(at[0], at[-1] + 1)):
-        return _generic(sw, node, args, kwargs)
+        return generic(sw, node, args, kwargs)
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     a = sw.needed(node.args[0])
     # the axes the indices cover (a boolean mask covers as many as it has)
@@ -385,7 +377,7 @@ def _index_rule(
     key = (slice(None), *(slice(None) if ix is None else ix for ix in indices))
 
     def take(t: Tensor) -> Tensor:
-        t = _lift(t, x.ndim)
+        t = lift(t, x.ndim)
         shape = [x.shape[i] if i in covered else t.shape[i + 1] for i in range(x.ndim)]
         return t.expand(-1, *shape)[key]
 
@@ -393,9 +385,7 @@ def _index_rule(
 
 
 @_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
-def _split_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
-) -> Any:
+def _split_rule(sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """Parts of the value along one axis: the parts of the terms (terms constant along it: the
     same for each part)."""
     x = args[0]
@@ -408,7 +398,7 @@ def _split_rule(
     def parts(t: Tensor | None) -> list[Tensor | None]:
         if t is None:
             return [None] * len(outs)
-        t = _lift(t, x.ndim)
+        t = lift(t, x.ndim)
         if t.shape[dim + 1] == 1 and x.shape[dim] != 1:
             return [t.select(dim + 1, 0) if unbind else t] * len(outs)
         if unbind:
@@ -416,11 +406,11 @@ def _split_rule(
         return list(torch.split(t, args[1], dim + 1))
 
     firsts, seconds = parts(a.first), parts(a.second)
-    return outs, [_Jet(f, s) for f, s in zip(firsts, seconds, strict=True)]  # type: ignore[arg-type]
+    return outs, [Jet(f, s) for f, s in zip(firsts, seconds, strict=True)]  # type: ignore[arg-type]
 
 
 @_rule(aten.constant_pad_nd.default)
-def _pad_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+def _pad_rule(sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """Padded with a constant: zero terms in the padding."""
     x, pad = args[0], [int(p) for p in args[1]]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
@@ -428,7 +418,7 @@ def _pad_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict
     padded = range(x.ndim - len(pad) // 2, x.ndim)
 
     def fill(t: Tensor) -> Tensor:
-        t = _lift(t, x.ndim)
+        t = lift(t, x.ndim)
         shape = [x.shape[i] if i in padded else t.shape[i + 1] for i in range(x.ndim)]
         return torch.constant_pad_nd(t.expand(-1, *shape), pad, 0.0)
 
@@ -447,7 +437,7 @@ def _pad_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict
     aten.pixel_shuffle.default, aten.pixel_unshuffle.default,
 )  # fmt: skip
 def _per_sample_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     """A linear operation on each sample of a batch (pooling by averages, padding by
     reflection or replication, upsampling, pixel shuffles): on the terms with the directions
@@ -455,12 +445,12 @@ def _per_sample_rule(
     x = args[0]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     a = sw.needed(node.args[0])
-    return y, _map(a, lambda t: _folded(t, x.shape, lambda f: node.target(f, *args[1:], **kwargs)))  # type: ignore[operator]
+    return y, _map(a, lambda t: folded(t, x.shape, lambda f: node.target(f, *args[1:], **kwargs)))  # type: ignore[operator]
 
 
 @_rule(aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
 def _max_pool_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     """The maximum of each window: the terms of the element it takes (torch's indices, flat
     within each channel's plane); a piecewise linear choice (no curvature of its own)."""
@@ -480,7 +470,7 @@ def _max_pool_rule(
 
 @_rule(aten.cumsum.default)
 def _cumsum_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     x = args[0]
     y = node.target(*args, **kwargs)  # type: ignore[operator]
@@ -490,7 +480,7 @@ def _cumsum_rule(
     axis = int(args[1] if len(args) > 1 else kwargs["dim"]) % x.ndim + 1
 
     def summed(t: Tensor) -> Tensor:
-        t = _lift(t, x.ndim)
+        t = lift(t, x.ndim)
         return t.expand(*t.shape[:axis], x.shape[axis - 1], *t.shape[axis + 1 :]).cumsum(axis)
 
     return y, _map(a, lambda t: summed(t).to(y.dtype))
@@ -498,7 +488,7 @@ def _cumsum_rule(
 
 @_rule(aten.tril.default, aten.triu.default, aten.diagonal.default)
 def _triangle_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     """A triangle or a diagonal of matrices: the same of the terms' matrices."""
     x = args[0]
@@ -512,7 +502,7 @@ def _triangle_rule(
         offset, d1, d2 = given["offset"], given["dim1"] % x.ndim + 1, given["dim2"] % x.ndim + 1
 
         def diagonal(t: Tensor) -> Tensor:
-            return _lift(t, x.ndim).expand(-1, *x.shape).diagonal(offset, d1, d2)
+            return lift(t, x.ndim).expand(-1, *x.shape).diagonal(offset, d1, d2)
 
         return y, _map(a, diagonal)
     return y, _map(a, lambda t: node.target(_full(t, x.shape), *args[1:], **kwargs))  # type: ignore[operator]
@@ -520,7 +510,7 @@ def _triangle_rule(
 
 @_rule(aten.amax.default, aten.amin.default, aten.max.default, aten.min.default)
 def _extremum_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     """The largest (smallest) element along axes: its terms, shared evenly among ties (as
     torch's derivative)."""
@@ -536,12 +526,12 @@ def _extremum_rule(
     ties = (x == kept).to(x.dtype)
     share = ties / ties.sum(reduced, keepdim=True)
     axes = [d + 1 for d in reduced]
-    return y, _map(a, lambda t: (_lift(t, x.ndim) * share).sum(axes, keepdim=keepdim))
+    return y, _map(a, lambda t: (lift(t, x.ndim) * share).sum(axes, keepdim=keepdim))
 
 
 @_rule(aten.max.dim, aten.min.dim)
 def _extremum_at_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     """The largest (smallest) element along one axis and its index: the terms at the index."""
     x = args[0]
@@ -555,7 +545,7 @@ def _extremum_at_rule(
     at = indices if keepdim else indices.unsqueeze(axis)
 
     def take(t: Tensor) -> Tensor:
-        t = _lift(t, x.ndim).expand(-1, *x.shape)
+        t = lift(t, x.ndim).expand(-1, *x.shape)
         picked = t.gather(axis + 1, at.expand(t.shape[0], *at.shape))
         return picked if keepdim else picked.squeeze(axis + 1)
 
@@ -564,7 +554,7 @@ def _extremum_at_rule(
 
 @_rule(aten.maximum.default, aten.minimum.default)
 def _larger_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     """The larger (smaller) of two values: its terms (at a tie, half of each: torch's)."""
     x, z = args[0], args[1]

@@ -14,8 +14,8 @@ import torch
 import torch.fx
 
 from .._aten import dims
-from .generic import _generic
-from .jets import Rule, _add, _full, _Jet, _map, _scale, _Sweep, registrar
+from .generic import generic
+from .jets import Jet, Rule, Sweep, _full, _map, _scale, add, registrar
 
 __all__: list[str] = []
 
@@ -41,7 +41,7 @@ def _expected(p: Tensor, t: Tensor, axes: Sequence[int]) -> Tensor:
 
 
 def _log_partition(
-    sw: _Sweep, p: Tensor, a: _Jet, shape: Sequence[int], axes: Sequence[int]
+    sw: Sweep, p: Tensor, a: Jet, shape: Sequence[int], axes: Sequence[int]
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The terms of ``L = log sum exp x`` over ``axes`` (of the terms; kept as axes of one),
     ``p = exp(x - L)``: ``(L', c, s)`` with ``L' = E[x']``, ``c = x' - L'`` and ``s = x'' +
@@ -57,13 +57,13 @@ def _log_partition(
 
 @_rule(aten._softmax.default, aten._safe_softmax.default, aten._log_softmax.default)
 def _softmax_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     """``y = exp(x - L)`` along one axis: ``y' = y (x' - L')``, ``y'' = y ((x' - L')^2 + x'' -
     L'')``; ``log_softmax`` ``x - L`` likewise. Rows of ``-inf`` (masked) have zero weights."""
     x = args[0]
     if x.is_complex() or x.ndim == 0:
-        return _generic(sw, node, args, kwargs)
+        return generic(sw, node, args, kwargs)
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     a = sw.needed(node.args[0])
     axes = [int(args[1]) % x.ndim + 1]
@@ -71,18 +71,18 @@ def _softmax_rule(
         p = torch.exp(y)
         _, centred, spread = _log_partition(sw, p, a, tuple(x.shape), axes)
         own = None if a.second is None else _full(a.second, x.shape).to(y.dtype)
-        return y, _Jet(centred, _add(own, -_expected(p, spread, axes)))
+        return y, Jet(centred, add(own, -_expected(p, spread, axes)))
     _, centred, spread = _log_partition(sw, y, a, tuple(x.shape), axes)
-    return y, _Jet(y * centred, y * (spread - _expected(y, spread, axes)))
+    return y, Jet(y * centred, y * (spread - _expected(y, spread, axes)))
 
 
 @_rule(aten.logsumexp.default)
 def _logsumexp_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     x = args[0]
     if x.is_complex() or x.ndim == 0:
-        return _generic(sw, node, args, kwargs)
+        return generic(sw, node, args, kwargs)
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     a = sw.needed(node.args[0])
     reduced = dims(args[1] if len(args) > 1 else kwargs.get("dim"), x.ndim)
@@ -94,19 +94,19 @@ def _logsumexp_rule(
     second = _expected(p, spread, axes)
     if not keepdim:
         first, second = first.squeeze(axes), second.squeeze(axes)
-    return y, _Jet(first, second)
+    return y, Jet(first, second)
 
 
 @_rule(aten.var.correction, aten.std.correction, aten.var_mean.correction, aten.std_mean.correction)
 def _variance_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     """The variance ``v = sum (x - m)^2 / (n - correction)`` over axes: ``v' = 2 E[c c']``,
     ``v'' = 2 E[c c''] + 2 E[c'^2]`` (``c``: the centred value and terms, ``E``: the sum over
     ``n - correction``); the deviation ``sqrt(v)`` by the chain rule; the mean's jet beside."""
     x = args[0]
     if x.is_complex() or x.ndim == 0:
-        return _generic(sw, node, args, kwargs)
+        return generic(sw, node, args, kwargs)
     out = node.target(*args, **kwargs)  # type: ignore[operator]
     a = sw.needed(node.args[0])
     reduced = dims(args[1] if len(args) > 1 else kwargs.get("dim"), x.ndim)
@@ -124,21 +124,21 @@ def _variance_rule(
     if a.second is not None:
         m2, c2 = _centred(a.second, x.shape, axes)
         v2 = v2 + scale * (c * c2).sum(axes, keepdim=True)
-    jet = _Jet(v1, v2)
+    jet = Jet(v1, v2)
     packet_name = node.target._overloadpacket.__name__  # type: ignore[union-attr]
     if packet_name.startswith("std"):
         s = (out[0] if isinstance(out, tuple) else out).reshape(v1.shape[1:])
-        jet = _Jet(v1 / (2 * s), v2 / (2 * s) - sw.quad(v1, v1) / (4 * s * s * s))
+        jet = Jet(v1 / (2 * s), v2 / (2 * s) - sw.quad(v1, v1) / (4 * s * s * s))
     if not keepdim:
         jet = _map(jet, lambda t: t.squeeze(axes))
     if not isinstance(out, tuple):
         return out, jet
-    mean = _Jet(m1, m2)
+    mean = Jet(m1, m2)
     return out, [jet, mean if keepdim else _map(mean, lambda t: t.squeeze(axes))]
 
 
 @_rule(aten.linalg_vector_norm.default)
-def _norm_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+def _norm_rule(sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """The 2-norm ``n`` over axes: ``n' = <x, x'> / n``, ``n'' = (<x, x''> + |x'|^2 - n'^2) / n``;
     zero terms where ``n = 0`` (torch's convention for its derivative there). Other orders: the
     generic rule."""
@@ -146,7 +146,7 @@ def _norm_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dic
     order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
     dtype = kwargs.get("dtype", args[4] if len(args) > 4 else None)
     if x.is_complex() or order != 2 or x.ndim == 0:
-        return _generic(sw, node, args, kwargs)
+        return generic(sw, node, args, kwargs)
     y = node.target(*args, **kwargs)  # type: ignore[operator]
     a = sw.needed(node.args[0])
     x = x if dtype is None else x.to(dtype)
@@ -163,12 +163,12 @@ def _norm_rule(sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dic
     second = second * inverse
     if not keepdim:
         first, second = first.squeeze(axes), second.squeeze(axes)
-    return y, _Jet(first, second)
+    return y, Jet(first, second)
 
 
 def _standardized(
-    sw: _Sweep, x: Tensor, a: _Jet, reduced: Sequence[int], eps: float
-) -> tuple[Tensor, Tensor, Tensor, list[_Jet]]:
+    sw: Sweep, x: Tensor, a: Jet, reduced: Sequence[int], eps: float
+) -> tuple[Tensor, Tensor, Tensor, list[Jet]]:
     """``x`` standardized over the value axes ``reduced``: ``n = (x - m) r`` with ``m`` the mean
     and ``r = (v + eps)^(-1/2)`` (``v`` the biased variance), composed of differentiable
     operations; ``(n, m, r)`` (``m`` and ``r`` kept as axes of one) and their jets."""
@@ -187,21 +187,21 @@ def _standardized(
         m2, c2 = _centred(a.second, x.shape, axes)
         v2 = v2 + 2 * (c * c2).mean(axes, keepdim=True)
     r2 = -0.5 * r3 * v2 + 0.75 * r3 * rstd * rstd * sw.quad(v1, v1)
-    n2 = _add(c * r2, 2 * sw.quad(c1, r1), None if c2 is None else c2 * rstd)
-    jets = [_Jet(c1 * rstd + c * r1, n2), _Jet(m1, m2), _Jet(r1, r2)]
+    n2 = add(c * r2, 2 * sw.quad(c1, r1), None if c2 is None else c2 * rstd)
+    jets = [Jet(c1 * rstd + c * r1, n2), Jet(m1, m2), Jet(r1, r2)]
     return c * rstd, mean, rstd, jets
 
 
-def _affine(n: Tensor, jet: _Jet, weight: Tensor | None, bias: Tensor | None) -> Any:
+def _affine(n: Tensor, jet: Jet, weight: Tensor | None, bias: Tensor | None) -> Any:
     """``n * weight + bias`` (either ``None``: none) and its jet."""
     y = n if weight is None else n * weight
     y = y if bias is None else y + bias
     if weight is None:
         return y, jet
-    return y, _Jet(jet.first * weight, _scale(jet.second, weight))
+    return y, Jet(jet.first * weight, _scale(jet.second, weight))
 
 
-def _norm_by_rule(sw: _Sweep, node: torch.fx.Node, x: Tensor) -> bool:
+def _norm_by_rule(sw: Sweep, node: torch.fx.Node, x: Tensor) -> bool:
     """Whether a normalization is swept by its own rule: a weight and bias that do not depend
     on the input, in single or double precision (torch computes others in float32)."""
     return x.dtype in (torch.float32, torch.float64) and all(
@@ -211,14 +211,14 @@ def _norm_by_rule(sw: _Sweep, node: torch.fx.Node, x: Tensor) -> bool:
 
 @_rule(aten.native_layer_norm.default)
 def _layer_norm_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     """Standardized over the normalized axes, times the weight, plus the bias; the mean and
     ``r`` as torch returns them, constants to its autograd (its kernel does not differentiate
     them): no terms."""
     x, shape, weight, bias = args[0], args[1], args[2], args[3]
     if not _norm_by_rule(sw, node, x):
-        return _generic(sw, node, args, kwargs)
+        return generic(sw, node, args, kwargs)
     eps = args[4] if len(args) > 4 else kwargs["eps"]
     reduced = range(x.ndim - len(shape), x.ndim)
     n, mean, rstd, jets = _standardized(sw, x, sw.needed(node.args[0]), reduced, eps)
@@ -228,13 +228,13 @@ def _layer_norm_rule(
 
 @_rule(aten.native_group_norm.default)
 def _group_norm_rule(
-    sw: _Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     """Standardized per sample and group of channels, times the weight, plus the bias (per
     channel); the mean and ``r`` ``[N, groups]`` with their jets (torch differentiates them)."""
     x, weight, bias, groups, eps = args[0], args[1], args[2], int(args[6]), args[7]
     if not _norm_by_rule(sw, node, x):
-        return _generic(sw, node, args, kwargs)
+        return generic(sw, node, args, kwargs)
     lead = tuple(x.shape[:1])
     grouped = (*lead, groups, -1)
     a = _map(sw.needed(node.args[0]), lambda t: _full(t, x.shape).reshape(t.shape[0], *grouped))

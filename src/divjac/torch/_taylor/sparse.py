@@ -40,8 +40,8 @@ from ..._core.sparse_index import compressed, positions, union
 from .._aten import bind, dims, inexact, packet
 from .._ops import is_elementwise
 from .._traced import Traced
-from .jets import Rule, _Jet, _lift, _Sweep
-from .sweep import _Plan, _plan, _Program, _program
+from .jets import Jet, Rule, Sweep, lift
+from .sweep import Plan, Program, _plan, _program
 
 __all__ = ["sparse_laplacian"]
 
@@ -90,10 +90,10 @@ def sparse_laplacian(
     share = layouts.share * layouts.n
     if 2 * share > passes or share > budget:
         return None
-    seed = _Jet(x.new_ones((1,) * (x.ndim + 1)), None)
+    seed = Jet(x.new_ones((1,) * (x.ndim + 1)), None)
     program = replace(program, plan=layouts.plan)
     y, jet = program.evaluate(x, _Laying(layouts), seed)
-    second = jet.second if isinstance(jet, _Jet) else None
+    second = jet.second if isinstance(jet, Jet) else None
     return y.new_zeros(y.shape) if second is None else second.expand(1, *y.shape)[0]
 
 
@@ -126,7 +126,7 @@ class _Layouts:
     sweep's cost as a fraction of the dense sweep's over ``n`` inputs (``share``, see
     :class:`_Indexing`)."""
 
-    plan: _Plan
+    plan: Plan
     n: int
     share: float
     device: torch.device
@@ -137,7 +137,7 @@ class _Layouts:
 _LAYOUTS: weakref.WeakKeyDictionary[Traced, _Layouts] = weakref.WeakKeyDictionary()
 
 
-def _layouts(program: _Program, x: Tensor) -> _Layouts:
+def _layouts(program: Program, x: Tensor) -> _Layouts:
     found = _LAYOUTS.get(program.traced)
     if found is not None and found.device == x.device:
         return found
@@ -156,15 +156,15 @@ def _layouts(program: _Program, x: Tensor) -> _Layouts:
     return layouts
 
 
-class _Laying(_Sweep):
+class _Laying(Sweep):
     """The sweep whose steps read their dependent operands' terms laid out on their index."""
 
     def __init__(self, layouts: _Layouts) -> None:
         super().__init__(layouts.n, None, False)
         self.layouts = layouts
-        self.laid: dict[torch.fx.Node, _Jet] = {}
+        self.laid: dict[torch.fx.Node, Jet] = {}
 
-    def jet(self, arg: Any) -> _Jet | None:
+    def jet(self, arg: Any) -> Jet | None:
         found = self.laid.get(arg) if self.laid and isinstance(arg, torch.fx.Node) else None
         return found if found is not None else super().jet(arg)
 
@@ -181,24 +181,24 @@ class _Laying(_Sweep):
                 continue
             if lay.summed is not None:  # the rule is left the second-order term only
                 summed = _scattered(own.first, lay.index, self.k, lay.summed) * lay.scale
-                self.laid[arg] = _Jet(own.first[:1], own.second)
+                self.laid[arg] = Jet(own.first[:1], own.second)
             elif lay.dense:
-                self.laid[arg] = _Jet(_scattered(own.first, lay.index, self.k), own.second)
+                self.laid[arg] = Jet(_scattered(own.first, lay.index, self.k), own.second)
             else:
-                self.laid[arg] = _Jet(_gathered(own.first, lay.index), own.second)
+                self.laid[arg] = Jet(_gathered(own.first, lay.index), own.second)
         try:
             y, jet = rule(self, node, args, kwargs)
         finally:
             self.laid = {}
         if summed is not None:
-            jet = _Jet(summed.reshape(self.k, *y.shape), jet.second)
+            jet = Jet(summed.reshape(self.k, *y.shape), jet.second)
         return y, jet
 
 
 def _scattered(terms: Tensor, idx: Tensor, n: int, axes: tuple[int, ...] = ()) -> Tensor:
     """The dense terms ``[n, *S]`` of ``terms`` ``[m, *s]`` whose inputs are ``idx``
     ``[m, *S]`` (``n``: none), summed over the ``axes`` of ``S`` (dropped)."""
-    terms = _lift(terms, idx.ndim - 1)
+    terms = lift(terms, idx.ndim - 1)
     shape = torch.broadcast_shapes(terms.shape[1:], idx.shape[1:])
     kept = [a for a in range(len(shape)) if a not in axes]
     order = (0, *(1 + a for a in axes), *(1 + a for a in kept))
@@ -213,7 +213,7 @@ def _scattered(terms: Tensor, idx: Tensor, n: int, axes: tuple[int, ...] = ()) -
 
 def _gathered(terms: Tensor, pos: Tensor) -> Tensor:
     """``terms`` ``[m, *s]`` at the slots ``pos`` ``[m', *S]`` (``m``: zero), broadcast."""
-    terms = _lift(terms, pos.ndim - 1)
+    terms = lift(terms, pos.ndim - 1)
     padded = torch.cat([terms, terms.new_zeros((1, *terms.shape[1:]))])
     shape = torch.broadcast_shapes(padded.shape[1:], pos.shape[1:])
     # gather on expanded views: 3x faster than take_along_dim (torch 2.13, CPU)
@@ -299,7 +299,7 @@ def _meta_shape(node: torch.fx.Node) -> tuple[int, ...]:
 # --- the index, once per trace -------------------------------------------------------------------
 
 
-class _Indexing(_Sweep):
+class _Indexing(Sweep):
     """A run of the graph's values with each dependent value's index in place of its jet
     (``DENSE``: all inputs), recording how the steps' operands are laid on their index and
     counting the work on first-order terms of the sparse sweep (``stored``) and of the dense

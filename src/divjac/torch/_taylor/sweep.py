@@ -19,7 +19,7 @@ trace) is run once, and every value that depends on the input carries, beside it
 - any other operation is pushed by ``torch.func`` (``jvp`` of ``jvp``, batched over ``k`` with
   ``vmap``) on its own, normalizations in their composed forms (the forward derivatives of
   torch's kernels are wrong or fail under transforms, torch 2.13; as
-  :class:`divjac.torch._kernels._ComposedNorms` does for whole functions).
+  :class:`divjac.torch._kernels.ComposedNorms` does for whole functions).
 
 Directions shared by the samples (``[K, 1, *in]``) stay unbroadcast until an operation mixes
 them with per-sample values (the first layer computes ``W v_k`` once, not ``B`` times).
@@ -55,14 +55,14 @@ from ..._errors import InternalError
 from .._aten import inexact
 from .._compat import pytree
 from .._detect import reach, trace
-from .._kernels import PlainLayouts, _ComposedNorms
-from .._passes import _Generators
-from .._reach import Reached
-from .._running import NoFastPaths
+from .._kernels import ComposedNorms, PlainLayouts
+from .._passes import Generators
+from .._side_effects import NoFastPaths
+from .._trace_keys import Reached
 from .._traced import Traced
 from . import arithmetic, moves, reductions
-from .generic import _by_reverse, _generic
-from .jets import Rule, _Jet, _Sweep
+from .generic import _by_reverse, generic
+from .jets import Jet, Rule, Sweep
 
 __all__ = ["second_order_sweep"]
 
@@ -152,8 +152,8 @@ def reference_sweep(
     where ``vmap`` cannot batch them.
 
     Attention runs in its math form, without the fused fast paths of
-    :class:`~divjac.torch._running.NoFastPaths`, and layer and instance normalizations composed
-    (:class:`~divjac.torch._kernels._ComposedNorms`): the second forward derivatives of their
+    :class:`~divjac.torch._side_effects.NoFastPaths`, and layer and instance normalizations composed
+    (:class:`~divjac.torch._kernels.ComposedNorms`): the second forward derivatives of their
     kernels are wrong or missing (torch 2.13); memory formats as in
     :class:`~divjac.torch._kernels.PlainLayouts`. With ``by_reverse`` (a function that runs a
     linear-algebra kernel, whose forward derivative PyTorch differentiates wrong), both
@@ -173,11 +173,11 @@ def reference_sweep(
         (y, d1), (_, d2) = cast(Any, jvp(first, (x,), (vk,)))
         return y, d1, d2
 
-    with sdpa_kernel(SDPBackend.MATH), NoFastPaths(), _ComposedNorms(forward=True), PlainLayouts():
+    with sdpa_kernel(SDPBackend.MATH), NoFastPaths(), ComposedNorms(forward=True), PlainLayouts():
         if not same_randomness:
             ys, d1, d2 = vmap(jet, randomness="error")(v)
         else:
-            start = _Generators(x.device)
+            start = Generators(x.device)
             try:
                 ys, d1, d2 = vmap(jet, randomness="same")(v)
             except RuntimeError:
@@ -218,7 +218,7 @@ class _Step:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class Plan:
     """The steps of a trace (its live nodes), and whether every constant it drops is a
     parameter or buffer of its modules (which its cache key identifies)."""
 
@@ -234,15 +234,15 @@ _RULES: dict[Any, Rule] = {
 }
 
 # The plans of recent traces.
-_PLANS: weakref.WeakKeyDictionary[Traced, _Plan] = weakref.WeakKeyDictionary()
+_PLANS: weakref.WeakKeyDictionary[Traced, Plan] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
-class _Program:
+class Program:
     """A plan with the tensors its constants stand for."""
 
     traced: Traced
-    plan: _Plan
+    plan: Plan
     constants: dict[str, Tensor]
     # By placeholder, in order (``None``: x's): the call's other tensors (a rewriting of the
     # graph, which copies its nodes, keeps its placeholders' order).
@@ -251,10 +251,10 @@ class _Program:
     def run(
         self, x: Tensor, v: Tensor, w: Tensor | None, per_direction: bool
     ) -> tuple[Tensor, Tensor, Tensor]:
-        sweep = _Sweep(int(v.shape[0]), w, per_direction)
-        y, jet = self.evaluate(x, sweep, _Jet(v, None))
+        sweep = Sweep(int(v.shape[0]), w, per_direction)
+        y, jet = self.evaluate(x, sweep, Jet(v, None))
         K, M = int(v.shape[0]), sweep.m
-        if not isinstance(jet, _Jet):
+        if not isinstance(jet, Jet):
             zeros = y.new_zeros((K, *y.shape))
             return y, zeros, zeros[:M]
         first = jet.first.expand(K, *y.shape)
@@ -262,9 +262,9 @@ class _Program:
         second = y.new_zeros((M, *y.shape)) if second is None else second.expand(M, *y.shape)
         return y, first, second
 
-    def evaluate(self, x: Tensor, sweep: _Sweep, seed: Any) -> tuple[Tensor, Any]:
+    def evaluate(self, x: Tensor, sweep: Sweep, seed: Any) -> tuple[Tensor, Any]:
         """The graph's output at ``x`` and its jet, the input's jet being ``seed`` (the jets of
-        the steps are :meth:`_Sweep.apply`'s)."""
+        the steps are :meth:`Sweep.apply`'s)."""
         gm = self.traced.gm
         others = iter(self.inputs)
         values: dict[torch.fx.Node, Any] = {}
@@ -336,7 +336,7 @@ def _rewind(f: Callable[[Tensor], Tensor], device: torch.device) -> None:
     is the first), as the first-order passes do between their chunks."""
     state = _DRAWS.get(f)
     if state is None:
-        _DRAWS[f] = _Generators(device)
+        _DRAWS[f] = Generators(device)
     else:
         state.rewind()
 
@@ -346,7 +346,7 @@ def _program(
     x: Tensor,
     traced: Traced | None = None,
     point: Point[Traced] | None = None,
-) -> _Program | None:
+) -> Program | None:
     """The trace of ``f`` at ``x``'s shape with the tensors it captured, or ``None`` where the
     sweep runs the reference (see the module docstring).
 
@@ -380,11 +380,11 @@ def _program(
             if t is None:
                 return None
             constants[name] = t
-        return _Program(traced, plan, constants, inputs)
+        return Program(traced, plan, constants, inputs)
     if given is not None:  # other captured tensors: found by the walk of f, on f's own trace
         return _program(f, x)
     found = _captured(traced, walked[0] if walked else reach(f, []))
-    return None if found is None else _Program(traced, plan, found)
+    return None if found is None else Program(traced, plan, found)
 
 
 def _other_inputs(point: Point[Traced]) -> tuple[Tensor | None, ...] | None:
@@ -438,7 +438,7 @@ def _captured(traced: Traced, reached: Reached) -> dict[str, Tensor] | None:
     return constants
 
 
-def _plan(traced: Traced, graph: torch.fx.Graph | None = None) -> _Plan:
+def _plan(traced: Traced, graph: torch.fx.Graph | None = None) -> Plan:
     """The plan of ``traced``'s graph (or of ``graph``, a rewriting of it on its constants)."""
     nodes = list((traced.gm.graph if graph is None else graph).nodes)
     x_node = [node for node in nodes if node.op == "placeholder"][traced.x_pos]
@@ -468,10 +468,10 @@ def _plan(traced: Traced, graph: torch.fx.Graph | None = None) -> _Plan:
                 dependent.add(node)
         elif any(a in dependent for a in inputs) and not _discrete(node):
             rule = _RULES.get(node.target) or arithmetic.elementwise_rule(node.target)
-            steps.append(_Step(node, "rule", inputs, rule or _generic))
+            steps.append(_Step(node, "rule", inputs, rule or generic))
             dependent.add(node)
         else:
             steps.append(_Step(node, "plain", inputs))
     owned = {id(t) for m in traced.modules() for t in (*m.parameters(), *m.buffers())}
     alive = [ref() for ref in traced.dropped.values()]
-    return _Plan(tuple(steps), all(t is not None and id(t) in owned for t in alive))
+    return Plan(tuple(steps), all(t is not None and id(t) in owned for t in alive))

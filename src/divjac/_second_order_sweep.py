@@ -17,7 +17,7 @@ import numpy as np
 from ._backend import Array, Backend
 from ._call import Call, Coupling, Distribution, Spec, check_num_probes, check_option, prepare
 from ._core import checks, estimators as est
-from ._divergence import _is_probes, probe_count
+from ._divergence import is_probes, probe_count
 from ._errors import NumProbesError, OptionError, OutputError
 from ._transforms import auto_detects
 
@@ -25,7 +25,7 @@ __all__: list[str] = []
 
 
 @dataclass(frozen=True)
-class _Options:
+class Options:
     """The options of a second-order transform."""
 
     method: str
@@ -82,7 +82,7 @@ def _aux(call: Call) -> Any:
     return call.g(call.xb)[1] if call.has_aux else None
 
 
-def _require_scalar(call: Call) -> None:
+def require_scalar(call: Call) -> None:
     if math.prod(call.out_sample) != 1:
         raise OutputError(
             f"{call.spec.fname}: u must return one scalar per sample (output shape (B,) or "
@@ -91,7 +91,7 @@ def _require_scalar(call: Call) -> None:
         )
 
 
-def _unbatch(call: Call, result: Array, batch_axis: int | None) -> Array:
+def unbatch(call: Call, result: Array, batch_axis: int | None) -> Array:
     """A batch-first result with the layout of ``u``'s output."""
     if batch_axis is None:
         return result[0]
@@ -174,7 +174,7 @@ def _eye(call: Call, n: int) -> Array:
     return call.backend.asarray(i[:, None] == i[None, :], like=call.xb)
 
 
-def _one_sample_at_a_time(
+def one_sample_at_a_time(
     call: Call, directions: Array, weights: Array | None
 ) -> tuple[Array, Array]:
     """Directions ``[B*K, B, *in]`` placing each of ``[K, B or 1, *in]`` in one sample only, and
@@ -192,9 +192,9 @@ def _one_sample_at_a_time(
     return spread, (eye[:, None, :] * w[None]).reshape(B * K, B)
 
 
-def _own_terms(call: Call, terms: Array) -> Array:
+def own_terms(call: Call, terms: Array) -> Array:
     """``[K, B, *out]`` from the per-direction terms ``[B*K, B, *out]`` of
-    :func:`_one_sample_at_a_time`: each sample's terms of its own directions."""
+    :func:`one_sample_at_a_time`: each sample's terms of its own directions."""
     B = call.batch_size
     m = math.prod(call.out_sample)
     eye = _eye(call, B)
@@ -245,7 +245,7 @@ def sweep_chunk(call: Call, k: int, chunk_size: int | None) -> int:
     return backend.ahead(Call.chunk, call, k, chunk_size, True, backend.sweep_cache_share)
 
 
-def _mean_and_stderr(call: Call, terms: Array, stderr: bool) -> tuple[Array, Array | None]:
+def mean_and_stderr(call: Call, terms: Array, stderr: bool) -> tuple[Array, Array | None]:
     """Mean over ``k`` of independent terms ``[k, B, *shape]`` and its standard error."""
     k = int(terms.shape[0])
     if stderr and k < 2:
@@ -258,11 +258,11 @@ def _mean_and_stderr(call: Call, terms: Array, stderr: bool) -> tuple[Array, Arr
     return mean.reshape(shape), None if err is None else err.reshape(shape)
 
 
-def _num_probes(call: Call, opts: _Options, randomness: Any) -> int:
+def _num_probes(call: Call, opts: Options, randomness: Any) -> int:
     return probe_count(call, opts.num_probes, randomness)
 
 
-def _sampled(call: Call, opts: _Options, randomness: Any, exact_directions: int) -> int | None:
+def sampled(call: Call, opts: Options, randomness: Any, exact_directions: int) -> int | None:
     """Hutchinson's probes per sample, ``None`` where a budget of ``exact_directions`` or
     more pays for the exact sum (no error), as the divergence's: the budget is the caller's
     probes' count when ``num_probes`` is not given."""
@@ -270,10 +270,10 @@ def _sampled(call: Call, opts: _Options, randomness: Any, exact_directions: int)
     return None if k >= exact_directions else k
 
 
-def _coordinates(call: Call, randomness: Any, k: int) -> Array:
+def coordinates(call: Call, randomness: Any, k: int) -> Array:
     """``k`` distinct random unit directions per sample, ``[k, B, *in]`` (STDE's jets)."""
     backend, B, n = call.backend, call.batch_size, call.n_in
-    if _is_probes(backend, randomness):
+    if is_probes(backend, randomness):
         raise NumProbesError(
             f"{call.spec.fname}: method='stde' samples coordinates itself; pass a source of "
             f"randomness ({backend.randomness_example}) rather than probes."
@@ -284,7 +284,7 @@ def _coordinates(call: Call, randomness: Any, k: int) -> Array:
     return backend.moveaxis(unit, 1, 0).reshape(k, B, *call.in_sample)
 
 
-def _checked_stderr_budget(call: Call, k: int, least: int = 2) -> None:
+def checked_stderr_budget(call: Call, k: int, least: int = 2) -> None:
     if k < least:
         raise NumProbesError(
             f"{call.spec.fname}: return_stderr=True needs at least {least} probes below n "
@@ -292,7 +292,7 @@ def _checked_stderr_budget(call: Call, k: int, least: int = 2) -> None:
         )
 
 
-def _check_options(opts: _Options, coupling: Coupling, methods: Any, fname: str) -> None:
+def check_options(opts: Options, coupling: Coupling, methods: Any, fname: str) -> None:
     check_option("method", opts.method, methods, fname=fname)
     check_option("distribution", opts.distribution, Distribution, fname=fname)
     check_option("coupling", coupling, Coupling, fname=fname)

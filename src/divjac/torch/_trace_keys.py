@@ -29,25 +29,25 @@ from .._core import detection
 from .._core.user_state import code_names, library_module
 from .._errors import UnsupportedOperationError
 from ._checks import (
-    _ATOMS,
-    _CLASS,
-    _DICT,
-    _EMPTY,
-    _FUNCTION,
-    _LIST,
-    _MAX_ITEMS,
-    _META,
-    _MODULE,
-    _MODULE_DICTS,
-    _OBJECT,
-    _REF,
-    _SAME,
-    _TENSOR,
-    _TUPLE,
-    _VALUE,
+    ATOMS,
+    CLASS,
+    DICT,
+    EMPTY,
+    FUNCTION,
+    LIST,
+    MAX_ITEMS,
+    META,
+    MODULE,
+    MODULE_DICTS,
+    OBJECT,
+    REF,
+    SAME,
+    TENSOR,
+    TUPLE,
+    VALUE,
     Checks,
-    _full,
     _version,
+    full,
 )
 from ._compat import dict_version
 
@@ -173,7 +173,7 @@ def reach(fun: Callable[..., Any], static: Sequence[Any], *, record: bool = Fals
     Followed from ``fun`` (a function, bound method, ``functools.partial``, module or callable
     object) and the arguments: closure cells, defaults, the globals its code names, ``self``,
     attributes of objects (the scalar ones when the code walked names them), the functions of
-    their classes, lists, tuples and dicts (up to :data:`_MAX_ITEMS` items), to a depth of
+    their classes, lists, tuples and dicts (up to :data:`MAX_ITEMS` items), to a depth of
     :data:`_DEPTH`; modules with all their submodules, parameters, buffers and attributes.
     Library objects (torch, NumPy: optimizers, arrays) are not followed: they count by
     identity.
@@ -220,7 +220,7 @@ def _own_bases(cls: Any) -> tuple[type, ...]:
 
 
 def _atoms(values: tuple[Any, ...]) -> bool:
-    return len(values) <= _MAX_ITEMS and all(map(_ATOMS.__contains__, map(type, values)))
+    return len(values) <= MAX_ITEMS and all(map(ATOMS.__contains__, map(type, values)))
 
 
 class _Walk:
@@ -248,7 +248,7 @@ class _Walk:
     def visit(self, obj: Any, depth: int) -> None:
         sig = self.sig
         kind = type(obj)
-        if kind in _ATOMS or isinstance(obj, enum.Enum | np.generic):
+        if kind in ATOMS or isinstance(obj, enum.Enum | np.generic):
             sig.append(obj)
             return
         if isinstance(obj, torch.Tensor):
@@ -284,9 +284,7 @@ class _Walk:
         log = False
         if isinstance(obj, list):
             log = len(self.lists) in self.logs
-            self.lists.append(
-                None if log else tuple(v if type(v) in _ATOMS else id(v) for v in obj)
-            )
+            self.lists.append(None if log else tuple(v if type(v) in ATOMS else id(v) for v in obj))
         if self.record:
             self.check_object(obj, log=log)
         if isinstance(obj, list | tuple | dict):
@@ -323,7 +321,7 @@ class _Walk:
 
     def tensor(self, t: torch.Tensor, *, identity: bool) -> None:
         if self.record:
-            self.checks.append((_META, weakref.ref(t), t.shape, t.dtype, t.device))
+            self.checks.append((META, weakref.ref(t), t.shape, t.dtype, t.device))
         self.again(id(t), plain=not identity)
         self.tensors[id(t)] = t
         self.ids.append(id(t))
@@ -348,13 +346,13 @@ class _Walk:
         if log:
             # A log the function appends to: only the objects in it count, not its numbers
             # and strings, nor its length.
-            if len(obj) <= _MAX_ITEMS:
+            if len(obj) <= MAX_ITEMS:
                 for value in obj:
-                    if type(value) not in _ATOMS:
+                    if type(value) not in ATOMS:
                         self.visit(value, depth - 1)
             return
         self.sig.append(_Tag(len(obj)))
-        if len(obj) > _MAX_ITEMS:
+        if len(obj) > MAX_ITEMS:
             return
         if isinstance(obj, dict):
             for key, value in obj.items():
@@ -409,7 +407,7 @@ class _Walk:
                     value = value.fget
                 if isinstance(value, types.FunctionType):
                     self.visit(value, depth - 1)
-                elif type(value) in _ATOMS and not name.startswith("__"):
+                elif type(value) in ATOMS and not name.startswith("__"):
                     self.sig.append(name)
                     self.sig.append(value)
 
@@ -429,7 +427,7 @@ class _Walk:
                 continue
             sig.append(name)
             kind = type(value)
-            if kind in _ATOMS or (kind is tuple and _atoms(value)):
+            if kind in ATOMS or (kind is tuple and _atoms(value)):
                 sig.append(value)  # most attributes (sizes, flags): no call of visit
             else:
                 self.visit(value, depth - 1)
@@ -446,7 +444,7 @@ class _Walk:
                     self.identified.append(t)
                     sig.extend((name, t.shape, t.dtype, t.device, key))
                     if self.record:
-                        self.checks.append((_META, weakref.ref(t), t.shape, t.dtype, t.device))
+                        self.checks.append((META, weakref.ref(t), t.shape, t.dtype, t.device))
         cls: Any = type(m)
         if _own_bases(cls):
             self.klass(cls, depth)
@@ -457,7 +455,7 @@ class _Walk:
     def plain_object(self, obj: Any, depth: int) -> None:
         self.objects.append((obj, depth))
         for name, value in vars(obj).items():
-            if type(value) not in _ATOMS:
+            if type(value) not in ATOMS:
                 self.sig.append(name)
                 self.visit(value, depth - 1)
 
@@ -469,51 +467,51 @@ class _Walk:
         shape, dtype and device (the same one if it is an integer or boolean tensor), or the
         same object."""
         kind = type(value)
-        if kind in _ATOMS or isinstance(value, enum.Enum | np.generic):
-            return (_VALUE, kind, value)
+        if kind in ATOMS or isinstance(value, enum.Enum | np.generic):
+            return (VALUE, kind, value)
         if isinstance(value, torch.Tensor):
             floating = value.is_floating_point() or value.is_complex()
             meta = (value.shape, value.dtype, value.device)
-            return (_TENSOR, meta, None if floating else weakref.ref(value))
+            return (TENSOR, meta, None if floating else weakref.ref(value))
         if kind is tuple:
-            return (_TUPLE, tuple(map(self.slot, value)))
+            return (TUPLE, tuple(map(self.slot, value)))
         try:
-            return (_REF, weakref.ref(value))
+            return (REF, weakref.ref(value))
         except TypeError:  # a dict, a list: held (kept alive) by the check
-            return (_SAME, value, _version(value) if isinstance(value, dict) else None)
+            return (SAME, value, _version(value) if isinstance(value, dict) else None)
 
     def check_object(self, obj: Any, *, log: bool = False) -> None:
         """What tells that an object walked by :meth:`visit` (not a module, not a function)
         still holds what the walk read from it (of a ``log``, the objects in it)."""
         checks = self.checks
         if isinstance(obj, dict):
-            checks.append((_DICT, obj, _version(obj)))
+            checks.append((DICT, obj, _version(obj)))
         elif isinstance(obj, list):
-            short = len(obj) <= _MAX_ITEMS
-            items = tuple(None if log and type(v) in _ATOMS else self.slot(v) for v in obj)
-            checks.append((_LIST, obj, items if short else None))
+            short = len(obj) <= MAX_ITEMS
+            items = tuple(None if log and type(v) in ATOMS else self.slot(v) for v in obj)
+            checks.append((LIST, obj, items if short else None))
         elif isinstance(obj, functools.partial):
-            checks.append((_DICT, obj.keywords, _version(obj.keywords)))
+            checks.append((DICT, obj.keywords, _version(obj.keywords)))
         elif isinstance(obj, tuple | types.MethodType | types.FunctionType):
             pass  # immutable (functions are checked by check_function)
         elif hasattr(obj, "__dict__"):
             try:
-                checks.append((_OBJECT, weakref.ref(obj), type(obj), _version(vars(obj))))
+                checks.append((OBJECT, weakref.ref(obj), type(obj), _version(vars(obj))))
             except TypeError:
                 self.checkable = False
 
     def check_function(self, fn: types.FunctionType, names: tuple[str, ...]) -> None:
         scope = fn.__globals__
         cells = tuple(
-            self.slot(cell.cell_contents) if _full(cell) else (_EMPTY,)
+            self.slot(cell.cell_contents) if full(cell) else (EMPTY,)
             for cell in fn.__closure__ or ()
         )
         found = tuple(
-            (name, self.slot(scope[name]) if name in scope else (_EMPTY,)) for name in names
+            (name, self.slot(scope[name]) if name in scope else (EMPTY,)) for name in names
         )
         self.checks.append(
             (
-                _FUNCTION,
+                FUNCTION,
                 weakref.ref(fn),
                 fn.__code__,
                 cells,
@@ -526,17 +524,17 @@ class _Walk:
 
     def check_class(self, cls: type) -> None:
         attrs = vars(cls)  # held: a class holds its attributes anyway
-        self.checks.append((_CLASS, cls, tuple(attrs), tuple(attrs.values())))
+        self.checks.append((CLASS, cls, tuple(attrs), tuple(attrs.values())))
 
     def check_module(self, m: nn.Module) -> None:
         d = m.__dict__
         self.checks.append(
             (
-                _MODULE,
+                MODULE,
                 weakref.ref(m),
                 type(m),
                 _version(d),
-                *(_version(d[name]) for name in _MODULE_DICTS),
+                *(_version(d[name]) for name in MODULE_DICTS),
             )
         )
 
@@ -552,7 +550,7 @@ class _Walk:
                 break
         for obj, _ in self.objects:
             for name, value in vars(obj).items():
-                if type(value) in _ATOMS and name in self.names:
+                if type(value) in ATOMS and name in self.names:
                     self.sig.append(name)
                     self.sig.append(value)
         self.sig.append(torch.is_grad_enabled())

@@ -24,18 +24,18 @@ __all__: list[str] = []
 R = TypeVar("R")
 
 
-class _Ahead:
+class Ahead:
     """Whether a setup is being evaluated ahead of a compiler's trace (then not compiling)."""
 
     active = False
 
 
-def _compiling() -> bool:
+def compiling() -> bool:
     """Whether dynamo is tracing the call (not evaluating a setup ahead of it)."""
-    return torch.compiler.is_compiling() and not _Ahead.active
+    return torch.compiler.is_compiling() and not Ahead.active
 
 
-def _constant(fn: Callable[..., R], *args: Any) -> R:
+def constant(fn: Callable[..., R], *args: Any) -> R:
     """``fn(*args)`` evaluated when dynamo traces the call, once, as a constant.
 
     Dynamo passes the leaves of ``args`` one by one (tensors by their values in the example
@@ -58,7 +58,7 @@ def _constant(fn: Callable[..., R], *args: Any) -> R:
 def _evaluate(fn: Callable[..., Any], positions: tuple[Any, ...], *leaves: Any) -> Any:
     parts = pytree.tree_map(lambda i: leaves[i], positions)
     args = pytree.tree_map(_dataclass, parts, is_leaf=_is_fields)
-    _Ahead.active = True
+    Ahead.active = True
     try:
         # Outside dynamo's tracing context: a trace of the setup makes fake tensors of its own
         # (with dynamo's, found by make_fx, a parameter was a foreign real tensor: the fake
@@ -66,7 +66,7 @@ def _evaluate(fn: Callable[..., Any], positions: tuple[Any, ...], *leaves: Any) 
         with outside_compile_tracing():
             result = fn(*args)
     finally:
-        _Ahead.active = False
+        Ahead.active = False
 
     def keep(a: Any) -> Any:
         if a is None or type(a) in (bool, int, float, str, torch.dtype, torch.device):
@@ -136,7 +136,7 @@ _NEXT_SLOT = itertools.count()
 _TAKE = tuple(_taker(slot) for slot in range(len(_SLOTS)))
 
 
-def _prepared(
+def prepared(
     setup: Callable[..., R], spec: Any, args: tuple[Any, ...], kwargs: dict[str, Any], static: Any
 ) -> R:
     """``setup`` of the call of ``spec`` at ``args`` and ``kwargs``, prepared again."""
