@@ -24,7 +24,7 @@ import numpy as np
 
 from ._core.detection import Traced
 
-__all__ = ["Array", "Backend", "Finish", "Linear", "Point", "Seed", "TracedT"]
+__all__ = ["Array", "Backend", "Entries", "Finish", "Linear", "Point", "Seed", "TracedT"]
 
 Array: TypeAlias = Any
 """An array of the backend's framework."""
@@ -40,6 +40,63 @@ TracedT = TypeVar("TracedT", bound=Traced)
 """The traced program of a backend (a subclass of :class:`~divjac._core.detection.Traced`)."""
 
 R = TypeVar("R")
+
+
+class Entries:
+    """The nonzeros ``(rows, cols)`` of a sparse plan's per-sample pattern and, per nonzero,
+    the pass (``which``) and the element of the pass (``within``) holding it.
+
+    The plan keeps the pattern's CSR arrays and the coloring, four bytes a nonzero; the rows,
+    ``which`` and ``within`` follow from them. A backend that runs the plan in a compiled
+    program computes them there (JAX: a program that embedded them would hold and copy 12
+    bytes more a nonzero while lowering and compiling); the others read them here, made once
+    and kept with the plan (the same arrays at every call).
+
+    Args:
+        indptr: the CSR row pointers (``n_out + 1``).
+        cols: the columns, row-major, sorted within each row (``nnz``).
+        colors: the colour of each seeded element: of each column (JVPs) or, with ``reverse``,
+            of each row (VJPs); ``None``: every row its own pass (the diagonal blocks of a
+            coupled call, with ``reverse``).
+        reverse: passes are rows (VJPs): a nonzero is at its column of its row's pass;
+            otherwise at its row of its column's pass.
+    """
+
+    def __init__(
+        self, indptr: np.ndarray, cols: np.ndarray, colors: np.ndarray | None, *, reverse: bool
+    ) -> None:
+        self.indptr = indptr
+        self.cols = cols
+        self.colors = None if colors is None else colors.astype(cols.dtype, copy=False)
+        self.reverse = reverse
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.indptr) - 1
+
+    @property
+    def nnz(self) -> int:
+        return len(self.cols)
+
+    @functools.cached_property
+    def counts(self) -> np.ndarray:
+        """The nonzeros of each row."""
+        return np.diff(self.indptr).astype(self.cols.dtype, copy=False)
+
+    @functools.cached_property
+    def rows(self) -> np.ndarray:
+        return np.repeat(np.arange(self.n_rows, dtype=self.cols.dtype), self.counts)
+
+    @functools.cached_property
+    def which(self) -> np.ndarray:
+        """The pass holding each nonzero."""
+        seeded = self.rows if self.reverse else self.cols
+        return seeded if self.colors is None else self.colors[seeded]
+
+    @property
+    def within(self) -> np.ndarray:
+        """The element of its pass holding each nonzero."""
+        return self.cols if self.reverse else self.rows
 
 
 @dataclass(frozen=True)
@@ -395,15 +452,14 @@ class Backend(abc.ABC, Generic[TracedT]):
         """
 
     @abc.abstractmethod
-    def take_entries(self, compressed: Array, which: np.ndarray, within: np.ndarray) -> Array:
+    def take_entries(self, compressed: Array, entries: Entries) -> Array:
         """``compressed[which, :, within].T``: per sample (``(B, nnz)``), the entries of the
-        passes ``(k, B, m)`` at the given (unique) pairs of pass and element."""
+        passes ``(k, B, m)`` at the (unique) pairs of pass and element of ``entries``."""
 
     @abc.abstractmethod
-    def densify(
-        self, values: Array, rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int, int]
-    ) -> Array:
-        """The dense ``(B, n_out, n_in)`` array holding ``values`` (``(B, nnz)``) at ``rows, cols``."""
+    def densify(self, values: Array, entries: Entries, shape: tuple[int, int, int]) -> Array:
+        """The dense ``(B, n_out, n_in)`` array holding ``values`` (``(B, nnz)``) at the
+        nonzeros of ``entries``."""
 
     # --- randomness and sparse results --------------------------------------------------------
 
@@ -426,13 +482,12 @@ class Backend(abc.ABC, Generic[TracedT]):
     @abc.abstractmethod
     def sparse_matrix(
         self,
-        rows: np.ndarray,
-        cols: np.ndarray,
+        entries: Entries,
         values: Array,
         shape: tuple[int, int, int],
         *,
         single: bool,
         sparse_format: Any,
     ) -> Any:
-        """Per-sample ``values`` (``(B, nnz)``) at (row-major sorted) ``rows, cols`` as a sparse
-        matrix batch of ``shape`` (one matrix with ``single``)."""
+        """Per-sample ``values`` (``(B, nnz)``) at the (row-major sorted) nonzeros of
+        ``entries`` as a sparse matrix batch of ``shape`` (one matrix with ``single``)."""

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ._backend import Array, Backend, Seed
+from ._backend import Array, Backend, Entries, Seed
 from ._call import Call, Coupling, Mode, Spec, check_option, prepare
 from ._core import detection_gate, plan, timing
 from ._core.pattern import SparsityPattern
@@ -196,15 +196,14 @@ class _JacobianPlan:
         reverse: rows (VJPs) rather than columns (JVPs).
         seeds: the compressed passes of a batch-independent call; ``None``: the call couples
             samples (one pass per sample and element).
-        entries: rows, columns (row-major order) and, per nonzero, the pass and the element of
-            the pass holding it: a sparse plan's decompression; ``None``: dense passes. Kept
-            with the plan, the same arrays at every call (a backend keeps them on its device:
-            :meth:`~divjac._backend.Backend.on_device`).
+        entries: the nonzeros and the pass and element of the pass holding each: a sparse
+            plan's decompression; ``None``: dense passes. Kept with the plan, the same arrays
+            at every call.
     """
 
     reverse: bool
     seeds: Seeds | None
-    entries: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+    entries: Entries | None = None
 
 
 def jacobian_values(call: Call, mode: Mode, chunk_size: int | None) -> tuple[Array, Any]:
@@ -252,13 +251,10 @@ def _pattern_plan(
         return _JacobianPlan(the_plan.reverse, planned)
     if pattern is None or the_plan.colors is None:
         raise InternalError("a sparse plan without its pattern")
-    rows, cols = _nonzeros(pattern, narrow=call.backend.narrow_indices)
-    colors = the_plan.colors.astype(rows.dtype, copy=False)
-    if the_plan.reverse:
-        which, within = colors[rows], cols
-    else:
-        which, within = colors[cols], rows
-    return _JacobianPlan(the_plan.reverse, planned, (rows, cols, which, within))
+    entries = _nonzeros(
+        pattern, the_plan.colors, reverse=the_plan.reverse, narrow=call.backend.narrow_indices
+    )
+    return _JacobianPlan(the_plan.reverse, planned, entries)
 
 
 def _planned_jacobian(call: Call, planned: _JacobianPlan) -> tuple[Array, Any]:
@@ -269,21 +265,21 @@ def _planned_jacobian(call: Call, planned: _JacobianPlan) -> tuple[Array, Any]:
     passes, aux = compressed(call, planned.seeds)  # (k, B, n_other)
     if planned.entries is None:
         return backend.moveaxis(passes, 0, 1 if planned.reverse else 2), aux
-    rows, cols, which, within = planned.entries
-    values = backend.take_entries(passes, which, within)
+    values = backend.take_entries(passes, planned.entries)
     shape = (call.batch_size, call.n_out, call.n_in)
-    return backend.densify(values, rows, cols, shape), aux
+    return backend.densify(values, planned.entries, shape), aux
 
 
-def _nonzeros(pattern: SparsityPattern, *, narrow: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Rows and columns of the pattern's nonzeros, in row-major order, read off its CSR
-    (no sort, no copy of the columns where their dtype is kept); int32 where ``narrow`` and
-    they fit (half the memory of int64: 125 M nonzeros at a 1024x1024 blur), else int64."""
+def _nonzeros(
+    pattern: SparsityPattern, colors: np.ndarray | None, *, reverse: bool, narrow: bool
+) -> Entries:
+    """The pattern's nonzeros, read off its CSR (no sort, no copy of the columns where their
+    dtype is kept), passes coloured by ``colors``; int32 where ``narrow`` and they fit (half
+    the memory of int64: 125 M nonzeros at a 1024x1024 blur), else int64."""
     csr = pattern.csr if pattern.csr.has_sorted_indices else pattern.csr.sorted_indices()
     fits = narrow and max(csr.shape) < np.iinfo(np.int32).max
     dtype = np.int32 if fits else np.int64
-    rows = np.repeat(np.arange(csr.shape[0], dtype=dtype), np.diff(csr.indptr))
-    return rows, csr.indices.astype(dtype, copy=False)
+    return Entries(csr.indptr, csr.indices.astype(dtype, copy=False), colors, reverse=reverse)
 
 
 def _coupled_jacobian(call: Call, reverse: bool, chunk_size: int | None) -> tuple[Array, Any]:
@@ -383,8 +379,8 @@ def _sparse_plan(call: Call, chunk_size: int | None) -> _JacobianPlan:
         raise InternalError("a per-sample detection without its pattern")
     reverse = call.prefer_reverse(found, measure=True)
     if found.coupling is not None:
-        rows, cols = _nonzeros(found.pattern, narrow=call.backend.narrow_indices)
-        return _JacobianPlan(reverse, None, (rows, cols, rows, cols))
+        entries = _nonzeros(found.pattern, None, reverse=True, narrow=call.backend.narrow_indices)
+        return _JacobianPlan(reverse, None, entries)
     return _pattern_plan(call, found.pattern, "sparse", reverse, chunk_size)
 
 
@@ -412,16 +408,14 @@ def sparse_jacobian(
             planned = backend.ahead(_sparse_plan, call, chunk_size)
             if planned.entries is None:
                 raise InternalError("a sparse plan without its entries")
-            rows, cols, which, within = planned.entries
             if planned.seeds is None:  # coupling="exact": the detected entries of the blocks
                 blocks, aux = _coupled_jacobian(call, planned.reverse, chunk_size)
                 passes = backend.moveaxis(blocks, 0, 1)
             else:
                 passes, aux = compressed(call, planned.seeds)
-            values = backend.take_entries(passes, which, within)
+            values = backend.take_entries(passes, planned.entries)
             matrix = backend.sparse_matrix(
-                rows,
-                cols,
+                planned.entries,
                 values,
                 (call.batch_size, call.n_out, call.n_in),
                 single=call.spec.batch_axis is None,

@@ -5,6 +5,7 @@ those of the dense Jacobian."""
 
 from __future__ import annotations
 
+import re
 import tracemalloc
 
 import jax
@@ -41,6 +42,23 @@ def test_detecting_and_planning_a_blur_hold_a_few_times_its_pattern():
     # product, a lexsort and int64 copies of the rows, columns and pass of every nonzero).
     assert detection_peak < 6 * size
     assert plan_peak < 6 * size
+
+
+def integer_constant_bytes(program_text: str) -> int:
+    """Bytes of the integer array constants of a lowered program (printed in hex)."""
+    found = re.finditer(r'dense<"0x([0-9A-F]+)"> : tensor<[0-9x]+xi(32|64)>', program_text)
+    return sum(len(m.group(1)) // 2 for m in found)
+
+
+def test_the_compiled_sparse_jacobian_embeds_only_the_columns_of_its_nonzeros():
+    # JAX copies a program's constants two to three times while lowering and compiling it:
+    # the rows, the BCOO indices and the gather index are computed in the program from the
+    # rows' counts and the coloring, so that only the columns are a constant (4 bytes a
+    # nonzero; were 12: the indices' pairs and the flat gather index).
+    x, k = jnp.ones((64, 64)), jnp.ones((11, 11))
+    lowered = jax.jit(dj.sparse_jacobian(blur, batch_axis=None)).lower(x, k)
+    nnz = dj.sparsity(blur, batch_axis=None)(x, k).nnz
+    assert 4 * nnz <= integer_constant_bytes(lowered.as_text()) < 5 * nnz
 
 
 @pytest.mark.parametrize("shape", [(13, 9), (4, 17, 6)])

@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import sparse as jsparse
 
-from .._backend import Array, Backend, Finish, Linear, Point, Seed
+from .._backend import Array, Backend, Entries, Finish, Linear, Point, Seed
 from .._core import plan
 from .._errors import OptionError
 from . import _compat, _sharding, _sparse_taylor, _taylor
@@ -376,23 +376,24 @@ class JaxBackend(Backend[Traced]):
 
         return read
 
-    def take_entries(
-        self, compressed: jax.Array, which: np.ndarray, within: np.ndarray
-    ) -> jax.Array:
-        """One gather with constant flat indices ``which * m + within`` (one integer per entry,
-        int32 where it fits), in bounds and unique (no index normalization), from the passes laid
-        out ``(B, k * m)`` (a reshape, no copy, for one sample)."""
+    def take_entries(self, compressed: jax.Array, entries: Entries) -> jax.Array:
+        """One gather at flat indices ``which * m + within`` (int32 where it fits), in bounds
+        and unique (no index normalization), from the passes laid out ``(B, k * m)`` (a
+        reshape, no copy, for one sample). The indices are computed in the program from the
+        plan's columns, rows' counts and colouring (:func:`_nonzeros`)."""
         n_passes, batch, m = compressed.shape
-        flat = which.astype(_index_dtype((n_passes, m)))
-        flat *= m
-        flat += within
+        dtype = _index_dtype((n_passes, m))
+        rows, cols = _nonzeros(entries)
+        seeded, within = (rows, cols) if entries.reverse else (cols, rows)
+        which = seeded if entries.colors is None else _at(_unfolded(entries.colors), seeded)
+        flat = which.astype(dtype) * m + within.astype(dtype)
         per_sample = jnp.moveaxis(compressed, 1, 0).reshape(batch, n_passes * m)
         dnums = lax.GatherDimensionNumbers(
             offset_dims=(0,), collapsed_slice_dims=(1,), start_index_map=(1,)
         )
         return lax.gather(
             per_sample,
-            jnp.asarray(flat[:, None]),
+            flat[:, None],
             dnums,
             slice_sizes=(batch, 1),
             unique_indices=True,
@@ -400,7 +401,7 @@ class JaxBackend(Backend[Traced]):
         )
 
     def densify(
-        self, values: jax.Array, rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int, int]
+        self, values: jax.Array, entries: Entries, shape: tuple[int, int, int]
     ) -> jax.Array:
         """One scatter at the sorted, unique flat positions ``rows * n_in + cols``, sharded as
         ``values`` along the batch where its mesh axis is ``Explicit`` (JAX does not infer the
@@ -408,7 +409,9 @@ class JaxBackend(Backend[Traced]):
         batch, n_out, n_in = shape
         if values.shape[1] == 0:  # no nonzero (a piecewise constant function): no scatter
             return jnp.zeros(shape, values.dtype)
-        flat = (rows * n_in + cols).astype(_index_dtype((n_out * n_in,)))
+        dtype = _index_dtype((n_out * n_in,))
+        rows, cols = _nonzeros(entries)
+        flat = rows.astype(dtype) * n_in + cols.astype(dtype)
         zeros = jnp.zeros_like(values[:, :1])  # sharded like the batch of values
         dense = (
             jnp.broadcast_to(zeros, (batch, n_out * n_in))
@@ -455,23 +458,48 @@ class JaxBackend(Backend[Traced]):
 
     def sparse_matrix(
         self,
-        rows: np.ndarray,
-        cols: np.ndarray,
+        entries: Entries,
         values: jax.Array,
         shape: tuple[int, int, int],
         *,
         single: bool,
         sparse_format: Any,
     ) -> jsparse.BCOO:
-        """The indices are a constant, shared by the batch (a batch axis of size 1), flagged
-        sorted and unique so that no BCOO operation sorts or deduplicates them again."""
-        pairs = np.empty((len(rows), 2), _index_dtype(shape[1:]))
-        pairs[:, 0], pairs[:, 1] = rows, cols
-        indices = jnp.asarray(pairs)
+        """The indices, computed in the program (:func:`_nonzeros`), are shared by the batch
+        (a batch axis of size 1), flagged sorted and unique so that no BCOO operation sorts or
+        deduplicates them again."""
+        dtype = _index_dtype(shape[1:])
+        indices = jnp.stack([a.astype(dtype) for a in _nonzeros(entries)], axis=1)
         flags = {"indices_sorted": True, "unique_indices": True}
         if single:
             return jsparse.BCOO((values[0], indices), shape=shape[1:], **flags)
         return jsparse.BCOO((values, indices[None]), shape=shape, **flags)
+
+
+def _nonzeros(entries: Entries) -> tuple[jax.Array, jax.Array]:
+    """The rows and columns of the plan's nonzeros, made in the program: the rows from their
+    counts (``n_out`` integers), so that only the columns (4 bytes a nonzero) are a constant of
+    the program; JAX copies a program's constants two to three times over while lowering and
+    compiling it (1.5 GB of indices at a 1024x1024 blur). Behind an optimization barrier,
+    which XLA does not fold through: folded at compile time, they would be constants again
+    (and folding them takes minutes)."""
+    counts, cols = _unfolded(entries.counts), _unfolded(entries.cols)
+    rows = jnp.repeat(
+        jnp.arange(entries.n_rows, dtype=entries.cols.dtype),
+        counts,
+        total_repeat_length=entries.nnz,
+    )
+    return rows, cols
+
+
+def _unfolded(host: np.ndarray) -> jax.Array:
+    """``host`` as a value of the program that XLA does not fold (see :func:`_nonzeros`)."""
+    return lax.optimization_barrier(host)
+
+
+def _at(table: jax.Array, index: jax.Array) -> jax.Array:
+    """``table[index]`` for indices known to be in bounds (no clamping)."""
+    return table.at[index].get(mode="promise_in_bounds", unique_indices=False)
 
 
 def _index_dtype(shape: Sequence[int]) -> type[np.signedinteger[Any]]:

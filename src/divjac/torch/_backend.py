@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._backend import Backend, Linear, Point
+from .._backend import Backend, Entries, Linear, Point
 from .._core import settings
 from .._core.detection import LRU
 from .._errors import CompileError, FastPathWarning, OptionError, warn_at_caller
@@ -496,22 +496,17 @@ class TorchBackend(Backend[Traced]):
         """Masks the pushed tangent with the (indicator) tangent itself."""
         return _DiagonalSums(batch_size)
 
-    def take_entries(
-        self, compressed: torch.Tensor, which: np.ndarray, within: np.ndarray
-    ) -> torch.Tensor:
+    def take_entries(self, compressed: torch.Tensor, entries: Entries) -> torch.Tensor:
         device = compressed.device
-        return compressed[resident(which, device), :, resident(within, device)].T
+        which, within = resident(entries.which, device), resident(entries.within, device)
+        return compressed[which, :, within].T
 
     def densify(
-        self,
-        values: torch.Tensor,
-        rows: np.ndarray,
-        cols: np.ndarray,
-        shape: tuple[int, int, int],
+        self, values: torch.Tensor, entries: Entries, shape: tuple[int, int, int]
     ) -> torch.Tensor:
         B, n_out, n_in = shape
         device = values.device
-        flat = resident(rows, device) * n_in + resident(cols, device)
+        flat = resident(entries.rows, device) * n_in + resident(entries.cols, device)
         dense = values.new_zeros(B, n_out * n_in).index_copy(1, flat, values)
         return dense.reshape(B, n_out, n_in)
 
@@ -556,8 +551,7 @@ class TorchBackend(Backend[Traced]):
 
     def sparse_matrix(
         self,
-        rows: np.ndarray,
-        cols: np.ndarray,
+        entries: Entries,
         values: torch.Tensor,
         shape: tuple[int, int, int],
         *,
@@ -568,8 +562,8 @@ class TorchBackend(Backend[Traced]):
             for message in SPARSE_WARNINGS:
                 warnings.filterwarnings("ignore", message=message)
             if sparse_format == torch.sparse_csr:
-                return _csr(rows, cols, values, shape, single)
-            return _coo(rows, cols, values, shape, single)
+                return _csr(entries.rows, entries.cols, values, shape, single)
+            return _coo(entries.rows, entries.cols, values, shape, single)
 
 
 def _coo(
