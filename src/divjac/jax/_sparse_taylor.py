@@ -220,7 +220,7 @@ class _SparseSweep(Sweep):
     ``convolved`` the part of ``stored`` in products of a convolution's offsets."""
 
     def __init__(self, k: int) -> None:
-        super().__init__(None, False)
+        super().__init__(None, apart=False)
         self.k = k
         self.stored = 0
         self.dense = 0

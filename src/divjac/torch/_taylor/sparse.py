@@ -160,7 +160,7 @@ class _Laying(Sweep):
     """The sweep whose steps read their dependent operands' terms laid out on their index."""
 
     def __init__(self, layouts: _Layouts) -> None:
-        super().__init__(layouts.n, None, False)
+        super().__init__(layouts.n, None, per_direction=False)
         self.layouts = layouts
         self.laid: dict[torch.fx.Node, Jet] = {}
 
@@ -307,7 +307,7 @@ class _Indexing(Sweep):
     for the other steps); and the elements the gathers and scatters write (``moved``)."""
 
     def __init__(self, n: int, device: torch.device) -> None:
-        super().__init__(n, None, False)
+        super().__init__(n, None, per_direction=False)
         self.n = n
         self.device = device
         self.stored = 0
@@ -357,11 +357,13 @@ class _Indexing(Sweep):
                 core, _ = compressed(np.where(have < 0, self.n, have))
                 index = torch.as_tensor(core, device=self.device)
                 if isinstance(target, _SumTo):
-                    gathers[arg] = _Layout(index, True, target.axes, target.scale)
+                    gathers[arg] = _Layout(
+                        index, dense=True, summed=target.axes, scale=target.scale
+                    )
                     kept = [s for a, s in enumerate(shape) if a not in target.axes]
                     self.moved += have.shape[0] * math.prod(shape) + self.n * math.prod(kept)
                 else:
-                    gathers[arg] = _Layout(index, True)
+                    gathers[arg] = _Layout(index, dense=True)
                     self.moved += self.n * math.prod(shape)
                 continue
             have = _spread(have, target.shape[1:])
