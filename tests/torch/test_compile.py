@@ -386,6 +386,23 @@ def test_a_python_number_argument_changing_between_compiled_calls() -> None:
         torch.testing.assert_close(step(x, t), lap(x, t), rtol=1e-12, atol=1e-14)
 
 
+def test_batch_norm_in_eval_mode_compiles() -> None:
+    """A network with batch normalization in eval mode compiles (its running statistics are not
+    updated: nothing to keep still), equal to eager; switched to training mode it is refused,
+    naming training mode (it was refused in eval mode too, with advice to use eval mode)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 4))
+    net = net.double().eval()
+    x = _x()
+    jac = dj.jacobian(net)
+    compiled = torch.compile(lambda x: jac(x), fullgraph=True, backend="aot_eager")
+    want = torch.func.vmap(torch.func.jacrev(lambda s: net(s[None])[0]))(x)
+    torch.testing.assert_close(compiled(x), want)
+    net.train()
+    with pytest.raises(Exception, match=r"CompileError: .*batch normalization in training mode"):
+        compiled(x)
+
+
 def test_compile_is_refused_naming_the_release(monkeypatch) -> None:
     """On a torch whose dynamo cannot evaluate divjac's setup ahead of its trace (2.11), a
     compiled transform raises :class:`~divjac.CompileError` naming the release it needs (dynamo

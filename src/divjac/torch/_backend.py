@@ -172,7 +172,10 @@ def _check_compilable(traced: Traced) -> None:
     if traced.draws_random:
         what = "draws random numbers (dropout in training mode, randn)"
     elif traced.batch_norms:
-        what = "runs batch normalization (its running statistics are kept still in the passes)"
+        what = (
+            "runs batch normalization in training mode (its running statistics are kept still "
+            "in the passes)"
+        )
     elif traced.runs_rnn:
         what = (
             "runs a recurrent layer (nn.LSTM, nn.GRU, nn.RNN), whose passes switch oneDNN and "

@@ -54,7 +54,6 @@ from ._branches import (
     branch,
 )
 from ._compat import (
-    BatchNorm,
     aten_trace,
     compiled_inlined,
     fake_tensors,
@@ -80,6 +79,7 @@ from ._side_effects import (
     plain_kernels,
     quiet_batch_norm,
     quiet_fake_tensors,
+    updates_running_stats,
 )
 from ._trace_keys import (
     Checks,
@@ -286,7 +286,7 @@ def trace(
         identified=tuple(weakref.ref(obj) for obj in reached.identified),
         unreached=tuple((weakref.ref(m), module_signature(m)) for m in unreached.values()),
         batch_norms=tuple(
-            weakref.ref(m) for m in {id(m): m for m in ran}.values() if isinstance(m, BatchNorm)
+            weakref.ref(m) for m in {id(m): m for m in ran}.values() if updates_running_stats(m)
         ),
         captured=tuple(weakref.ref(t) for t in captured),
         dropped=dropped,

@@ -24,7 +24,8 @@ __all__ = [
 ]
 
 
-def _updates_running_stats(m: nn.Module) -> bool:
+def updates_running_stats(m: nn.Module) -> bool:
+    """Whether ``m`` is a batch normalization that updates its running statistics when run."""
     return isinstance(m, BatchNorm) and m.training and m.track_running_stats
 
 
@@ -45,7 +46,7 @@ def quiet_batch_norm(
     changed: list[BatchNorm] = []
 
     def quiet(m: nn.Module) -> None:
-        if isinstance(m, BatchNorm) and _updates_running_stats(m):
+        if isinstance(m, BatchNorm) and updates_running_stats(m):
             m.track_running_stats = False
             changed.append(m)
 

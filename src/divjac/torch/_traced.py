@@ -70,8 +70,8 @@ class Traced(detection.Traced):
         identified: weak references to the objects the cache key identifies by ``id``.
         unreached: modules the trace ran that :func:`~divjac.torch._trace_keys.reach` did not
             find, with the signature of their state then.
-        batch_norms: the batch normalization modules the trace ran (their running statistics
-            are kept still during passes).
+        batch_norms: the batch normalization modules the trace ran that update their running
+            statistics (training mode): kept still during passes.
         captured: the floating-point tensors the graph captured (parameters, buffers), weakly.
         reads: a copy of every ``versioned`` constant a detection read, as it read it
             (``None``: it read two different values, the trace never holds again).
