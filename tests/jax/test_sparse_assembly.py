@@ -4,11 +4,14 @@ asdex and sparsejac, single (``batch_axis=None``) and batched."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.scipy.signal import convolve2d
 
 from divjac.jax import _backend, jacobian, sparse_jacobian
 
@@ -156,3 +159,19 @@ def test_the_compiled_jacobian_of_a_linear_function_is_a_constant(rng):
     text = compiled.as_text()
     entry = text[text.index("ENTRY") :]
     assert "parameter(" not in entry
+
+
+def test_a_batched_blur_convolves_one_samples_seeds_not_a_copy_per_sample(rng):
+    # The seeds, the same in every sample, reach convolve2d's convolution through reshapes to
+    # and from a batch of one image: the convolution runs on one sample's seeds (25 colours of
+    # a 5x5 kernel), its result broadcast over the batch, not on a copy per sample (4 x 25).
+    kernel = jnp.asarray(rng.uniform(size=(5, 5)))
+    blurs = jax.vmap(lambda img, k: convolve2d(img, k, mode="same"), in_axes=(0, None))
+    x = jnp.asarray(rng.normal(size=(4, 16, 16)))
+    fn = sparse_jacobian(blurs)
+    text = jax.jit(fn).lower(x, kernel).as_text()
+    batches = [int(n) for n in re.findall(r"stablehlo\.convolution\(.*: \(tensor<(\d+)x", text)]
+    assert batches and max(batches) == 25
+    dense = jax.vmap(jax.jacfwd(lambda img: blurs(img[None], kernel)[0].reshape(-1)))(x)
+    got = fn(x, kernel).todense()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(dense.reshape(4, 256, 256)), atol=1e-12)

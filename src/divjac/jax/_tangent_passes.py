@@ -15,9 +15,9 @@ act on a batch-constant array, so computing them on the broadcast array repeats 
 ``B`` times; XLA does not sink the broadcast through a dot or a convolution. Hand-written
 ``vmap(jacfwd(f))`` does not pay this: its basis is unbatched. With ``shared``, a value may be a
 :class:`Bcast` (a base and the axes broadcast over), and dot products, convolutions,
-element-wise operations, transposes, slices, concatenations and sums are computed on the base. A value
-is materialized (broadcast for real) only where an operation needs it, typically the first
-product with a batch-dependent residual.
+element-wise operations, transposes, slices, concatenations, sums and reshapes that add or
+drop axes of size 1 are computed on the base. A value is materialized (broadcast for real) only
+where an operation needs it, typically the first product with a batch-dependent residual.
 
 Inside ``shard_map`` the pushed tangents are cast to vary over the mesh axes the input varies
 over (as ``jax.linearize`` requires of them).
@@ -286,6 +286,8 @@ def _eqn(eqn: Any, ins: list[Any]) -> list[Any] | None:
         return [x.derive(lift(lambda b: jnp.transpose(b, base_perm), x.base), out_shape, new)]
     if name == "slice":
         return _slice(p, ins[0], out_shape)
+    if name == "squeeze" or (name == "reshape" and p.get("dimensions") is None and len(ins) == 1):
+        return _reshape(ins[0], out_shape)
     if name == "reduce_sum":
         (x,) = ins
         axes = tuple(p["axes"])
@@ -334,6 +336,20 @@ def _slice(p: dict[str, Any], x: Bcast, out_shape: tuple[int, ...]) -> list[Any]
         x.base,
     )
     return [x.derive(base, out_shape, x.new_axes)]
+
+
+def _reshape(x: Bcast, out_shape: tuple[int, ...]) -> list[Any] | None:
+    """A reshape that only adds or drops axes of size 1 (a ``squeeze``, the batch-of-one axes
+    around a convolution of ``jax.scipy.signal.convolve2d``) is one of the base: every other
+    axis stays broadcast or kept, the axes of size 1 it keeps are the base's."""
+    big_in = [a for a, n in enumerate(x.shape) if n != 1]
+    big_out = [a for a, n in enumerate(out_shape) if n != 1]
+    if [x.shape[a] for a in big_in] != [out_shape[a] for a in big_out]:
+        return None
+    new = tuple(o for i, o in zip(big_in, big_out, strict=True) if i in x.new_axes)
+    base_shape = tuple(n for a, n in enumerate(out_shape) if a not in new)
+    base = lift(lambda b: jnp.reshape(b, base_shape), x.base)
+    return [x.derive(base, out_shape, new)]
 
 
 def _broadcast_in_dim(eqn: Any, x: Any) -> list[Any] | None:
