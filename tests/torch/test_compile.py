@@ -500,10 +500,10 @@ def test_grad_divergence_of_a_scaled_input_compiles(mode: str) -> None:
 @pytest.mark.xfail(
     strict=True,
     raises=torch._dynamo.exc.TorchRuntimeError,
-    reason="issue 41, open: under torch.compile, dynamo runs multi_head_attention_forward (reached "
-    "through divjac's TorchFunctionModes) as one node on fake tensors inside jvp of jvp, where "
-    "a zero tangent is made with device='meta' ('Tensor device mismatch: cpu and meta'); "
-    "eager is right",
+    reason="issue 41, open: torch 2.13 and 2.14.1 fail to compile vmap over ONE direction of "
+    "jvp of jvp of nn.MultiheadAttention (a hand-written one too; 2+ directions compile): "
+    "dynamo runs multi_head_attention_forward as one node on fake tensors, where bmm's zero "
+    "tangent is made on device 'meta' ('Tensor device mismatch: cpu and meta'); eager is right",
 )
 def test_differential_operator_of_attention_compiles() -> None:
     """``differential_operator`` of an ``nn.MultiheadAttention`` block, compiled: equal to eager
