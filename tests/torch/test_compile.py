@@ -495,3 +495,26 @@ def test_grad_divergence_of_a_scaled_input_compiles(mode: str) -> None:
     net = _mlp()
     gd = dj.grad_divergence(lambda x: net(x * 1.1), mode=mode)
     _check_compiled(lambda x: (gd(x) ** 2).sum(), net)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=torch._dynamo.exc.TorchRuntimeError,
+    reason="issue 41, open: torch 2.13 and 2.14.1 fail to compile vmap over ONE direction of "
+    "jvp of jvp of nn.MultiheadAttention (a hand-written one too; 2+ directions compile): "
+    "dynamo runs multi_head_attention_forward as one node on fake tensors, where bmm's zero "
+    "tangent is made on device 'meta' ('Tensor device mismatch: cpu and meta'); eager is right",
+)
+def test_differential_operator_of_attention_compiles() -> None:
+    """``differential_operator`` of an ``nn.MultiheadAttention`` block, compiled: equal to eager
+    (the context matrix's compiled transformer case, smallest form)."""
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(4, 2, batch_first=True).eval()
+    op = dj.differential_operator(
+        lambda x: attn(x, x, x, need_weights=False)[0].sin().flatten(1).sum(1),
+        [(1.0, (0, 0))],
+        method="exact",
+    )
+    x = torch.randn(2, 3, 4)
+    compiled = torch.compile(lambda x: op(x), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), op(x))
