@@ -146,6 +146,14 @@ def weighted_laplacian(
         drop=("A", "factor", "coefficient"),
         is_factor=is_factor,
     )
+    return _with_coefficient(inner, coefficient)
+
+
+def _with_coefficient(inner: Callable[..., Any], coefficient: Any) -> Callable[..., Any]:
+    """``inner`` with the coefficient as its first call argument. A function of its own: a
+    closure in :func:`weighted_laplacian` would make its ``locals()`` (read by
+    :func:`~divjac._public.forward`) hold unbound cells, which dynamo cannot read when the
+    transform is built inside ``torch.compile``."""
 
     def weighted_fn(*args: Any, **kwargs: Any) -> Any:
         return inner(coefficient, *args, **kwargs)
