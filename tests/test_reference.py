@@ -55,3 +55,36 @@ def test_torch_partials_and_operator_are_the_hand_derived_ones() -> None:
         np.testing.assert_allclose(got, want, rtol=1e-12)
     got = torch_operator(u, (x,), _terms(lambda xb: xb[1]))
     np.testing.assert_allclose(got, _want_operator(X), rtol=1e-12)
+
+
+@pytest.mark.parametrize("norm", ["layer", "instance"])
+def test_torch_partials_of_normalizations_are_jax_ones(norm: str) -> None:
+    """Orders 2-4 through ``F.layer_norm`` and ``F.instance_norm``, whose torch kernels have
+    wrong higher derivatives (the reference composes them): equal to JAX's, where a
+    normalization is written out as means and variances."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import torch.nn.functional as F
+
+    x = np.random.default_rng(0).normal(size=(2, 2, 3))
+    w, b = np.array([0.7, -1.3, 0.4]), np.array([0.2, 0.1, -0.5])
+    alphas = [(0, 4), (0, 1, 4), (0, 0, 3, 5), (2, 2, 2, 2)]
+
+    def jax_u(z):
+        dims = (2,) if norm == "layer" else (1,)  # instance: over positions, per channel
+        y = (z - z.mean(dims, keepdims=True)) / jnp.sqrt(z.var(dims, keepdims=True) + 1e-5)
+        return jnp.sin(y * w + b).sum((1, 2))
+
+    def torch_u(z):
+        tw, tb = torch.as_tensor(w), torch.as_tensor(b)
+        if norm == "layer":
+            y = F.layer_norm(z, (3,), tw, tb)
+        else:
+            y = F.instance_norm(z.transpose(1, 2), weight=tw, bias=tb).transpose(1, 2)
+        return torch.sin(y).sum((1, 2))
+
+    want = jax_partials(jax_u, (jnp.asarray(x),), alphas)
+    got = torch_partials(torch_u, (torch.as_tensor(x),), alphas)
+    for g, w_ in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w_, rtol=1e-9, atol=1e-9)

@@ -23,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import divjac.torch as dj
 from divjac._core.estimators import estimate_trace, slq_log_abs_det
+from tests.reference import torch_composed_norms
 
 K = 6  # probes of the stochastic methods (a budget that Hutch++ and XTrace accept)
 SEED = 3  # of the generator a method that draws its own probes is given
@@ -85,9 +86,16 @@ def _nth(phi: Callable[[torch.Tensor], torch.Tensor], order: int) -> torch.Tenso
 
 @contextlib.contextmanager
 def reference_mode() -> Iterator[None]:
-    """Grad on (also inside ``inference_mode``), and the math form of attention: torch has no
-    double backward of the fused kernels (``_scaled_dot_product_flash_attention_for_cpu_backward``)."""
-    with torch.inference_mode(False), torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+    """Grad on (also inside ``inference_mode``), the math form of attention: torch has no
+    double backward of the fused kernels (``_scaled_dot_product_flash_attention_for_cpu_backward``),
+    and normalizations composed: torch's have wrong derivatives above the second
+    (:func:`~tests.reference.torch_composed_norms`)."""
+    with (
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        sdpa_kernel(SDPBackend.MATH),
+        torch_composed_norms(),
+    ):
         yield
 
 
