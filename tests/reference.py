@@ -14,8 +14,9 @@ def torch_composed_norms() -> Iterator[None]:
     """Layer and instance normalizations written out as means and variances, for the torch
     references of derivatives above the first: torch's kernels have wrong higher derivatives
     (torch 2.13 and 2.14.1: ``F.layer_norm``'s third and fourth, forward and reverse, off by
-    1-30 %; ``F.instance_norm``'s second forward derivative), which finite differences of the
-    reference's own Hessian show. Their values are unchanged."""
+    1-30 %, pytorch/pytorch#175754 and #196700; ``F.instance_norm``'s second forward
+    derivative, through training-mode batch normalization, #186256 and #196699), which finite
+    differences of the reference's own Hessian show. Their values are unchanged."""
     import torch
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
