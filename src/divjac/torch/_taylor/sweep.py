@@ -54,6 +54,7 @@ from ..._backend import Point
 from ..._errors import InternalError
 from .._aten import inexact
 from .._compat import pytree
+from .._compile_setup import compiling
 from .._detect import reach, trace
 from .._kernels import ComposedNorms, PlainLayouts
 from .._passes import Generators
@@ -173,8 +174,18 @@ def reference_sweep(
         (y, d1), (_, d2) = cast(Any, jvp(first, (x,), (vk,)))
         return y, d1, d2
 
-    with sdpa_kernel(SDPBackend.MATH), NoFastPaths(), ComposedNorms(forward=True), PlainLayouts():
-        if not same_randomness:
+    with (
+        sdpa_kernel(SDPBackend.MATH),
+        NoFastPaths(),
+        ComposedNorms(layer_and_instance=True),
+        PlainLayouts(),
+    ):
+        if v.shape[0] == 1 and compiling():
+            # dynamo fails to compile vmap over one direction of jvp of jvp through
+            # nn.MultiheadAttention (torch 2.13, 2.14.1: "Tensor device mismatch", cpu and meta;
+            # two directions compile): one direction runs unbatched.
+            ys, d1, d2 = (term[None] for term in jet(v[0]))
+        elif not same_randomness:
             ys, d1, d2 = vmap(jet, randomness="error")(v)
         else:
             start = Generators(x.device)
