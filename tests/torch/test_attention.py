@@ -21,7 +21,7 @@ import divjac.torch as dt
 from divjac import BatchCouplingError, FastPathWarning
 from divjac._core import estimators as est
 
-from ..reference import torch_diagonal_blocks
+from ..reference import torch_composed_norms, torch_diagonal_blocks
 
 B, L, D, HEADS = 2, 4, 6, 2
 
@@ -214,6 +214,64 @@ def test_gradients_through_forward_passes_of_a_normalization_equal_brute_force(n
     xg = x.clone().requires_grad_()
     (want,) = torch.autograd.grad(_per_sample_divergences(f, 0, xg).sum(), xg)
     np.testing.assert_allclose(got.detach().numpy(), want.numpy(), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "instance_norm"])
+@pytest.mark.parametrize("transform", ["hessian", "grad_divergence", "divergence_then_grad"])
+def test_third_derivatives_through_reverse_passes_of_a_normalization(norm, transform):
+    """The parameter gradients of a Hessian, of ``grad_divergence`` and of a divergence's own
+    input gradient: third derivatives, which torch's layer and instance normalization kernels
+    get wrong through their backward (pytorch/pytorch#175754, #186256): reverse passes that
+    may be differentiated compose them. Against brute force with composed normalizations."""
+    rng = np.random.default_rng(0)
+    w = torch.as_tensor(rng.normal(size=(4, 3))).requires_grad_()
+    if norm == "layer_norm":
+        layer = nn.LayerNorm((3,)).double()
+    else:
+        layer = nn.InstanceNorm1d(4, affine=True).double()
+    params = [w, *layer.parameters()]
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.as_tensor(rng.normal(size=p.shape)) / 3)
+
+    def f(x):
+        return torch.tanh(layer(x * w)) * x
+
+    def u(x):
+        return torch.sin(f(x)).flatten(1).sum(1)
+
+    x = torch.as_tensor(rng.normal(size=(B, 4, 3)))
+
+    def brute(xs):
+        if transform == "hessian":
+            hessian = torch.autograd.functional.hessian
+            one = lambda b: hessian(lambda z: u(_with(xs, b, z))[b], xs[b], create_graph=True)  # noqa: E731
+            return torch.stack([one(b) for b in range(B)])
+        xg = xs.clone().requires_grad_()
+        (g,) = torch.autograd.grad(_per_sample_divergences(f, 0, xg).sum(), xg, create_graph=True)
+        return g
+
+    def divjac(xs):
+        if transform == "hessian":
+            return dt.hessian(u)(xs)
+        if transform == "grad_divergence":
+            return dt.grad_divergence(f, mode="rev")(xs)
+        xg = xs.clone().requires_grad_()
+        (g,) = torch.autograd.grad(dt.divergence(f, mode="rev")(xg).sum(), xg, create_graph=True)
+        return g
+
+    got = divjac(x)
+    with torch_composed_norms():
+        want = brute(x)
+    np.testing.assert_allclose(got.detach().numpy(), want.detach().numpy(), rtol=1e-9, atol=1e-11)
+    got_grads = torch.autograd.grad((got**2).sum(), params)
+    want_grads = torch.autograd.grad((want**2).sum(), params)
+    for g, wg in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g.numpy(), wg.numpy(), rtol=1e-9, atol=1e-10)
+
+
+def _with(xs, b, xb):
+    return torch.cat([xs[:b], xb[None], xs[b + 1 :]])
 
 
 def test_without_grad_the_fused_kernels_are_not_differentiated(model):

@@ -32,11 +32,14 @@ def differentiable_kernels(
     math form (the fused CPU and CUDA kernels have no forward derivative, nor batching rules
     for their gradients) and without the fast paths of :class:`NoFastPaths`, recurrent layers
     without oneDNN and cuDNN (whose kernels have no forward derivative), the normalizations of
-    :class:`ComposedNorms`, the memory formats of :class:`PlainLayouts`, and the strided
-    scatters of :class:`_ComposedScatters`. Only where the
+    :class:`ComposedNorms` (layer and instance normalizations in forward passes, and in
+    reverse passes under grad mode, whose results may be differentiated twice more), the
+    memory formats of :class:`PlainLayouts`, and the strided scatters of
+    :class:`_ComposedScatters`. Only where the
     graph has them (entering the contexts is not free). Separate contexts, entered in one ``with``
     statement (dynamo traces those, not an ``ExitStack``)."""
-    norms = traced.norms if forward else traced.norms & {"strided_group"}
+    composed = forward or torch.is_grad_enabled()
+    norms = traced.norms if composed else traced.norms & {"strided_group"}
     special = traced.attends or traced.runs_rnn or norms or traced.lays_out
     if not (special or traced.scatters_strided or compiling()):
         return _PLAIN  # (most graphs: no context to make per call)
@@ -46,7 +49,7 @@ def differentiable_kernels(
         sdpa_kernel(SDPBackend.MATH) if traced.attends else contextlib.nullcontext(),
         NoFastPaths() if traced.attends else contextlib.nullcontext(),
         plain_kernels(cudnn=True) if traced.runs_rnn else contextlib.nullcontext(),
-        ComposedNorms(forward) if norms else contextlib.nullcontext(),
+        ComposedNorms(layer_and_instance=composed) if norms else contextlib.nullcontext(),
         PlainLayouts() if traced.lays_out else contextlib.nullcontext(),
         _ComposedScatters() if traced.scatters_strided else contextlib.nullcontext(),
     )
@@ -127,15 +130,16 @@ class ComposedNorms(TorchFunctionMode):
       block, in a diffusers ``UNet2DModel``) on a contiguous copy: torch's forward derivative
       of ``native_group_norm`` views its input and fails, and its backward under ``vmap`` asks
       for the input's memory format, which ``vmap`` cannot tell;
-    - in ``forward`` passes, layer and instance normalizations composed of means and
-      variances: the gradient of the forward derivative of their kernels is wrong (it treats
-      the saved statistics as constants), so ``grad_divergence`` and a loss on a divergence
-      would get wrong gradients.
+    - with ``layer_and_instance``, layer and instance normalizations composed of means and
+      variances: the gradient of the forward derivative of their kernels is wrong, and so is
+      the derivative of their double backward, a third derivative (the kernels treat the
+      saved statistics as constants, pytorch/pytorch#175754, #186256), so ``grad_divergence``
+      and a loss on a divergence or a Hessian would get wrong gradients.
     """
 
-    def __init__(self, forward: bool) -> None:
+    def __init__(self, layer_and_instance: bool) -> None:
         super().__init__()
-        self._forward = forward
+        self._layer_and_instance = layer_and_instance
 
     def __torch_function__(
         self,
@@ -147,11 +151,13 @@ class ComposedNorms(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _GROUP_NORMS and not args[0].is_contiguous():
             return func(args[0].contiguous(), *args[1:], **kwargs)
-        if self._forward and func in _LAYER_NORMS:
+        if self._layer_and_instance and func in _LAYER_NORMS:
             return _layer_norm(*args, **kwargs)
-        if self._forward and func is torch.native_layer_norm:  # the kernel called directly
+        if (
+            self._layer_and_instance and func is torch.native_layer_norm
+        ):  # the kernel called directly
             return composed_norm(torch.ops.aten.native_layer_norm.default)(*args, **kwargs)  # type: ignore[misc]
-        if self._forward and func is F.instance_norm:
+        if self._layer_and_instance and func is F.instance_norm:
             composed = _instance_norm(*args, **kwargs)
             if composed is not None:
                 return composed
