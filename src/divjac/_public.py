@@ -15,7 +15,6 @@ hooks, called by :func:`forward` for every transform alike.
 from __future__ import annotations
 
 import abc
-import functools
 import inspect
 import typing
 from collections.abc import Callable
@@ -160,10 +159,17 @@ def forward(
     return api.transform(make, f, *positional, skip=skip, cached=cached, **options)
 
 
-@functools.cache
 def _parameters(make: Callable[..., Any]) -> tuple[dict[str, None], frozenset[str]]:
     """The positional parameters of a neutral transform after its backend and function (in
-    order), and its keyword-only ones."""
-    parameters = list(inspect.signature(make).parameters.values())[2:]
-    positional = {p.name: None for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD}
-    return positional, frozenset(p.name for p in parameters if p.kind is p.KEYWORD_ONLY)
+    order), and its keyword-only ones. Kept in a plain dictionary, not a ``functools`` cache:
+    ``torch.compile`` warns on a cache-wrapped call (a transform made in a compiled step)."""
+    known = _PARAMETERS.get(make)
+    if known is None:
+        parameters = list(inspect.signature(make).parameters.values())[2:]
+        positional = {p.name: None for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD}
+        keyword = frozenset(p.name for p in parameters if p.kind is p.KEYWORD_ONLY)
+        known = _PARAMETERS[make] = (positional, keyword)
+    return known
+
+
+_PARAMETERS: dict[Callable[..., Any], tuple[dict[str, None], frozenset[str]]] = {}
