@@ -18,7 +18,7 @@ import divjac.jax as dj
 from divjac._core import plan
 from divjac._core.coloring import _box, _graph, _jacobian
 from divjac._core.rules import _deps, _op
-from divjac.jax import _trace_reuse
+from divjac.jax import _backend, _trace_reuse
 
 jax.config.update("jax_enable_x64", True)
 
@@ -50,6 +50,7 @@ CAPS: list[tuple[ModuleType, str, int]] = [
     (_deps, "_GATHER_CHUNK", 1),  # rows gathered one at a time
     (_trace_reuse, "_LIMIT", 0),  # no trace reused: traced again every call
     (plan, "_HOST_MIN_CHUNK", 1),
+    (_backend, "SEED_MATRIX_ELEMENTS", 0),  # seeds computed from the pass index
 ]
 
 
