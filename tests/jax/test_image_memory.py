@@ -101,3 +101,17 @@ def test_the_compiled_sparse_jacobian_holds_no_temporary_the_size_of_the_nonzero
     compiled = jax.jit(dj.sparse_jacobian(blur, batch_axis=None)).lower(x, k).compile()
     passes = 121 * x.size * 4
     assert compiled.memory_analysis().temp_size_in_bytes <= 2.1 * passes
+
+
+def test_a_pattern_past_the_narrow_codes_gives_its_nonzeros():
+    # Blocks of 64 nonzeros spanning 32,000 rows (two bytes a row code) and offsets from the
+    # row past +-32767 (the columns themselves).
+    n, gap = 1000, 500
+
+    def spread(x):
+        return jnp.zeros((n, gap), x.dtype).at[:, 0].set(x[::-1] * 2.0).reshape(-1)
+
+    got = jax.jit(dj.sparse_jacobian(spread, batch_axis=None))(jnp.ones(n))
+    want_rows, want_cols = np.arange(n) * gap, n - 1 - np.arange(n)
+    np.testing.assert_array_equal(got.indices, np.stack([want_rows, want_cols], axis=1))
+    np.testing.assert_array_equal(got.data, np.full(n, 2.0))

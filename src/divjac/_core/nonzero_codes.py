@@ -9,8 +9,9 @@ cumulative sum, two temporaries of ``nnz`` integers. :func:`encode` keeps instea
 
 - the row of every ``BLOCK``-th nonzero and, per nonzero, how many rows past its block's first
   it lies (one byte where a block spans fewer than 256 rows: 1 to 3 rows on a stencil);
-- per nonzero, its offset ``col - row`` (two bytes where every offset lies within +-32767: on
-  a 2-D stencil, up to the kernel's half-height times the image's width).
+- per nonzero, its offset ``col - row`` (one byte where every offset lies within +-127, two
+  within +-32767: on a 2-D stencil, up to the kernel's half-height times the image's width;
+  past that, the columns themselves).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ _CHUNK_ENTRIES = 1 << 22
 
 @dataclass(frozen=True)
 class Codes:
-    """The nonzero at ``p`` (of ``BLOCK * len(starts)``: the last block padded) is in row
-    ``starts[p // BLOCK] + rows[p]`` and column ``row + cols[p]``, or ``cols[p]`` where
-    ``offsets`` is false."""
+    """The nonzero at ``p`` is in row ``starts[p // BLOCK] + rows[p]`` and column
+    ``row + cols[p]``, or ``cols[p]`` where ``offsets`` is false (``rows`` and the offsets are
+    padded to whole blocks, the columns themselves are not)."""
 
     starts: np.ndarray
     rows: np.ndarray
@@ -69,7 +70,7 @@ def encode(indptr: np.ndarray, cols: np.ndarray) -> Codes:
         low, high = min(low, int(offsets.min())), max(high, int(offsets.max()))
     narrow = _narrowest(low, high, dtype)
     if narrow == dtype:
-        return Codes(starts, rows, np.append(cols, np.zeros(n_padded - nnz, dtype)), False)
+        return Codes(starts, rows, cols, False)
     codes = np.zeros(n_padded, narrow)
     for lo, hi, row in _chunks(indptr, dtype):
         codes[lo:hi] = cols[lo:hi] - row

@@ -479,7 +479,7 @@ class JaxBackend(Backend[Traced]):
 
 def _nonzeros(entries: Entries) -> tuple[jax.Array, jax.Array]:
     """The rows and columns of the plan's nonzeros, made in the program elementwise from
-    compact constants (:mod:`~divjac._core.nonzero_codes`: two bytes a nonzero on a stencil),
+    compact constants (:mod:`~divjac._core.nonzero_codes`: three bytes a nonzero on a stencil),
     which XLA fuses into their users, with no temporary the size of the nonzeros; JAX copies a
     program's constants two to three times over while lowering and compiling it. Behind an
     optimization barrier, which XLA does not fold through: folded at compile time, they would
