@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
 from divjac._core import coloring as col
-from divjac._core.coloring import _box, _jacobian
+from divjac._core.coloring import _box, _graph, _jacobian
 from divjac._core.pattern import SparsityPattern
 from divjac._errors import PatternError
 
@@ -154,7 +154,7 @@ def test_past_every_work_limit_the_coloring_is_not_trivial(
     # every work limit of the colorings set small (the old distance-2 limit included)
     monkeypatch.setattr(_jacobian, "MAX_CONFLICT_PAIRS", 10)
     monkeypatch.setattr(_jacobian, "MAX_DISTANCE2_WORK", 10, raising=False)
-    monkeypatch.setattr(col, "SMALLEST_LAST_MAX_EDGES", 1)
+    monkeypatch.setattr(_graph, "SMALLEST_LAST_MAX_EDGES", 1)  # read there, not in col
     for colors in (col.column_coloring(p), col.row_coloring(p)):
         assert n_colors(colors) == 25
         assert col.is_valid_column_coloring(p, colors)

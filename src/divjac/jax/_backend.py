@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -21,7 +22,7 @@ from jax import lax
 from jax.experimental import sparse as jsparse
 
 from .._backend import Array, Backend, Entries, Finish, Linear, Point, Seed
-from .._core import plan
+from .._core import nonzero_codes, plan
 from .._errors import OptionError
 from . import _compat, _sharding, _sparse_taylor, _taylor
 from ._detect import Traced, is_array, trace
@@ -477,19 +478,32 @@ class JaxBackend(Backend[Traced]):
 
 
 def _nonzeros(entries: Entries) -> tuple[jax.Array, jax.Array]:
-    """The rows and columns of the plan's nonzeros, made in the program: the rows from their
-    counts (``n_out`` integers), so that only the columns (4 bytes a nonzero) are a constant of
-    the program; JAX copies a program's constants two to three times over while lowering and
-    compiling it (1.5 GB of indices at a 1024x1024 blur). Behind an optimization barrier,
-    which XLA does not fold through: folded at compile time, they would be constants again
-    (and folding them takes minutes)."""
-    counts, cols = _unfolded(entries.counts), _unfolded(entries.cols)
-    rows = jnp.repeat(
-        jnp.arange(entries.n_rows, dtype=entries.cols.dtype),
-        counts,
-        total_repeat_length=entries.nnz,
-    )
-    return rows, cols
+    """The rows and columns of the plan's nonzeros, made in the program elementwise from
+    compact constants (:mod:`~divjac._core.nonzero_codes`: three bytes a nonzero on a stencil),
+    which XLA fuses into their users, with no temporary the size of the nonzeros; JAX copies a
+    program's constants two to three times over while lowering and compiling it. Behind an
+    optimization barrier, which XLA does not fold through: folded at compile time, they would
+    be constants again (and folding them takes minutes)."""
+    dtype = entries.cols.dtype
+    if entries.nnz == 0:
+        return jnp.zeros(0, dtype), jnp.zeros(0, dtype)
+    codes = _encoded(entries)
+    nnz, block = entries.nnz, nonzero_codes.BLOCK
+    starts = _unfolded(codes.starts)
+    first = jnp.broadcast_to(starts[:, None], (starts.size, block)).reshape(-1)
+    rows = (first + _unfolded(codes.rows).astype(dtype))[:nnz]
+    cols = _unfolded(codes.cols)[:nnz].astype(dtype)
+    return rows, rows + cols if codes.offsets else cols
+
+
+_ENCODED: weakref.WeakKeyDictionary[Entries, nonzero_codes.Codes] = weakref.WeakKeyDictionary()
+
+
+def _encoded(entries: Entries) -> nonzero_codes.Codes:
+    """The compact constants of :func:`_nonzeros`, made once per plan (kept with it)."""
+    if entries not in _ENCODED:
+        _ENCODED[entries] = nonzero_codes.encode(entries.indptr, entries.cols)
+    return _ENCODED[entries]
 
 
 def _unfolded(host: np.ndarray) -> jax.Array:

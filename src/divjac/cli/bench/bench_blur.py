@@ -7,8 +7,9 @@ both: closed over, the function is linear in a constant and XLA folds asdex's wh
 Jacobian into a constant at compile time (minutes of compiling, then a copy per call). Every
 size and tool runs in a fresh subprocess, one at a time, which reports its colors, its first
 call (detection, coloring and compilation), its best warm call and its peak resident memory
-(``ru_maxrss``); the ratios compare runs made one after the other on the same machine. Full sizes: 256x256
-and 512x512, and 1024x1024 with ``DIVJAC_BENCH_BLUR_1024=1`` (125 M nonzeros: minutes);
+(``ru_maxrss``; each call's result is released before the next call, so that one is alive at a
+time); the ratios compare runs made one after the other on the same machine. Full sizes:
+256x256 and 512x512, and 1024x1024 with ``DIVJAC_BENCH_BLUR_1024=1`` (125 M nonzeros: minutes);
 quick sizes: 64x64 and 128x128. Rows: warm time against asdex, first call against the warm
 call, peak memory against the result's own size, the growth of the warm time in pixels, and a
 batch ``[8, 128, 128]`` (one blur per image, per-sample Jacobians) against ``vmap`` of asdex.
@@ -73,6 +74,7 @@ jax.block_until_ready(out.data)
 first = time.perf_counter() - start
 warm = float("inf")
 for _ in range(repeat):
+    out = None  # the previous result, released: the peak is one call's
     start = time.perf_counter()
     out = call()
     jax.block_until_ready(out.data)
