@@ -518,3 +518,40 @@ def test_differential_operator_of_attention_compiles() -> None:
     x = torch.randn(2, 3, 4)
     compiled = torch.compile(lambda x: op(x), fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), op(x))
+
+
+def _second_order(net: nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    u = lambda x: net(x).sum(-1)  # noqa: E731
+    op = dj.differential_operator(u, [(1.0, (0, 0)), (1.0, (1, 1)), (0.5, (2,))])
+    return {
+        "laplacian": lambda x: dj.laplacian(u)(x).sum(),
+        "differential_operator": lambda x: op(x).sum(),
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "backend"),
+    [
+        ("laplacian", "aot_eager"),
+        ("differential_operator", "aot_eager"),
+        pytest.param("differential_operator", "inductor", marks=pytest.mark.slow),
+    ],
+)
+def test_second_order_terms_of_a_function_with_parameters_compile(name: str, backend: str) -> None:
+    """The second-order sweep (``laplacian``, ``differential_operator`` with a first-order
+    term) of a function multiplying by a 0-d parameter: the backward of forward-mode sweeps
+    failed in AOT autograd (torch 2.13, 'convert all Tensors to FakeTensors'; a hand-written
+    ``vmap(jvp(jvp(u)))`` too), and a JVP beside a reverse sweep crashed inductor. Values and
+    parameter gradients equal eager ones."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2), _Gain()).double()
+    loss = _second_order(net)[name]
+    x = _x()
+    expected = loss(x)
+    expected.backward()
+    want = _grads(net)
+    got = torch.compile(loss, fullgraph=True, backend=backend)(x)
+    got.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    for g, w in zip(_grads(net), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)

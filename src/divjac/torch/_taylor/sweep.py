@@ -78,7 +78,6 @@ def second_order_sweep(
     collapse: bool = True,
     traced: Traced | None = None,
     point: Point[Traced] | None = None,
-    nested: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``f(x)``, ``J v_k`` and ``v_k^T H v_k`` of a batch-first function.
 
@@ -95,15 +94,16 @@ def second_order_sweep(
             tensor argument bound (see :func:`_program`).
         point: the call whose batch-first function (without its aux) ``f`` is (see
             :func:`_program`).
-        nested: the sweep is one of a sweep of a sweep (``bilaplacian``, fourth-order terms):
-            under ``torch.compile`` both are then transposed VJPs. Four forward-mode levels
-            fail in dynamo's fake tensors wherever the function multiplies by a captured tensor
-            that requires grad (a parameter: torch 2.13 and 2.14.1, an internal assert in
-            ``_fw_primal``; a hand-written ``vmap(jvp(jvp(vmap(jvp(jvp(u))))))`` too), and an
-            outer forward sweep of an inner reverse one crashes inductor.
 
     Returns:
         ``(y, first, second)`` as in :func:`divjac.jax._taylor.second_order_sweep`.
+
+    Under ``torch.compile`` the sweep is a transposed VJP (so is a sweep of a sweep). Forward
+    mode fails there wherever the function multiplies by a captured tensor that requires grad
+    (a parameter), torch 2.13 and 2.14.1, hand-written ``torch.func`` code too: the backward of
+    ``vmap(jvp(jvp(u)))`` finds a real tensor among dynamo's fake ones (AOT autograd's
+    ``Please convert all Tensors to FakeTensors``), four levels an internal assert in
+    ``_fw_primal``; an outer forward sweep of an inner reverse one crashes inductor.
     """
     v = directions.to(x.dtype)
     program = _program(f, x, traced, point)
@@ -119,7 +119,7 @@ def second_order_sweep(
             weights=weights,
             collapse=collapse,
             same_randomness=random,
-            by_reverse=(nested and torch.compiler.is_compiling())
+            by_reverse=torch.compiler.is_compiling()
             or (known is not None and bool(known.forward_twice_wrong)),
         )
     # Weights per sample need the batch axis of every intermediate (views may merge it): the
