@@ -547,9 +547,9 @@ def _second_order(net: nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Te
 def test_second_order_terms_of_a_function_with_parameters_compile(name: str, backend: str) -> None:
     """The second-order sweep (``laplacian``, ``differential_operator`` with a first-order
     term) of a function multiplying by a 0-d parameter: the backward of forward-mode sweeps
-    failed in AOT autograd (torch 2.13, 'convert all Tensors to FakeTensors'; a hand-written
-    ``vmap(jvp(jvp(u)))`` too), and a JVP beside a reverse sweep crashed inductor. Values and
-    parameter gradients equal eager ones, also after an in-place update of the weights."""
+    failed in AOT autograd (torch 2.13 and 2.14.1, 'convert all Tensors to FakeTensors'; a
+    hand-written ``vmap(jvp(jvp(u)))`` too), and a JVP beside a reverse sweep crashed inductor.
+    Values and parameter gradients equal eager ones, also after an in-place update of the weights."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2), _Gain()).double()
     _check_compiled(_second_order(net)[name], net, backend=backend)
