@@ -31,8 +31,9 @@ floating-point tensors it captured (weights in a closure) are, at every call, th
 function reaches now at the place where the trace's call reached them (a closure made anew
 over new tensors of the same shapes runs on the new ones). The function is run as the
 generic reference (``jvp`` of ``jvp`` of the whole function, batched over the directions with
-``vmap``) where the graph cannot be run: under ``torch.compile``, when it draws random
-numbers, or when a tensor it captured is not found among those the function reaches.
+``vmap``; under ``torch.compile`` transposed VJPs) where the graph cannot be run: under
+``torch.compile``, when it draws random numbers, or when a tensor it captured is not found
+among those the function reaches.
 
 Weights per sample (``[K, B]``) keep the second-order terms per direction and weight them at
 the output (the batch axis of an intermediate is not known after views that merge it).
