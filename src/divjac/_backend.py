@@ -319,6 +319,11 @@ class Backend(abc.ABC, Generic[TracedT]):
         some, only rows (VJPs) can be pushed. Asked only of programs about to push columns."""
         return frozenset()
 
+    def first_order_by_sweep(self) -> bool:
+        """Whether an operator's first-order terms ``J v`` are the first-order terms of the
+        second-order sweep (:meth:`second_order_sweep`) rather than JVPs (:meth:`linearize`)."""
+        return False
+
     def refuse_compiled_sweep(self, point: Point[TracedT], fname: str) -> None:
         """Raise :class:`CompileError` where the second-order sweep at ``point``, about to be
         compiled, would crash the framework's compiler (known: torch 2.13 inductor's)."""
@@ -370,7 +375,6 @@ class Backend(abc.ABC, Generic[TracedT]):
         collapse: bool,
         traced: TracedT | None = None,
         point: Point[TracedT] | None = None,
-        nested: bool = False,
     ) -> tuple[Array, Array, Array]:
         """``(f(x), J v_k, v_k^T H v_k)`` of a batch-first per-sample ``f`` (the framework's
         ``_taylor.second_order_sweep``): directions ``[K, B, *in]`` or ``[K, 1, *in]``, weights
@@ -379,8 +383,7 @@ class Backend(abc.ABC, Generic[TracedT]):
         anew at each call, which the backend need not trace: ``point``, the call whose
         batch-first function (without its aux) ``f`` is, whose trace the backend may run with
         the call's other arguments; or ``traced``, the trace of such a call, with no other
-        argument bound (``f`` at ``x`` alone). ``nested``: the sweep is one of a sweep of a
-        sweep (fourth-order terms), the inner one or the outer one."""
+        argument bound (``f`` at ``x`` alone)."""
 
     def sparse_laplacian(
         self,

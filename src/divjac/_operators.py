@@ -195,12 +195,10 @@ def _powers(call: Call, order: int, directions: Array, chunk_size: int | None) -
     def power(v: Array) -> Array:
         def second(xb: Array) -> Array:
             return backend.second_order_sweep(
-                f, xb, v[None], weights=None, collapse=True, traced=traced, nested=True
+                f, xb, v[None], weights=None, collapse=True, traced=traced
             )[2]
 
-        swept = backend.second_order_sweep(
-            second, call.xb, v[None], weights=None, collapse=False, nested=True
-        )
+        swept = backend.second_order_sweep(second, call.xb, v[None], weights=None, collapse=False)
         return swept[order - 2][0]
 
     chunk = sweep_chunk(call, int(directions.shape[0]), chunk_size)
@@ -211,6 +209,11 @@ def _order_terms(call: Call, order: int, directions: Array, chunk_size: int | No
     """``(v_k . grad)^order u`` ``[K, B, *out]`` for the directions ``[K, B or 1, *in]``."""
     if order == 1:
         full = directions + call.backend.zeros_like(call.xb)[None]  # [K, B, *in]
+        if call.backend.first_order_by_sweep():
+            call.backend.refuse_compiled_sweep(call, call.spec.fname)
+            return call.backend.second_order_sweep(
+                _values(call), call.xb, full, weights=None, collapse=False, point=call
+            )[1]
         return _first(call, full)
     if order == 2:
         return _sweep(call, directions, None, collapse=False, chunk_size=chunk_size)

@@ -451,7 +451,7 @@ def _nested(
     # (jvp of jvp), 6x slower (tanh MLP 16-128-128-1, B = 128: 0.055 -> 0.29-0.34 s).
     def second(xb: Array) -> Array:
         return backend.second_order_sweep(
-            f, xb, inner, weights=weights, collapse=True, traced=traced, nested=True
+            f, xb, inner, weights=weights, collapse=True, traced=traced
         )[2]
 
     K = int(outer.shape[0])
@@ -463,7 +463,6 @@ def _nested(
             outer[i : i + chunk],
             weights=None if weights is None else weights[i : i + chunk],
             collapse=True,
-            nested=True,
         )[2]
         for i in range(0, K, chunk)
     ]

@@ -86,12 +86,14 @@ def _losses(net: nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]
     }
 
 
-def _check_compiled(loss: Callable[[torch.Tensor], torch.Tensor], net: nn.Module) -> None:
+def _check_compiled(
+    loss: Callable[[torch.Tensor], torch.Tensor], net: nn.Module, *, backend: str = "aot_eager"
+) -> None:
     x = _x()
     expected = loss(x)
     expected.sum().backward()
     want = _grads(net)
-    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(loss, fullgraph=True, backend=backend)
     got = compiled(x)
     got.sum().backward()
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
@@ -500,10 +502,10 @@ def test_grad_divergence_of_a_scaled_input_compiles(mode: str) -> None:
 
 def test_differential_operator_of_attention_compiles() -> None:
     """``differential_operator`` of an ``nn.MultiheadAttention`` block, compiled: equal to eager
-    (the context matrix's compiled transformer case, smallest form). Its one direction runs
-    unbatched: torch 2.13 and 2.14.1 fail to compile ``vmap`` over one direction of ``jvp`` of
-    ``jvp`` through attention (dynamo runs ``multi_head_attention_forward`` on fake tensors,
-    where bmm's zero tangent is made on device 'meta': "Tensor device mismatch")."""
+    (the context matrix's compiled transformer case, smallest form). Issue 41: forward mode,
+    ``vmap`` over ONE direction of ``jvp`` of ``jvp``, failed there (torch 2.13 and 2.14.1:
+    dynamo runs ``multi_head_attention_forward`` as one node on fake tensors, where ``bmm``'s
+    zero tangent is made on device 'meta'); the compiled sweep is a transposed VJP."""
     torch.manual_seed(0)
     attn = nn.MultiheadAttention(4, 2, batch_first=True).eval()
     op = dj.differential_operator(
@@ -536,3 +538,41 @@ _STEP_NET, _STEP_T = _mlp(), torch.tensor(0.5, dtype=torch.float64)
 
 def _step_making_a_transform(x: torch.Tensor) -> torch.Tensor:
     return dj.divergence(lambda z: _STEP_NET(z) * _STEP_T)(x)
+
+
+def _second_order(net: nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    u = lambda x: net(x).sum(-1)  # noqa: E731
+    op = dj.differential_operator(u, [(1.0, (0, 0)), (1.0, (1, 1)), (0.5, (2,))])
+    return {
+        "laplacian": lambda x: dj.laplacian(u)(x).sum(),
+        "differential_operator": lambda x: op(x).sum(),
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "backend"),
+    [
+        ("laplacian", "aot_eager"),
+        ("differential_operator", "aot_eager"),
+        pytest.param(
+            "differential_operator",
+            "inductor",
+            marks=[
+                pytest.mark.slow,
+                # inductor's own import of TorchScript pieces (torch 2.13)
+                pytest.mark.filterwarnings(
+                    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
+                ),
+            ],
+        ),
+    ],
+)
+def test_second_order_terms_of_a_function_with_parameters_compile(name: str, backend: str) -> None:
+    """The second-order sweep (``laplacian``, ``differential_operator`` with a first-order
+    term) of a function multiplying by a 0-d parameter: the backward of forward-mode sweeps
+    failed in AOT autograd (torch 2.13 and 2.14.1, 'convert all Tensors to FakeTensors'; a
+    hand-written ``vmap(jvp(jvp(u)))`` too), and a JVP beside a reverse sweep crashed inductor.
+    Values and parameter gradients equal eager ones, also after an in-place update of the weights."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2), _Gain()).double()
+    _check_compiled(_second_order(net)[name], net, backend=backend)

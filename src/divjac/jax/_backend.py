@@ -286,9 +286,8 @@ class JaxBackend(Backend[Traced]):
         collapse: bool,
         traced: Traced | None = None,
         point: Point[Traced] | None = None,
-        nested: bool = False,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``traced``, ``point`` and ``nested`` are not needed: ``f`` is traced anew, as every call's
+        """``traced`` and ``point`` are not needed: ``f`` is traced anew, as every call's
         passes are."""
         return _taylor.second_order_sweep(f, x, directions, weights=weights, collapse=collapse)
 

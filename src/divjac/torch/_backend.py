@@ -401,6 +401,12 @@ class TorchBackend(Backend[Traced]):
             return Tape(point)
         return Passes(point, reverse)
 
+    def first_order_by_sweep(self) -> bool:
+        """Under ``torch.compile``: a JVP in the program of a reverse sweep (see
+        :func:`~divjac.torch._taylor.second_order_sweep`) of a function multiplying by a
+        parameter crashes inductor (torch 2.13, a segmentation fault)."""
+        return compiling()
+
     def second_order_sweep(
         self,
         f: Callable[[torch.Tensor], torch.Tensor],
@@ -411,7 +417,6 @@ class TorchBackend(Backend[Traced]):
         collapse: bool,
         traced: Traced | None = None,
         point: Point[Traced] | None = None,
-        nested: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _taylor.second_order_sweep(
             f,
@@ -421,7 +426,6 @@ class TorchBackend(Backend[Traced]):
             collapse=collapse,
             traced=traced,
             point=point,
-            nested=nested,
         )
 
     def sparse_laplacian(

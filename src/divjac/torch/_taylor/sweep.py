@@ -31,8 +31,9 @@ floating-point tensors it captured (weights in a closure) are, at every call, th
 function reaches now at the place where the trace's call reached them (a closure made anew
 over new tensors of the same shapes runs on the new ones). The function is run as the
 generic reference (``jvp`` of ``jvp`` of the whole function, batched over the directions with
-``vmap``) where the graph cannot be run: under ``torch.compile``, when it draws random
-numbers, or when a tensor it captured is not found among those the function reaches.
+``vmap``; under ``torch.compile`` transposed VJPs) where the graph cannot be run: under
+``torch.compile``, when it draws random numbers, or when a tensor it captured is not found
+among those the function reaches.
 
 Weights per sample (``[K, B]``) keep the second-order terms per direction and weight them at
 the output (the batch axis of an intermediate is not known after views that merge it).
@@ -54,7 +55,6 @@ from ..._backend import Point
 from ..._errors import InternalError
 from .._aten import inexact
 from .._compat import pytree
-from .._compile_setup import compiling
 from .._detect import reach, trace
 from .._kernels import ComposedNorms, PlainLayouts
 from .._passes import Generators
@@ -79,7 +79,6 @@ def second_order_sweep(
     collapse: bool = True,
     traced: Traced | None = None,
     point: Point[Traced] | None = None,
-    nested: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``f(x)``, ``J v_k`` and ``v_k^T H v_k`` of a batch-first function.
 
@@ -96,15 +95,16 @@ def second_order_sweep(
             tensor argument bound (see :func:`_program`).
         point: the call whose batch-first function (without its aux) ``f`` is (see
             :func:`_program`).
-        nested: the sweep is one of a sweep of a sweep (``bilaplacian``, fourth-order terms):
-            under ``torch.compile`` both are then transposed VJPs. Four forward-mode levels
-            fail in dynamo's fake tensors wherever the function multiplies by a captured tensor
-            that requires grad (a parameter: torch 2.13 and 2.14.1, an internal assert in
-            ``_fw_primal``; a hand-written ``vmap(jvp(jvp(vmap(jvp(jvp(u))))))`` too), and an
-            outer forward sweep of an inner reverse one crashes inductor.
 
     Returns:
         ``(y, first, second)`` as in :func:`divjac.jax._taylor.second_order_sweep`.
+
+    Under ``torch.compile`` the sweep is a transposed VJP (so is a sweep of a sweep). Forward
+    mode fails there wherever the function multiplies by a captured tensor that requires grad
+    (a parameter), torch 2.13 and 2.14.1, hand-written ``torch.func`` code too: the backward of
+    ``vmap(jvp(jvp(u)))`` finds a real tensor among dynamo's fake ones (AOT autograd's
+    ``Please convert all Tensors to FakeTensors``), four levels an internal assert in
+    ``_fw_primal``; an outer forward sweep of an inner reverse one crashes inductor.
     """
     v = directions.to(x.dtype)
     program = _program(f, x, traced, point)
@@ -120,7 +120,7 @@ def second_order_sweep(
             weights=weights,
             collapse=collapse,
             same_randomness=random,
-            by_reverse=(nested and torch.compiler.is_compiling())
+            by_reverse=torch.compiler.is_compiling()
             or (known is not None and bool(known.forward_twice_wrong)),
         )
     # Weights per sample need the batch axis of every intermediate (views may merge it): the
@@ -180,12 +180,7 @@ def reference_sweep(
         ComposedNorms(layer_and_instance=True),
         PlainLayouts(),
     ):
-        if v.shape[0] == 1 and compiling():
-            # dynamo fails to compile vmap over one direction of jvp of jvp through
-            # nn.MultiheadAttention (torch 2.13, 2.14.1: "Tensor device mismatch", cpu and meta;
-            # two directions compile): one direction runs unbatched.
-            ys, d1, d2 = (term[None] for term in jet(v[0]))
-        elif not same_randomness:
+        if not same_randomness:
             ys, d1, d2 = vmap(jet, randomness="error")(v)
         else:
             start = Generators(x.device)
