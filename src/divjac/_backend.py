@@ -324,10 +324,6 @@ class Backend(abc.ABC, Generic[TracedT]):
         second-order sweep (:meth:`second_order_sweep`) rather than JVPs (:meth:`linearize`)."""
         return False
 
-    def refuse_compiled_sweep(self, point: Point[TracedT], fname: str) -> None:
-        """Raise :class:`CompileError` where the second-order sweep at ``point``, about to be
-        compiled, would crash the framework's compiler (known: torch 2.13 inductor's)."""
-
     def reverse_less(self, point: Point[TracedT]) -> frozenset[str]:
         """The operations of the program at ``point`` without a reverse derivative: its
         per-sample gradient (the Hessian's pattern and products) cannot be formed."""

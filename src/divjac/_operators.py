@@ -190,7 +190,6 @@ def _powers(call: Call, order: int, directions: Array, chunk_size: int | None) -
     """``(v . grad)^order u`` ``[K, B, *out]`` for ``order`` 3 or 4: the first- or second-order
     term of the second-order sweep, along ``v``, of the second-order sweep along ``v``."""
     backend, f, traced = call.backend, _values(call), call.traced
-    backend.refuse_compiled_sweep(call, call.spec.fname)
 
     def power(v: Array) -> Array:
         def second(xb: Array) -> Array:
@@ -210,7 +209,6 @@ def _order_terms(call: Call, order: int, directions: Array, chunk_size: int | No
     if order == 1:
         full = directions + call.backend.zeros_like(call.xb)[None]  # [K, B, *in]
         if call.backend.first_order_by_sweep():
-            call.backend.refuse_compiled_sweep(call, call.spec.fname)
             return call.backend.second_order_sweep(
                 _values(call), call.xb, full, weights=None, collapse=False, point=call
             )[1]

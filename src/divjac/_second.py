@@ -443,7 +443,6 @@ def _nested(
     first ``(B, *out)``. ``weights`` ``[K, B]``: those of both sweeps' directions (the same
     ones inside and outside)."""
     backend, f, traced = call.backend, _values(call), call.traced
-    backend.refuse_compiled_sweep(call, call.spec.fname)
 
     # The call's trace: f's branch at the call's values. Not the call itself, which the outer
     # sweep would walk (a new object each call): in torch, the tensors its trace captured were

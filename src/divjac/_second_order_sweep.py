@@ -217,7 +217,6 @@ def _sweep(
     # On the host, chunks of directions that stay in the CPU's cache, as first-order passes
     # (Call.chunk): the exact Laplacian of a tanh MLP d = 256 -> 256 -> 256 -> 1 at B = 256,
     # against all 256 directions in one chunk, torch 198-210 -> 153 ms, JAX 119 -> 99 ms.
-    backend.refuse_compiled_sweep(call, call.spec.fname)
     chunk = sweep_chunk(call, K, chunk_size)
     if K == 0:  # an empty sample: no direction, every second-order term is zero
         passes = () if collapse else (0,)

@@ -25,7 +25,7 @@ from .._backend import Backend, Entries, Linear, Point
 from .._core import settings
 from .._core.detection import LRU
 from .._errors import CompileError, FastPathWarning, OptionError, warn_at_caller
-from . import _ddp, _inductor
+from . import _ddp
 from ._compat import (
     COMPILES,
     SPARSE_WARNINGS,
@@ -354,10 +354,6 @@ class TorchBackend(Backend[Traced]):
         if key not in traced.directions:
             traced.directions[key] = _measured_reverse(self, point)
         return traced.directions[key]
-
-    def refuse_compiled_sweep(self, point: Point[Traced], fname: str) -> None:
-        if compiling():
-            self.ahead(_inductor.refuse_crashing_sweep, point, fname)
 
     def forward_less(self, point: Point[Traced]) -> frozenset[str]:
         """The operations without a forward derivative, and, where a gradient will flow
