@@ -6,7 +6,9 @@ tensors and ``make_fx``'s tracer for its ATen graphs, dynamo's configuration and
 They change between releases, so they are reached here only, through small accessors named
 after what they give; a branch on the torch version belongs here and nowhere else. A new torch
 release means reading this module. ``tests/torch/test_compat_seam.py`` fails if a private torch
-name (a ``torch._x`` or ``torch.fx.experimental`` path) appears in any other module of divjac.
+name (a ``torch._x`` or ``torch.fx.experimental`` path), or a private attribute of a torch object
+(a tensor's ``_version``, an operator's ``_schema``, a module's ``_parameters``), appears in any
+other module of divjac.
 
 Run on torch 2.11.0, 2.13.0 and 2.14.1.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import operator
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -31,6 +34,7 @@ from torch.utils import _pytree as pytree
 __all__ = [
     "COMPILES",
     "FAKE_TENSOR_LOGGER",
+    "RNN_WEIGHT_CACHE",
     "SPARSE_WARNINGS",
     "BatchNorm",
     "HigherOrderOperator",
@@ -55,6 +59,9 @@ __all__ = [
     "is_wrapped",
     "kernel_flags",
     "mark_constant_result",
+    "module_dicts",
+    "op_schema",
+    "operator_name",
     "original_module",
     "outside_compile_tracing",
     "outside_transforms",
@@ -64,6 +71,7 @@ __all__ = [
     "traced_node",
     "transforms_mode",
     "under_transform",
+    "version_counter",
 ]
 
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
@@ -92,6 +100,40 @@ def set_fast_paths(enabled: bool) -> bool:
     before = bool(torch.backends.mha._is_fastpath_enabled)
     torch.backends.mha._is_fastpath_enabled = enabled
     return before
+
+
+# --- private attributes of torch's objects ------------------------------------------------------
+
+
+def version_counter(t: torch.Tensor) -> int:
+    """The version counter of ``t``, which every in-place write to it (or to a view of it)
+    bumps (none on an inference tensor: see ``t.is_inference()``)."""
+    return int(t._version)
+
+
+def op_schema(op: OpOverload) -> torch.FunctionSchema:
+    """The schema of the ATen overload ``op``: its name (``"aten::add"``, no overload), its
+    arguments, its returns and their aliasing, whether it mutates."""
+    return op._schema
+
+
+def operator_name(op: Any) -> str | None:
+    """The qualified name (``"mylib::myop"``) of an operator packet (``torch.ops.mylib.myop``)
+    or of what ``torch.library.custom_op`` returns, else ``None``."""
+    name = getattr(op, "_qualified_op_name", None) or getattr(op, "_qualname", None)
+    return name if isinstance(name, str) else None
+
+
+module_dicts: Callable[[dict[str, Any]], tuple[dict[Any, Any], ...]] = operator.itemgetter(
+    "_parameters", "_buffers", "_modules", "_forward_pre_hooks", "_forward_hooks"
+)
+"""From an ``nn.Module``'s ``vars``, its own dicts (by name) of parameters, buffers, submodules,
+forward pre-hooks and forward hooks, in that order (one C call: a cache check reads them for
+every module)."""
+
+RNN_WEIGHT_CACHE = frozenset({"_flat_weights", "_flat_weight_refs"})
+"""The attributes in which a recurrent layer (``nn.RNNBase``) caches its weights, which its
+``forward`` refreshes from its parameters."""
 
 
 # --- torch.func --------------------------------------------------------------------------------
