@@ -58,3 +58,35 @@ def test_a_generator_passed_to_an_operation_is_traced_or_refused_naming_the_way_
     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(7), dtype=x.dtype)
     want = (1 - torch.tanh(x + noise) ** 2).sum(1)
     torch.testing.assert_close(div(x, generator=torch.Generator().manual_seed(7)), want)
+
+
+@pytest.mark.filterwarnings("ignore::divjac.DenseFallbackWarning")  # histogram: no rule
+@pytest.mark.parametrize("transform", ["jacobian", "laplacian"])
+def test_an_operation_torch_has_no_derivative_of_is_refused_naming_it(transform):
+    """torch raises a bare ``RuntimeError`` on an operation it has no derivative of
+    (``histogram``; ``aminmax`` on torch 2.11): divjac names the operation, the torch and the
+    way out."""
+
+    def f(x):
+        return torch.histogram(x, bins=3)[0] * x[:3]
+
+    x = torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    call = {
+        "jacobian": lambda: dj.jacobian(f, batch_axis=None)(x),
+        "laplacian": lambda: dj.laplacian(lambda x: f(x).sum(), batch_axis=None)(x),
+    }[transform]
+    with pytest.raises(divjac.UnsupportedOperationError, match=r"aten::histogram.*no derivative"):
+        call()
+
+
+def test_aminmax_without_derivative_names_the_ops_and_the_torch_that_have_them(monkeypatch):
+    """torch 2.11 has no derivative of ``aminmax`` (pytorch/pytorch#148808, 2.13 has): the
+    refusal names ``torch.amin`` and ``torch.amax`` and ``torch>=2.13``; from 2.13 on torch
+    differentiates it (``test_conformance.py``)."""
+    refusal = RuntimeError("derivative for aten::aminmax is not implemented")
+    monkeypatch.setattr(_compat, "release", lambda: (2, 11))
+    op, way_out = _compat.missing_derivative(refusal)
+    assert op == "aten::aminmax"
+    assert "torch.amin and torch.amax" in way_out and "torch>=2.13" in way_out
+    assert "#148808" in way_out
+    assert _compat.missing_derivative(RuntimeError("another error")) is None

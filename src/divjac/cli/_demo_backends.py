@@ -249,7 +249,7 @@ class TorchBackend:
         return torch.Generator().manual_seed(seed)
 
     def nnz(self, matrix: Any) -> int:
-        return int(matrix._nnz())
+        return int(matrix.values().numel())
 
     def ref_jacobian(self, case: Case, argnum: int) -> np.ndarray:
         from torch.func import jacfwd, vmap

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.fx
 
-from ._compat import OpOverload, pytree
+from ._compat import OpOverload, op_schema, pytree
 
 __all__ = [
     "Decomposed",
@@ -34,9 +34,8 @@ __all__ = [
 
 def packet(target: Any) -> str:
     """The operation's name without namespace and overload (``"add"`` for ``aten.add.Tensor``)."""
-    packet = getattr(target, "_overloadpacket", None)
-    if packet is not None:
-        return str(packet.__name__)
+    if isinstance(target, OpOverload):
+        return str(target.overloadpacket.__name__)
     return str(getattr(target, "__name__", target))
 
 
@@ -86,7 +85,7 @@ def outputs(node: torch.fx.Node) -> list[Any]:
 
 def bind(node: torch.fx.Node) -> dict[str, Any]:
     """The node's arguments by schema name, defaults filled in."""
-    schema = node.target._schema  # type: ignore[union-attr]
+    schema = op_schema(node.target)  # type: ignore[arg-type]
     out: dict[str, Any] = {}
     for i, arg in enumerate(schema.arguments):
         if i < len(node.args):

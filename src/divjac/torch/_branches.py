@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from .._errors import InternalError, RetraceWarning, warn_at_caller
-from ._compat import OpOverload
+from ._compat import OpOverload, op_schema
 from ._trace_keys import Reached
 
 __all__ = ["MAX_BRANCHES", "Branch", "Branches", "branch"]
@@ -100,7 +100,7 @@ def _decides(node: torch.fx.Node) -> bool:
         return any(dtype in (torch.bool, torch.uint8) for dtype in masks)
     if torch.Tag.dynamic_output_shape in target.tags:
         return True
-    returns = target._schema.returns
+    returns = op_schema(target).returns
     return bool(returns) and not any("Tensor" in str(r.type) for r in returns)
 
 
@@ -125,7 +125,9 @@ def branch(gm: torch.fx.GraphModule, reached: Reached, inputs: list[torch.Tensor
             if (
                 node.op == "call_function"
                 and isinstance(target, OpOverload)
-                and (torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable)
+                and (
+                    torch.Tag.nondeterministic_seeded in target.tags or op_schema(target).is_mutable
+                )
             ):
                 return None
             if node.op == "get_attr":

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ._compat import dict_version
+from ._compat import dict_version, module_dicts
 
 __all__ = ["Checks", "any_dead"]
 
@@ -28,8 +28,6 @@ ATOMS = frozenset(
 # Kinds of checks (first item of each).
 VALUE, TENSOR, TUPLE, REF, SAME, EMPTY = range(6)  # what a slot holds
 DICT, LIST, OBJECT, FUNCTION, CLASS, MODULE, META = range(6, 13)  # objects
-# The dicts of a module whose contents the walk reads.
-MODULE_DICTS = ("_parameters", "_buffers", "_modules", "_forward_pre_hooks", "_forward_hooks")
 
 
 def _version(d: dict[Any, Any]) -> int:
@@ -104,7 +102,7 @@ class Checks:
         dicts = list(map(_dict_of, modules))
         if list(map(dict_version, dicts)) != versions:
             return False
-        nested = itertools.chain.from_iterable(map(_module_dicts, dicts))
+        nested = itertools.chain.from_iterable(map(module_dicts, dicts))
         if list(map(dict_version, nested)) != inner:
             return False
         return all(map(_object_holds, self._others))
@@ -119,7 +117,6 @@ def any_dead(refs: Sequence[weakref.ref[Any]]) -> bool:
 _deref = weakref.ref.__call__
 _is_none = functools.partial(operator.is_, None)
 _dict_of = operator.attrgetter("__dict__")
-_module_dicts = operator.itemgetter(*MODULE_DICTS)
 _meta_of = operator.attrgetter("shape", "dtype", "device")
 
 

@@ -6,7 +6,9 @@ tensors and ``make_fx``'s tracer for its ATen graphs, dynamo's configuration and
 They change between releases, so they are reached here only, through small accessors named
 after what they give; a branch on the torch version belongs here and nowhere else. A new torch
 release means reading this module. ``tests/torch/test_compat_seam.py`` fails if a private torch
-name (a ``torch._x`` or ``torch.fx.experimental`` path) appears in any other module of divjac.
+name (a ``torch._x`` or ``torch.fx.experimental`` path), or a private attribute of a torch object
+(a tensor's ``_version``, an operator's ``_schema``, a module's ``_parameters``), appears in any
+other module of divjac.
 
 Run on torch 2.11.0, 2.13.0 and 2.14.1.
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import operator
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -31,6 +35,7 @@ from torch.utils import _pytree as pytree
 __all__ = [
     "COMPILES",
     "FAKE_TENSOR_LOGGER",
+    "RNN_WEIGHT_CACHE",
     "SPARSE_WARNINGS",
     "BatchNorm",
     "HigherOrderOperator",
@@ -39,6 +44,7 @@ __all__ = [
     "aten_trace",
     "compiled_inlined",
     "compiler_name",
+    "custom_operation_applied",
     "ddp_forward",
     "ddp_lacks",
     "decomposition_table",
@@ -55,6 +61,10 @@ __all__ = [
     "is_wrapped",
     "kernel_flags",
     "mark_constant_result",
+    "missing_derivative",
+    "module_dicts",
+    "op_schema",
+    "operator_name",
     "original_module",
     "outside_compile_tracing",
     "outside_transforms",
@@ -64,6 +74,7 @@ __all__ = [
     "traced_node",
     "transforms_mode",
     "under_transform",
+    "version_counter",
 ]
 
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
@@ -92,6 +103,40 @@ def set_fast_paths(enabled: bool) -> bool:
     before = bool(torch.backends.mha._is_fastpath_enabled)
     torch.backends.mha._is_fastpath_enabled = enabled
     return before
+
+
+# --- private attributes of torch's objects ------------------------------------------------------
+
+
+def version_counter(t: torch.Tensor) -> int:
+    """The version counter of ``t``, which every in-place write to it (or to a view of it)
+    bumps (none on an inference tensor: see ``t.is_inference()``)."""
+    return int(t._version)
+
+
+def op_schema(op: OpOverload) -> torch.FunctionSchema:
+    """The schema of the ATen overload ``op``: its name (``"aten::add"``, no overload), its
+    arguments, its returns and their aliasing, whether it mutates."""
+    return op._schema
+
+
+def operator_name(op: Any) -> str | None:
+    """The qualified name (``"mylib::myop"``) of an operator packet (``torch.ops.mylib.myop``)
+    or of what ``torch.library.custom_op`` returns, else ``None``."""
+    name = getattr(op, "_qualified_op_name", None) or getattr(op, "_qualname", None)
+    return name if isinstance(name, str) else None
+
+
+module_dicts: Callable[[dict[str, Any]], tuple[dict[Any, Any], ...]] = operator.itemgetter(
+    "_parameters", "_buffers", "_modules", "_forward_pre_hooks", "_forward_hooks"
+)
+"""From an ``nn.Module``'s ``vars``, its own dicts (by name) of parameters, buffers, submodules,
+forward pre-hooks and forward hooks, in that order (one C call: a cache check reads them for
+every module)."""
+
+RNN_WEIGHT_CACHE = frozenset({"_flat_weights", "_flat_weight_refs"})
+"""The attributes in which a recurrent layer (``nn.RNNBase``) caches its weights, which its
+``forward`` refreshes from its parameters."""
 
 
 # --- torch.func --------------------------------------------------------------------------------
@@ -209,6 +254,32 @@ def generator_untraceable(err: BaseException) -> bool:
     )
 
 
+# Operations torch differentiates from a release on: (release, upstream reference, the
+# operations that compute the same and that earlier torches differentiate).
+_DERIVATIVES_FROM = {
+    "aten::aminmax": ((2, 13), "pytorch/pytorch#148808", "torch.amin and torch.amax"),
+}
+
+
+def missing_derivative(err: BaseException) -> tuple[str, str] | None:
+    """``(operation, the way out)`` where ``err`` is torch's refusal to differentiate an
+    operation it has no derivative of (``"derivative for aten::aminmax is not implemented"``:
+    ``aminmax`` before torch 2.13), else ``None``. The way out names, where known, operations
+    this torch differentiates and the torch from which it differentiates the operation."""
+    match = re.fullmatch(r"derivative for (\S+) is not implemented", str(err))
+    if match is None:
+        return None
+    op = match[1]
+    known = _DERIVATIVES_FROM.get(op)
+    if known is None or release() >= known[0]:
+        return op, "write the function with operations torch differentiates"
+    (major, minor), reference, instead = known
+    return op, (
+        f"use {instead}, which it differentiates, or torch>={major}.{minor}, which "
+        f"differentiates {op} ({reference})"
+    )
+
+
 def in_aten_trace() -> bool:
     """Whether a ``make_fx`` trace is under way."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
@@ -252,6 +323,23 @@ def function_applied(frame: FrameType) -> type[torch.autograd.Function] | None:
             owner = value.__self__
             if _is_function_class(owner):
                 return cast(type[torch.autograd.Function], owner)
+    return None
+
+
+def custom_operation_applied(frame: FrameType) -> OpOverload | None:
+    """The custom operation (not ATen's, not a primitive) whose autograd, generated by
+    ``torch.library``, a frame of a traceback runs, else ``None``: the frame of the autograd
+    kernel holds it as ``op`` (torch 2.13 on); torch 2.11's holds none, and it is found in the
+    closure of the ``forward`` of the ``autograd.Function`` the frame applies."""
+    candidates = [frame.f_locals.get("op")]
+    cls = function_applied(frame)
+    forward = getattr(cls, "forward", None)
+    for cell in getattr(forward, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # (an empty cell)
+            candidates.append(cell.cell_contents)
+    for op in candidates:
+        if isinstance(op, OpOverload) and op.namespace not in ("aten", "prims"):
+            return op
     return None
 
 

@@ -8,7 +8,7 @@ import weakref
 import torch
 import torch.fx
 
-from ._compat import OpOverload, pytree
+from ._compat import OpOverload, op_schema, pytree
 from ._trace_keys import Reached
 
 __all__ = [
@@ -50,7 +50,7 @@ def _mutated_constants(gm: torch.fx.GraphModule) -> set[str]:
         if node.op == "get_attr":
             roots[node] = str(node.target)
         elif node.op == "call_function" and isinstance(node.target, OpOverload):
-            schema = node.target._schema
+            schema = op_schema(node.target)
             views = any(r.alias_info is not None for r in schema.returns)
             bound = zip(schema.arguments, node.args, strict=False)
             named = ((a, node.kwargs[a.name]) for a in schema.arguments if a.name in node.kwargs)

@@ -33,7 +33,7 @@ from .._core import rules as D
 from .._core.rules import Deps, Op, Rule
 from .._errors import InternalError
 from ._aten import bind, host, inexact, is_tensor, outputs, packet, shape
-from ._compat import HigherOrderOperator, OpOverload, decomposition_table, pytree
+from ._compat import HigherOrderOperator, OpOverload, decomposition_table, op_schema, pytree
 from ._graph import Graph
 from ._ops import is_elementwise
 from ._table import TABLE, tensor_args
@@ -57,7 +57,7 @@ def decompositions() -> dict[Any, Callable[..., Any]]:
         for op, fn in decomposition_table().items()
         if isinstance(op, OpOverload)
         and not (op.namespace == "aten" and packet(op) in TABLE)
-        and REGISTRY.get(op._schema.name) is None
+        and REGISTRY.get(op_schema(op).name) is None
         and torch.Tag.pointwise not in op.tags
     }
 
@@ -99,7 +99,7 @@ def live_nodes(nodes: Sequence[torch.fx.Node]) -> set[torch.fx.Node]:
 
 def _user_args(g: Graph, node: torch.fx.Node) -> tuple[list[Any], dict[str, Any]]:
     """A registered rule's inputs (the tensor arguments, in schema order) and parameters."""
-    schema = node.target._schema  # type: ignore[union-attr]
+    schema = op_schema(node.target)  # type: ignore[arg-type]
     b = bind(node)
     tensors = [a.name for a in schema.arguments if "Tensor" in str(a.type)]
     args = [x for name in tensors for x in pytree.tree_leaves(b[name])]
@@ -173,7 +173,7 @@ class Interpreter(Graph):
         (pointwise operations), else the dense fallback over every argument."""
         target = node.target
         overload = isinstance(target, OpOverload)
-        user = REGISTRY.get(target._schema.name) if overload else None  # type: ignore[union-attr]
+        user = REGISTRY.get(op_schema(target).name) if overload else None  # type: ignore[arg-type]
         # The table holds ATen operations (a custom operator may have an ATen one's name).
         aten = overload and target.namespace == "aten"  # type: ignore[union-attr]
         entry = TABLE.get(packet(target)) if aten else None

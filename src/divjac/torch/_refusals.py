@@ -8,6 +8,9 @@ differentiates with ``torch.func`` where torch's autograd tape cannot: under
 transforms, and for second-order results. There torch raises a ``RuntimeError`` that names no
 operation; :func:`functorch_refusals` raises :class:`~divjac.UnsupportedOperationError` naming
 the custom operation (or the ``Function``) from the frame that applied it.
+
+An operation torch has no derivative of at all (``aminmax`` before torch 2.13) is named the
+same way, with the way out (:func:`~divjac.torch._compat.missing_derivative`).
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import contextlib
 import traceback
 from collections.abc import Iterator
 
+import torch
+
 from .._errors import UnsupportedOperationError
-from ._compat import OpOverload, function_applied
+from ._compat import custom_operation_applied, function_applied, missing_derivative
 
 __all__ = ["functorch_refusals"]
 
@@ -27,10 +32,18 @@ _REFUSAL = "autograd.Function with functorch transforms"
 @contextlib.contextmanager
 def functorch_refusals(fname: str) -> Iterator[None]:
     """Re-raise ``torch.func``'s refusal of an ``autograd.Function`` without ``setup_context``
-    as :class:`UnsupportedOperationError` naming it; any other error passes unchanged."""
+    as :class:`UnsupportedOperationError` naming it, and torch's refusal of an operation it
+    has no derivative of; any other error passes unchanged."""
     try:
         yield
     except RuntimeError as err:
+        missing = missing_derivative(err)
+        if missing is not None:
+            op, way_out = missing
+            raise UnsupportedOperationError(
+                f"{fname}: the function runs {op}, which torch {torch.__version__} has no "
+                f"derivative of: {way_out}."
+            ) from err
         if _REFUSAL not in str(err):
             raise
         raise UnsupportedOperationError(
@@ -50,13 +63,9 @@ def _applied(err: BaseException) -> str:
     raised."""
     op = function = None
     for frame, _ in traceback.walk_tb(err.__traceback__):
-        names = frame.f_locals
-        candidate = names.get("op")
-        if isinstance(candidate, OpOverload) and candidate.namespace not in (
-            "aten",
-            "prims",
-        ):
-            op = str(candidate)
+        custom = custom_operation_applied(frame)
+        if custom is not None:
+            op = str(custom)
         cls = function_applied(frame)
         if cls is not None:
             function = f"{cls.__module__}.{cls.__qualname__}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .._core import rules as D
 from .._core.rules import Rule, RuleError
-from ._compat import OpOverload, has_operator
+from ._compat import OpOverload, has_operator, op_schema, operator_name
 from ._detect import CACHE, clear_memos
 from ._interpret import REGISTRY, decompositions
 from ._ops import Derivatives, add_elementwise
@@ -59,9 +59,9 @@ def register_rule(op: object, rule: Rule, /) -> None:
     if isinstance(op, str):
         name = op if "::" in op else f"aten::{op}"
     elif isinstance(op, OpOverload):
-        name = op._schema.name
+        name = op_schema(op).name
     else:  # an OpOverloadPacket, or what torch.library.custom_op returns
-        name = getattr(op, "_qualified_op_name", None) or getattr(op, "_qualname", None)
+        name = operator_name(op)
     if not isinstance(name, str):
         raise RuleError(
             f"register_rule: op must be a torch operator (torch.ops.mylib.myop, an overload of "

@@ -13,7 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._compat import FAKE_TENSOR_LOGGER, BatchNorm, is_wrapped, kernel_flags, set_fast_paths
+from ._compat import (
+    FAKE_TENSOR_LOGGER,
+    BatchNorm,
+    is_wrapped,
+    kernel_flags,
+    module_dicts,
+    set_fast_paths,
+    version_counter,
+)
 
 __all__ = [
     "KeptState",
@@ -119,6 +127,11 @@ class NoFastPaths:
         set_fast_paths(self._before)
 
 
+def _tensor_dicts(m: nn.Module) -> tuple[dict[str, Any], ...]:
+    """A module's own parameters and buffers (dicts by name: an assignment replaces one)."""
+    return module_dicts(vars(m))[:2]
+
+
 class KeptState:
     """The values of the tensors a function reaches, and the tensors its modules hold, kept so
     that a trace of it leaves them as they were: a forward that updates a buffer it reads (a
@@ -132,15 +145,15 @@ class KeptState:
 
     def __init__(self, tensors: Iterable[torch.Tensor], modules: Iterable[nn.Module]) -> None:
         # The tensors the modules hold (an assignment ``self.n = self.n + 1`` replaces one).
-        self._held: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]] = [
-            (m, dict(m._buffers), dict(m._parameters)) for m in modules
+        self._held: list[tuple[nn.Module, tuple[dict[str, Any], ...]]] = [
+            (m, tuple(map(dict, _tensor_dicts(m)))) for m in modules
         ]
         self._kept: list[tuple[torch.Tensor, int | None, torch.Tensor | None]] = []
         for t in tensors:
             if t.device.type == "meta" or is_wrapped(t):
                 continue
             inference = t.is_inference()  # no version counter: compared by value
-            version = None if inference else t._version
+            version = None if inference else version_counter(t)
             copy = None if t.requires_grad and not inference else t.detach().clone()
             self._kept.append((t, version, copy))
 
@@ -148,12 +161,8 @@ class KeptState:
         """Restore every tensor modified since (once: the restore bumps their versions), and
         return them."""
         written: list[torch.Tensor] = []
-        for m, buffers, parameters in self._held:
-            holders: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = (
-                (m._buffers, buffers),
-                (m._parameters, parameters),
-            )
-            for held, kept in holders:
+        for m, kept_dicts in self._held:
+            for held, kept in zip(_tensor_dicts(m), kept_dicts, strict=True):
                 if held.keys() != kept.keys() or any(held[k] is not v for k, v in kept.items()):
                     written.extend(
                         v for k, v in kept.items() if v is not None and held.get(k) is not v
@@ -161,7 +170,7 @@ class KeptState:
                     held.clear()
                     held.update(kept)
         for t, version, copy in self._kept:
-            if version is not None and t._version == version:
+            if version is not None and version_counter(t) == version:
                 continue
             if version is None and copy is not None and torch.equal(t, copy):
                 continue

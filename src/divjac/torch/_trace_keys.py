@@ -38,7 +38,6 @@ from ._checks import (
     MAX_ITEMS,
     META,
     MODULE,
-    MODULE_DICTS,
     OBJECT,
     REF,
     SAME,
@@ -49,7 +48,7 @@ from ._checks import (
     _version,
     full,
 )
-from ._compat import dict_version
+from ._compat import RNN_WEIGHT_CACHE, dict_version, module_dicts
 
 __all__ = [
     "Reached",
@@ -64,10 +63,6 @@ __all__ = [
 # walked whole, with their submodules).
 _DEPTH = 5
 _MODULE_STATE = frozenset(vars(nn.Module()))  # nn.Module's own bookkeeping
-# A recurrent layer's cache of its weights, which its forward refreshes from its parameters
-# (held by the walk): functional_call leaves it on the tensors last passed (a trace's own,
-# whose weak references then compared elementwise: "FunctionalTensor on its own").
-_RNN_CACHE = frozenset({"_flat_weights", "_flat_weight_refs"})
 
 
 class _Tag(int):
@@ -419,9 +414,14 @@ class _Walk:
         if self.record:
             self.check_module(m)
         sig.extend((type(m), _Tag(id(m)), m.training))
-        if m._forward_pre_hooks or m._forward_hooks:
-            sig.append((tuple(m._forward_pre_hooks), tuple(m._forward_hooks)))
-        skipped = _RNN_CACHE if isinstance(m, nn.RNNBase) else frozenset()
+        parameters, buffers, children, pre_hooks, hooks = module_dicts(vars(m))
+        if pre_hooks or hooks:
+            sig.append((tuple(pre_hooks), tuple(hooks)))
+        # A recurrent layer's cache of its weights, which its forward refreshes from its
+        # parameters (held by the walk): functional_call leaves it on the tensors last passed (a
+        # trace's own, whose weak references then compared elementwise: "FunctionalTensor on its
+        # own").
+        skipped = RNN_WEIGHT_CACHE if isinstance(m, nn.RNNBase) else frozenset()
         for name, value in vars(m).items():
             if name in _MODULE_STATE or name in skipped:
                 continue
@@ -431,7 +431,7 @@ class _Walk:
                 sig.append(value)  # most attributes (sizes, flags): no call of visit
             else:
                 self.visit(value, depth - 1)
-        for tensors in (m._parameters, m._buffers):
+        for tensors in (parameters, buffers):
             for name, t in tensors.items():
                 if t is None:
                     sig.extend((name, None))
@@ -448,7 +448,7 @@ class _Walk:
         cls: Any = type(m)
         if _own_bases(cls):
             self.klass(cls, depth)
-        for name, child in m._modules.items():
+        for name, child in children.items():
             sig.append(name)
             self.visit(child, depth)
 
@@ -534,7 +534,7 @@ class _Walk:
                 weakref.ref(m),
                 type(m),
                 _version(d),
-                *(_version(d[name]) for name in MODULE_DICTS),
+                *map(_version, module_dicts(d)),
             )
         )
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from .._aten import dims
+from .._aten import dims, packet
 from .generic import generic
 from .jets import Jet, Rule, Sweep, _full, _map, _scale, add, registrar
 
@@ -125,8 +125,7 @@ def _variance_rule(
         m2, c2 = _centred(a.second, x.shape, axes)
         v2 = v2 + scale * (c * c2).sum(axes, keepdim=True)
     jet = Jet(v1, v2)
-    packet_name = node.target._overloadpacket.__name__  # type: ignore[union-attr]
-    if packet_name.startswith("std"):
+    if packet(node.target).startswith("std"):
         s = (out[0] if isinstance(out, tuple) else out).reshape(v1.shape[1:])
         jet = Jet(v1 / (2 * s), v2 / (2 * s) - sw.quad(v1, v1) / (4 * s * s * s))
     if not keepdim:
