@@ -18,8 +18,10 @@ per-sample function), along four axes:
 Every call is checked against the brute force at the state it is made in. The axes are covered
 pairwise (:mod:`tests.pairwise`), not as their product; the default run is the MLP with every
 transform and every value of every other axis at least once, the pairwise cover of all the
-variants and models is marked ``matrix`` (``make test-matrix``, not yet part of CI). The brute force runs under ``jit`` and once per process
-for each state.
+variants and models is marked ``matrix`` (``make test-matrix``, part of ``make test-slow``). The
+brute force runs under ``jit``: each variant's program once per process, given the model's
+Jacobian and Hessian (one program per model, shared by every variant, and its gradient by the
+chain rule), at each state once per process.
 """
 
 from __future__ import annotations
@@ -128,26 +130,118 @@ def _stacked(x: jax.Array) -> jax.Array:
     return jnp.stack([x, 0.5 * x + 0.1])
 
 
+def _state(model_name: str, dtype: Any, shift: float, times: str) -> tuple[Any, jax.Array, Any]:
+    """The parameters moved by ``shift``, the batch and the times ``t0`` or ``t1``."""
+    params, x = ZOO[model_name].init(dtype)
+    t = default_times(x.shape[0], dtype) if times == "t0" else new_times(x.shape[0], dtype)
+    return _shifted(params, shift), x, t
+
+
+DERIVATIVES = ("jac_full", "hess_full")
+
+
+class _Given(Brute):
+    """A brute force whose Jacobian and Hessian are given (the shared programs' arrays, or
+    placeholders), recording which of them its variant reads."""
+
+    def __init__(self, given: dict[str, Any], *args: Any) -> None:
+        super().__init__(*args)
+        self.given, self.read = given, set()
+
+    def _get(self, name: str) -> Any:
+        self.read.add(name)
+        return self.given[name]
+
+    jac_full = property(lambda self: self._get("jac_full"))  # type: ignore[assignment]
+    hess_full = property(lambda self: self._get("hess_full"))  # type: ignore[assignment]
+
+
+@functools.cache
+def _derivative(model_name: str, dtype: Any, extra: tuple, name: str) -> Callable[..., Any]:
+    """The brute-force ``jac_full`` or ``hess_full`` ``(p, x, t) ->`` of a model, one program
+    shared by every variant."""
+    g = timed(ZOO[model_name])
+    return jax.jit(lambda p, x, t: getattr(Brute(g, p, x, t, extra), name))
+
+
+@functools.cache
+def _derivative_vjp(model_name: str, dtype: Any, extra: tuple, name: str) -> Callable[..., Any]:
+    """``(p, x, t, cotangent) ->`` the gradient w.r.t. the parameters through
+    :func:`_derivative`, one program shared by every variant."""
+    f = _derivative(model_name, dtype, extra, name)
+    return jax.jit(lambda p, x, t, ct: jax.vjp(lambda q: f(q, x, t), p)[1](ct)[0])
+
+
+@functools.cache
+def _derivative_at(
+    model_name: str, dtype: Any, extra: tuple, name: str, shift: float, times: str, second: bool
+) -> jax.Array:
+    """:func:`_derivative` at a state, of the batch or (``second``) of the second batch of
+    :func:`_stacked`, once per process."""
+    params, x, t = _state(model_name, dtype, shift, times)
+    return _derivative(model_name, dtype, extra, name)(params, _stacked(x)[int(second)], t)
+
+
+@functools.cache
+def _expected(
+    model_name: str, variant: str, dtype: Any, extra: tuple, form: str
+) -> tuple[Callable[..., Any], tuple[str, ...]]:
+    """The brute force of a variant under ``jit`` given the shared derivatives it reads (the
+    names returned), one program for every state: ``(p, x, t, *derivatives)`` for ``form``
+    "value", the same over a stack of two batches and their derivatives for "vmap", and for
+    "grad" the gradient of the total w.r.t. the parameters (directly) and the derivatives (the
+    chain rule through :func:`_derivative_vjp` completes it)."""
+    g = timed(ZOO[model_name])
+    expect = VARIANTS[variant].expect
+
+    def value(p: Any, x: jax.Array, t: jax.Array, *derivatives: Any, names: tuple) -> Any:
+        return expect(_Given(dict(zip(names, derivatives, strict=True)), g, p, x, t, extra))
+
+    params, x, t = _state(model_name, dtype, 0.0, "t0")
+    shapes = [
+        jax.eval_shape(_derivative(model_name, dtype, extra, n), params, x, t) for n in DERIVATIVES
+    ]
+    read: set[str] = set()
+
+    def probe(p: Any, x: jax.Array, t: jax.Array, *derivatives: Any) -> Any:
+        given = _Given(dict(zip(DERIVATIVES, derivatives, strict=True)), g, p, x, t, extra)
+        out = expect(given)
+        read.update(given.read)
+        return out
+
+    jax.eval_shape(probe, params, x, t, *shapes)  # which derivatives the variant reads
+    names = tuple(n for n in DERIVATIVES if n in read)
+    fn = functools.partial(value, names=names)
+    if form == "grad":
+        argnums = tuple(range(3, 3 + len(names)))
+        return jax.jit(jax.grad(lambda *a: _total(fn(*a)), argnums=(0, *argnums))), names
+    axes = (None, 0, None, *[0] * len(names))
+    return jax.jit(fn if form == "value" else jax.vmap(fn, axes)), names
+
+
 @functools.cache
 def _reference(
     model_name: str, variant: str, dtype: Any, extra: tuple, form: str, shift: float, times: str
 ) -> Any:
     """The brute force of a variant at a state (parameters moved by ``shift``, times ``t0``
-    or ``t1``), under ``jit``, once per process: ``form`` is "value", "vmap" (over a stack of
-    two batches) or "grad" (w.r.t. the parameters)."""
-    model = ZOO[model_name]
-    params, x = model.init(dtype)
-    params = _shifted(params, shift)
-    B = x.shape[0]
-    t = default_times(B, dtype) if times == "t0" else new_times(B, dtype)
-    expect = VARIANTS[variant].expect
-    g = timed(model)
-    expected = jax.jit(lambda p, x: expect(Brute(g, p, x, t, extra)))
+    or ``t1``), once per process: ``form`` is "value", "vmap" (over a stack of two batches)
+    or "grad" (w.r.t. the parameters)."""
+    params, x, t = _state(model_name, dtype, shift, times)
+    expected, names = _expected(model_name, variant, dtype, extra, form)
+
+    def at(second: bool) -> list[jax.Array]:
+        return [_derivative_at(model_name, dtype, extra, n, shift, times, second) for n in names]
+
+    if form == "value":
+        return expected(params, x, t, *at(False))
     if form == "vmap":
-        return jax.vmap(expected, (None, 0))(params, _stacked(x))
-    if form == "grad":
-        return jax.jit(jax.grad(lambda p: _total(expected(p, x))))(params)
-    return expected(params, x)
+        stacked = [jnp.stack(pair) for pair in zip(at(False), at(True), strict=True)]
+        return expected(params, _stacked(x), t, *stacked)
+    direct, *cotangents = expected(params, x, t, *at(False))
+    for name, ct in zip(names, cotangents, strict=True):
+        through = _derivative_vjp(model_name, dtype, extra, name)(params, x, t, ct)
+        direct = jax.tree_util.tree_map(jnp.add, direct, through)
+    return direct
 
 
 # --- the calls ----------------------------------------------------------------------------------

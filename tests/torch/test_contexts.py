@@ -17,9 +17,8 @@ every method and mode (the table of :mod:`tests.torch.transforms`), on a model z
 Every call is checked against the brute force at the state it is made in. The axes are covered
 pairwise (:mod:`tests.pairwise`: every two values of any two axes in some case), not as their
 product. The default run is the MLP with every variant once and every value of every axis at
-least once; the pairwise cover of all the models is marked ``matrix`` (``make test-matrix``),
-not yet part of CI: it finds open defects (recurrent layers through ``functional_call``, some
-compiled second-order cases; CHANGELOG).
+least once; the pairwise cover of all the models is marked ``matrix`` (``make test-matrix``,
+part of ``make test-slow``).
 """
 
 from __future__ import annotations
