@@ -382,6 +382,23 @@ class Backend(abc.ABC, Generic[TracedT]):
         argument bound (``f`` at ``x`` alone). ``nested``: the sweep is one of a sweep of a
         sweep (fourth-order terms), the inner one or the outer one."""
 
+    def taylor_sweep(
+        self,
+        f: Callable[[Array], Array],
+        x: Array,
+        directions: Array,
+        order: int,
+        *,
+        weights: Array | None,
+        chunk: int,
+    ) -> Array | None:
+        """``(v_k . grad)^order f`` of a batch-first per-sample ``f`` (``order`` 3 or 4) by
+        one collapsed Taylor sweep of that order, ``chunk`` directions at once: each term
+        ``[K, B, *out]`` with ``weights=None``, else their sum with the weights ``[K]`` or
+        ``[K, B]`` (``[B, *out]``). ``None`` where the framework has no such sweep (the caller
+        nests second-order sweeps)."""
+        return None
+
     def sparse_laplacian(
         self,
         f: Callable[[Array], Array],

@@ -186,11 +186,19 @@ def _first(call: Call, directions: Array) -> Array:
     return linear.passes(directions, lambda c: c, lambda c, t, pushed: pushed, chunk, shared=False)
 
 
-def _powers(call: Call, order: int, directions: Array, chunk_size: int | None) -> Array:
-    """``(v . grad)^order u`` ``[K, B, *out]`` for ``order`` 3 or 4: the first- or second-order
+def _powers(
+    call: Call, order: int, directions: Array, weights: Array | None, chunk_size: int | None
+) -> Array:
+    """``(v . grad)^order u`` for ``order`` 3 or 4: each term ``[K, B, *out]`` with
+    ``weights=None``, else ``sum_k w_k (v_k . grad)^order u`` ``[B, *out]``. One collapsed
+    Taylor sweep of that order where the backend has one, else the first- or second-order
     term of the second-order sweep, along ``v``, of the second-order sweep along ``v``."""
     backend, f, traced = call.backend, _values(call), call.traced
     backend.refuse_compiled_sweep(call, call.spec.fname)
+    chunk = sweep_chunk(call, int(directions.shape[0]), chunk_size)
+    swept = backend.taylor_sweep(f, call.xb, directions, order, weights=weights, chunk=chunk)
+    if swept is not None:
+        return swept
 
     def power(v: Array) -> Array:
         def second(xb: Array) -> Array:
@@ -203,8 +211,8 @@ def _powers(call: Call, order: int, directions: Array, chunk_size: int | None) -
         )
         return swept[order - 2][0]
 
-    chunk = sweep_chunk(call, int(directions.shape[0]), chunk_size)
-    return backend.map_stacked(power, directions, chunk)
+    terms = backend.map_stacked(power, directions, chunk)
+    return terms if weights is None else _weighted_sum(weights, terms)
 
 
 def _order_terms(call: Call, order: int, directions: Array, chunk_size: int | None) -> Array:
@@ -214,7 +222,7 @@ def _order_terms(call: Call, order: int, directions: Array, chunk_size: int | No
         return _first(call, full)
     if order == 2:
         return _sweep(call, directions, None, collapse=False, chunk_size=chunk_size)
-    return _powers(call, order, directions, chunk_size)
+    return _powers(call, order, directions, None, chunk_size)
 
 
 def _order_value(
@@ -231,7 +239,7 @@ def _order_value(
         return _order_terms(call, 1, combined.reshape(1, -1, *call.in_sample), chunk)[0]
     if order == 2:
         return _sweep(call, directions, weights, collapse=True, chunk_size=chunk)
-    return _weighted_sum(weights, _order_terms(call, order, directions, chunk))
+    return _powers(call, order, directions, weights, chunk)
 
 
 def _exact_values(
