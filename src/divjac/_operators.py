@@ -413,6 +413,15 @@ def _operator(
     def held_constants(call: Call) -> np.ndarray:
         return constants
 
+    def colored(call: Call) -> tuple[list[partials.OrderPlan], np.ndarray] | None:
+        """The plans merged by the colors of the Hessian's pattern (where ``"auto"`` found
+        them, and every coefficient is a number), with their one term's coefficient."""
+        colors = _plan(call, opts.method, stochastic_method).colors
+        if colors is None or not all(_is_number(c) for c in coefficients):
+            return None
+        plans = _planned(call, alphas)
+        return [partials.merged(p, constants, colors) for p in plans], np.ones(1)
+
     def values(call: Call, randomness: Any) -> tuple[Array, Array | None]:
         plans = backend.ahead(_planned, call, alphas)
         coupled = backend.ahead(_plan, call, opts.method, stochastic_method).coupled
@@ -422,6 +431,9 @@ def _operator(
         c = _coefficients(call, coefficients, backend.ahead(held_constants, call))
         if stochastic_method:
             return _sampled_values(call, plans, c, opts, randomness)
+        merged = None if coupled else backend.ahead(colored, call)
+        if merged is not None:
+            plans, c = merged[0], (merged[1], None)
         result = _exact_values(call, plans, c, coupled=coupled, chunk=opts.chunk_size)
         return result, (backend.zeros_like(result) if opts.return_stderr else None)
 
