@@ -9,11 +9,16 @@ their summed weights (the coefficients times the interpolation weights, per samp
 coefficient is), and ``sum_k w_k (v_k . grad)^d u`` is one computation per order: order 1 a JVP
 along the weighted sum of the directions (linear in them), order 2 one collapsed second-order
 Taylor sweep (the weights summed before they are propagated, as the Laplacian's), orders 3 and
-4 the first- and second-order terms of a second-order sweep of the second-order sweep along
-each direction (``(v . grad)^2`` of ``(v . grad)^2 u``), the directions a batch axis in chunks
-(:meth:`~divjac._backend.Backend.map_stacked`). The stochastic methods compute exactly the
-orders their budget pays for and sample the (direction, weight) pairs of the others
-(:func:`_sampled_values`). Imports neither JAX nor PyTorch.
+4 one collapsed Taylor sweep of that order where the backend has one
+(:meth:`~divjac._backend.Backend.taylor_sweep`: each direction's lower coefficients, the top
+one summed), else the first- and second-order terms of a second-order sweep of the
+second-order sweep along each direction (``(v . grad)^2`` of ``(v . grad)^2 u``), the
+directions a batch axis in chunks (:meth:`~divjac._backend.Backend.map_stacked`). With
+``method="auto"``, where the Hessian's pattern has a diagonal coloring, the pure powers
+``d^k u/dx_i^k`` of one color are one direction (:func:`divjac._core.partials.merged`): a
+separable ``u``'s diagonal terms cost its colors, not its inputs. The stochastic methods
+compute exactly the orders their budget pays for and sample the (direction, weight) pairs of
+the others (:func:`_sampled_values`). Imports neither JAX nor PyTorch.
 """
 
 from __future__ import annotations
@@ -239,6 +244,8 @@ def _order_value(
         return _order_terms(call, 1, combined.reshape(1, -1, *call.in_sample), chunk)[0]
     if order == 2:
         return _sweep(call, directions, weights, collapse=True, chunk_size=chunk)
+    if order == 1:  # coupled: a JVP per sample and direction
+        return _weighted_sum(weights, _order_terms(call, 1, directions, chunk))
     return _powers(call, order, directions, weights, chunk)
 
 
