@@ -315,6 +315,30 @@ def test_coupled_exact(ops):
     np.testing.assert_allclose(ops.to_numpy(got), want, rtol=1e-9, atol=1e-10)
 
 
+def test_pure_powers_merged_by_the_hessian_colors(ops):
+    """A sum over pairs ``u = sum_p phi(a_p, b_p)``: ``"auto"`` merges the pure powers
+    ``d^k u/dx_i^k`` of one color of the Hessian's pattern (and one sign of coefficient) into
+    one direction; against the closed form, with coefficients of both signs and zero, odd and
+    even orders, and a mixed term of a pair kept as it is."""
+    d = 32  # enough inputs for "auto" to detect the pattern
+    x = RNG.normal(size=(2, d))
+
+    def u(z):
+        a, b = z[:, 0::2], z[:, 1::2]
+        return (ops.sin(a) * ops.exp(0.3 * b) + a * a * b * b).sum(1)
+
+    c = 1.5 - np.arange(d) % 3
+    extra = [(-2.0, (1, 1, 1)), (0.8, (4, 4, 4)), (0.5, (2, 2, 3, 3)), (0.3, (5, 5)), (1.0, (4,))]
+    terms = [(float(c[i]), (i,) * 4) for i in range(d)] + extra
+    got = ops.to_numpy(ops.dj.differential_operator(u, terms)(ops.asarray(x)))
+    a, b = x[:, 0::2], x[:, 1::2]
+    s, e = np.sin(a) * np.exp(0.3 * b), np.cos(a) * np.exp(0.3 * b)
+    want = (c[0::2] * s + c[1::2] * 0.3**4 * s).sum(1)
+    want += -2.0 * 0.3**3 * s[:, 0] - 0.8 * e[:, 2] + 0.5 * (-(0.3**2) * s[:, 1] + 4)
+    want += 0.3 * (0.3**2 * s[:, 2] + 2 * a[:, 2] ** 2) + e[:, 2] + 2 * a[:, 2] * b[:, 2] ** 2
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-10)
+
+
 def test_jax_jit_grad_vmap():
     jax = pytest.importorskip("jax")
     o = _jax()

@@ -381,6 +381,23 @@ class Backend(abc.ABC, Generic[TracedT]):
         the call's other arguments; or ``traced``, the trace of such a call, with no other
         argument bound (``f`` at ``x`` alone)."""
 
+    def taylor_sweep(
+        self,
+        f: Callable[[Array], Array],
+        x: Array,
+        directions: Array,
+        order: int,
+        *,
+        weights: Array | None,
+        chunk: int,
+    ) -> Array | None:
+        """``(v_k . grad)^order f`` of a batch-first per-sample ``f`` (``order`` 3 or 4) by
+        one collapsed Taylor sweep of that order, ``chunk`` directions at once: each term
+        ``[K, B, *out]`` with ``weights=None``, else their sum with the weights ``[K]`` or
+        ``[K, B]`` (``[B, *out]``). ``None`` where the framework has no such sweep (the caller
+        nests second-order sweeps)."""
+        return None
+
     def sparse_laplacian(
         self,
         f: Callable[[Array], Array],

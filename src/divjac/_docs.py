@@ -374,14 +374,19 @@ _DOCS: dict[str, _Doc] = {
         sample returning a scalar (a variable coefficient, evaluated on each sample, not
         differentiated). ``"exact"`` (and ``"auto"``): the terms grouped by order, each order's
         distinct directions carrying their summed weights; order 1 is one JVP, order 2 one
-        collapsed Taylor sweep, orders 3 and 4 a second-order sweep of the second-order sweep
-        along each direction. ``"hutchinson"`` and ``"stde"`` (the same estimator): order 1
-        and an order with one direction are exact; the budget ``num_probes`` is split over the
-        other orders by their weights' mass (2 probes each at least), and an order whose
-        distinct directions fit in its share is computed exactly (its directions leave the
-        budget, the rest is split again); in each remaining order, its share of (direction,
-        weight) pairs is drawn per sample with probabilities ``p_j`` proportional to
-        ``|w_j| |v_j|^d`` (``w_j``'s number coefficients), each giving
+        collapsed Taylor sweep, orders 3 and 4 one collapsed Taylor sweep of that order (JAX:
+        each direction's lower Taylor coefficients, the top one summed over the directions;
+        PyTorch: a second-order sweep of the second-order sweep along each direction).
+        ``"auto"`` with number coefficients, where the Hessian's pattern has a diagonal
+        coloring (at most half the inputs' colors): the pure powers ``d^k u/dx_i^k`` of one
+        color are one direction, so a separable ``u``'s diagonal terms (a sum over particles)
+        take its colors' directions, not one per input. ``"hutchinson"`` and ``"stde"`` (the
+        same estimator): order 1 and an order with one direction are exact; the budget
+        ``num_probes`` is split over the other orders by their weights' mass (2 probes each at
+        least), and an order whose distinct directions fit in its share is computed exactly
+        (its directions leave the budget, the rest is split again); in each remaining order,
+        its share of (direction, weight) pairs is drawn per sample with probabilities ``p_j``
+        proportional to ``|w_j| |v_j|^d`` (``w_j``'s number coefficients), each giving
         ``w_j (v_j . grad)^d u / p_j`` (unbiased).""",
         """A function with ``u``'s signature returning the operator per sample, with the
         shape of ``u``'s output.""",

@@ -9,11 +9,16 @@ their summed weights (the coefficients times the interpolation weights, per samp
 coefficient is), and ``sum_k w_k (v_k . grad)^d u`` is one computation per order: order 1 a JVP
 along the weighted sum of the directions (linear in them), order 2 one collapsed second-order
 Taylor sweep (the weights summed before they are propagated, as the Laplacian's), orders 3 and
-4 the first- and second-order terms of a second-order sweep of the second-order sweep along
-each direction (``(v . grad)^2`` of ``(v . grad)^2 u``), the directions a batch axis in chunks
-(:meth:`~divjac._backend.Backend.map_stacked`). The stochastic methods compute exactly the
-orders their budget pays for and sample the (direction, weight) pairs of the others
-(:func:`_sampled_values`). Imports neither JAX nor PyTorch.
+4 one collapsed Taylor sweep of that order where the backend has one
+(:meth:`~divjac._backend.Backend.taylor_sweep`: each direction's lower coefficients, the top
+one summed), else the first- and second-order terms of a second-order sweep of the
+second-order sweep along each direction (``(v . grad)^2`` of ``(v . grad)^2 u``), the
+directions a batch axis in chunks (:meth:`~divjac._backend.Backend.map_stacked`). With
+``method="auto"``, where the Hessian's pattern has a diagonal coloring, the pure powers
+``d^k u/dx_i^k`` of one color are one direction (:func:`divjac._core.partials.merged`): a
+separable ``u``'s diagonal terms cost its colors, not its inputs. The stochastic methods
+compute exactly the orders their budget pays for and sample the (direction, weight) pairs of
+the others (:func:`_sampled_values`). Imports neither JAX nor PyTorch.
 """
 
 from __future__ import annotations
@@ -186,10 +191,18 @@ def _first(call: Call, directions: Array) -> Array:
     return linear.passes(directions, lambda c: c, lambda c, t, pushed: pushed, chunk, shared=False)
 
 
-def _powers(call: Call, order: int, directions: Array, chunk_size: int | None) -> Array:
-    """``(v . grad)^order u`` ``[K, B, *out]`` for ``order`` 3 or 4: the first- or second-order
+def _powers(
+    call: Call, order: int, directions: Array, weights: Array | None, chunk_size: int | None
+) -> Array:
+    """``(v . grad)^order u`` for ``order`` 3 or 4: each term ``[K, B, *out]`` with
+    ``weights=None``, else ``sum_k w_k (v_k . grad)^order u`` ``[B, *out]``. One collapsed
+    Taylor sweep of that order where the backend has one, else the first- or second-order
     term of the second-order sweep, along ``v``, of the second-order sweep along ``v``."""
     backend, f, traced = call.backend, _values(call), call.traced
+    chunk = sweep_chunk(call, int(directions.shape[0]), chunk_size)
+    swept = backend.taylor_sweep(f, call.xb, directions, order, weights=weights, chunk=chunk)
+    if swept is not None:
+        return swept
 
     def power(v: Array) -> Array:
         def second(xb: Array) -> Array:
@@ -200,8 +213,8 @@ def _powers(call: Call, order: int, directions: Array, chunk_size: int | None) -
         swept = backend.second_order_sweep(second, call.xb, v[None], weights=None, collapse=False)
         return swept[order - 2][0]
 
-    chunk = sweep_chunk(call, int(directions.shape[0]), chunk_size)
-    return backend.map_stacked(power, directions, chunk)
+    terms = backend.map_stacked(power, directions, chunk)
+    return terms if weights is None else _weighted_sum(weights, terms)
 
 
 def _order_terms(call: Call, order: int, directions: Array, chunk_size: int | None) -> Array:
@@ -215,7 +228,7 @@ def _order_terms(call: Call, order: int, directions: Array, chunk_size: int | No
         return _first(call, full)
     if order == 2:
         return _sweep(call, directions, None, collapse=False, chunk_size=chunk_size)
-    return _powers(call, order, directions, chunk_size)
+    return _powers(call, order, directions, None, chunk_size)
 
 
 def _order_value(
@@ -232,7 +245,9 @@ def _order_value(
         return _order_terms(call, 1, combined.reshape(1, -1, *call.in_sample), chunk)[0]
     if order == 2:
         return _sweep(call, directions, weights, collapse=True, chunk_size=chunk)
-    return _weighted_sum(weights, _order_terms(call, order, directions, chunk))
+    if order == 1:  # coupled: a JVP per sample and direction
+        return _weighted_sum(weights, _order_terms(call, 1, directions, chunk))
+    return _powers(call, order, directions, weights, chunk)
 
 
 def _exact_values(
@@ -406,6 +421,15 @@ def _operator(
     def held_constants(call: Call) -> np.ndarray:
         return constants
 
+    def colored(call: Call) -> tuple[list[partials.OrderPlan], np.ndarray] | None:
+        """The plans merged by the colors of the Hessian's pattern (where ``"auto"`` found
+        them, and every coefficient is a number), with their one term's coefficient."""
+        colors = _plan(call, opts.method, stochastic_method).colors
+        if colors is None or not all(_is_number(c) for c in coefficients):
+            return None
+        plans = _planned(call, alphas)
+        return [partials.merged(p, constants, colors) for p in plans], np.ones(1)
+
     def values(call: Call, randomness: Any) -> tuple[Array, Array | None]:
         plans = backend.ahead(_planned, call, alphas)
         coupled = backend.ahead(_plan, call, opts.method, stochastic_method).coupled
@@ -415,6 +439,9 @@ def _operator(
         c = _coefficients(call, coefficients, backend.ahead(held_constants, call))
         if stochastic_method:
             return _sampled_values(call, plans, c, opts, randomness)
+        merged = None if coupled else backend.ahead(colored, call)
+        if merged is not None:
+            plans, c = merged[0], (merged[1], None)
         result = _exact_values(call, plans, c, coupled=coupled, chunk=opts.chunk_size)
         return result, (backend.zeros_like(result) if opts.return_stderr else None)
 

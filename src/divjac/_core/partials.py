@@ -28,7 +28,7 @@ from itertools import product
 
 import numpy as np
 
-__all__ = ["MAX_ORDER", "OrderPlan", "interpolation", "plan"]
+__all__ = ["MAX_ORDER", "OrderPlan", "interpolation", "merged", "plan"]
 
 MAX_ORDER = 4
 """The highest order of a mixed partial the transforms compute."""
@@ -126,3 +126,33 @@ def plan(alphas: Sequence[Sequence[int]], n: int) -> list[OrderPlan]:
                 weights[k, t] = float(w)
         plans.append(OrderPlan(order, directions, weights))
     return plans
+
+
+def merged(plan_: OrderPlan, constants: np.ndarray, colors: np.ndarray) -> OrderPlan:
+    """``plan_`` with its weights folded with the terms' number coefficients ``constants``
+    (weights ``(K', 1)``: one term) and, from order 2, its pure powers ``(a e_i . grad)^d u``
+    merged per color of ``colors``, a diagonal coloring of the Hessian's pattern.
+
+    Inputs ``i != j`` of one color have ``H_ij = 0`` wherever ``u`` is defined, so ``u`` is a
+    sum of a function without ``x_j`` and one without ``x_i``, and every mixed partial of
+    ``x_i`` and ``x_j`` is zero: ``(sum_i s_i e_i . grad)^d u = sum_i s_i^d d^d u/dx_i^d``
+    over a color's inputs. The pure powers of one color (and, for an even ``d``, one sign of
+    weight) become one direction ``sum_i |w_i|^(1/d) e_i`` (signed for an odd ``d``) of weight
+    1 (or -1); the other directions are kept."""
+    w = plan_.weights @ constants
+    d = plan_.order
+    nonzero = plan_.directions != 0
+    pure = (nonzero.sum(1) == 1) & (w != 0) & (d > 1)
+    kept = [(plan_.directions[k].astype(float), w[k]) for k in np.flatnonzero(~pure)]
+    groups: dict[tuple[int, int], np.ndarray] = {}
+    for k in np.flatnonzero(pure):
+        (i,) = np.flatnonzero(nonzero[k])
+        weight = w[k] * float(plan_.directions[k, i]) ** d  # of d^d u/dx_i^d
+        sign = int(np.sign(weight)) if d % 2 == 0 else 1
+        scale = (abs(weight) ** (1 / d)) * (1 if d % 2 == 0 else np.sign(weight))
+        direction = groups.setdefault((int(colors[i]), sign), np.zeros(plan_.directions.shape[1]))
+        direction[i] = scale
+    kept += [(v, float(sign)) for (_, sign), v in groups.items()]
+    n = plan_.directions.shape[1]
+    directions = np.array([v for v, _ in kept]).reshape(len(kept), n)
+    return OrderPlan(d, directions, np.array([[c] for _, c in kept]).reshape(len(kept), 1))

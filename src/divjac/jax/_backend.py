@@ -24,7 +24,7 @@ from jax.experimental import sparse as jsparse
 from .._backend import Array, Backend, Entries, Finish, Linear, Point, Seed
 from .._core import nonzero_codes, plan
 from .._errors import OptionError
-from . import _compat, _sharding, _sparse_taylor, _taylor
+from . import _compat, _sharding, _sparse_taylor, _taylor, _taylor_high
 from ._detect import Traced, is_array, trace
 from ._tangent_passes import pushes, varying_axes, varying_like
 
@@ -290,6 +290,41 @@ class JaxBackend(Backend[Traced]):
         """``traced`` and ``point`` are not needed: ``f`` is traced anew, as every call's
         passes are."""
         return _taylor.second_order_sweep(f, x, directions, weights=weights, collapse=collapse)
+
+    def taylor_sweep(
+        self,
+        f: Callable[[jax.Array], jax.Array],
+        x: jax.Array,
+        directions: jax.Array,
+        order: int,
+        *,
+        weights: jax.Array | None,
+        chunk: int,
+    ) -> jax.Array:
+        """Chunks of ``chunk`` directions by ``lax.map`` (the last padded with zero
+        directions, whose terms are zero)."""
+        k = int(directions.shape[0])
+        if chunk >= k:
+            return _taylor_high.taylor_sweep(
+                f, x, directions, order, weights=weights, collapse=weights is not None
+            )
+        n = -(-k // chunk)
+
+        def padded(a: jax.Array) -> jax.Array:
+            pad = jnp.zeros((n * chunk - k, *a.shape[1:]), a.dtype)
+            return jnp.concatenate([a, pad]).reshape(n, chunk, *a.shape[1:])
+
+        if weights is None:
+            terms = lax.map(
+                lambda v: _taylor_high.taylor_sweep(f, x, v, order, collapse=False),
+                padded(directions),
+            )
+            return terms.reshape(n * chunk, *terms.shape[2:])[:k]
+        parts = lax.map(
+            lambda vw: _taylor_high.taylor_sweep(f, x, vw[0], order, weights=vw[1]),
+            (padded(directions), padded(weights)),
+        )
+        return parts.sum(0)
 
     def sparse_laplacian(
         self,

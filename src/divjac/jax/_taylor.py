@@ -74,19 +74,9 @@ def second_order_sweep(
         ``second`` as ``collapse`` says.
     """
     k = int(directions.shape[0])
-    v = directions.astype(x.dtype)
-    # Every first-order term lies behind its sample (_Passes.behind): the sums over the passes
-    # then reduce blocks that stay in cache, fused with their operands (a tanh MLP of width
-    # 256, d = 64, B = 256: 1.4x faster than with the passes in front, as folx lays them out).
-    if v.shape[1] == x.shape[0]:
-        seed: Any = Passes.behind(varying_like(v, x))
-    else:  # shared by the samples: kept unbroadcast until an operation needs the batch
-        seed = Bcast(Passes(varying_like(v[:, 0], x)), tuple(x.shape), (0,), behind=True)
+    seed, closed = seeded(f, x, directions)
     apart = not collapse or (weights is not None and weights.ndim == 2)
     w = None if weights is None or apart else weights.astype(x.dtype)
-    closed = jax.make_jaxpr(f)(x)
-    if len(closed.jaxpr.outvars) != 1:
-        closed = jax.make_jaxpr(lambda p: jnp.asarray(f(p)))(x)
     sweep = Sweep(w, apart)
     ((y, t, s),) = sweep.eval(closed.jaxpr, closed.consts, [(x, seed, None)])
     t = real(t)
@@ -95,6 +85,27 @@ def second_order_sweep(
         second = s.front() if isinstance(s, Passes) else jnp.zeros((k, *jnp.shape(y)), y.dtype)
         return y, first, second if not collapse else _weighted_sum(second, weights)
     return y, first, jnp.zeros_like(y) if s is None else jnp.broadcast_to(s, jnp.shape(y))
+
+
+def seeded(
+    f: Callable[[jax.Array], jax.Array], x: jax.Array, directions: jax.Array, behind: bool = True
+) -> Any:
+    """``(seed, closed)``: the directions ``[K, B or 1, *in]`` as the input's first-order
+    terms (laid out behind the samples, or with ``behind=False`` in front), and the jaxpr of
+    ``f`` at ``x`` (one output)."""
+    v = directions.astype(x.dtype)
+    # Every first-order term lies behind its sample (_Passes.behind): the sums over the passes
+    # then reduce blocks that stay in cache, fused with their operands (a tanh MLP of width
+    # 256, d = 64, B = 256: 1.4x faster than with the passes in front, as folx lays them out).
+    if v.shape[1] == x.shape[0]:
+        own = varying_like(v, x)
+        seed: Any = Passes.behind(own) if behind else Passes(own)
+    else:  # shared by the samples: kept unbroadcast until an operation needs the batch
+        seed = Bcast(Passes(varying_like(v[:, 0], x)), tuple(x.shape), (0,), behind=behind)
+    closed = jax.make_jaxpr(f)(x)
+    if len(closed.jaxpr.outvars) != 1:
+        closed = jax.make_jaxpr(lambda p: jnp.asarray(f(p)))(x)
+    return seed, closed
 
 
 def _weighted_sum(terms: Any, weights: jax.Array | None) -> jax.Array:
@@ -120,7 +131,63 @@ _BILINEAR = {"mul", "dot_general", "conv_general_dilated"}
 _Value = tuple[Any, Any, Any]  # (primal, first-order terms or None, second-order term or None)
 
 
-class Sweep:
+class Interpreter:
+    """A sweep over a jaxpr carrying a tuple per variable, its value first: the equations
+    without a dependent operand (or without inexact outputs) are evaluated, the calls of
+    :data:`~divjac.jax._ops.SWEPT_CALLS` swept inline, the others left to :meth:`equation`."""
+
+    def constant_value(self, value: Any) -> Any:
+        """The tuple of a value that depends on no input."""
+        raise NotImplementedError
+
+    def depends(self, value: Any) -> bool:
+        raise NotImplementedError
+
+    def equation(self, eqn: Any, ins: list[Any], dep: list[int]) -> list[Any]:
+        raise NotImplementedError
+
+    def constant(self, eqn: Any, values: list[Any]) -> Any:
+        """An equation without terms (no dependent operand, or integer outputs)."""
+        return bind(eqn, *values)
+
+    def eval(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        env: dict[Any, Any] = {}
+
+        def read(v: Any) -> Any:
+            return self.constant_value(v.val) if isinstance(v, _compat.Literal) else env[v]
+
+        for var, val in zip(jaxpr.constvars, consts, strict=True):
+            env[var] = self.constant_value(val)
+        for var, arg in zip(jaxpr.invars, args, strict=True):
+            env[var] = arg
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            dep = [i for i, value in enumerate(ins) if self.depends(value)]
+            if not dep or not any(inexact(v.aval) for v in eqn.outvars):
+                out = self.constant(eqn, [value[0] for value in ins])
+                many = out if eqn.primitive.multiple_results else [out]
+                outs = [self.constant_value(o) for o in many]
+            elif eqn.primitive.name in SWEPT_CALLS:
+                outs = self.eval(*_compat.open_jaxpr(_compat.called(eqn)), ins)
+            else:
+                outs = self.equation(eqn, ins, dep)
+            for var, val in zip(eqn.outvars, outs, strict=True):
+                env[var] = val
+        return [read(v) for v in jaxpr.outvars]
+
+
+def is_linear(eqn: Any, dep: list[int]) -> bool:
+    """Whether ``eqn`` is linear (or piecewise linear) in its dependent operands ``dep``."""
+    name = eqn.primitive.name
+    fact = ELEMENTWISE.get(name)
+    return (
+        ((name in _LINEAR or (fact is not None and fact.linear)) and not _complex_abs(eqn))
+        or (name in _BILINEAR and len(dep) == 1)
+        or (name == "div" and dep == [0])
+    )
+
+
+class Sweep(Interpreter):
     """One collapsed Taylor sweep: ``w`` the weights ``[K]`` (``None``: all 1) of the summed
     second-order term, or ``apart``: keep one second-order term per pass (unweighted)."""
 
@@ -128,42 +195,16 @@ class Sweep:
         self.w = w
         self.apart = apart
 
-    def eval(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[_Value]) -> list[_Value]:
-        env: dict[Any, _Value] = {}
+    def constant_value(self, value: Any) -> _Value:
+        return (value, None, None)
 
-        def read(v: Any) -> _Value:
-            return (v.val, None, None) if isinstance(v, _compat.Literal) else env[v]
-
-        for var, val in zip(jaxpr.constvars, consts, strict=True):
-            env[var] = (val, None, None)
-        for var, arg in zip(jaxpr.invars, args, strict=True):
-            env[var] = arg
-        for eqn in jaxpr.eqns:
-            ins = [read(v) for v in eqn.invars]
-            dep = [i for i, (_, t, _) in enumerate(ins) if t is not None]
-            if not dep or not any(inexact(v.aval) for v in eqn.outvars):
-                out = self.constant(eqn, [p for p, _, _ in ins])
-                outs = [(o, None, None) for o in (out if eqn.primitive.multiple_results else [out])]
-            else:
-                outs = self.equation(eqn, ins, dep)
-            for var, val in zip(eqn.outvars, outs, strict=True):
-                env[var] = val
-        return [read(v) for v in jaxpr.outvars]
-
-    def constant(self, eqn: Any, values: list[Any]) -> Any:
-        """An equation without terms (no dependent operand, or integer outputs)."""
-        return bind(eqn, *values)
+    def depends(self, value: _Value) -> bool:
+        return value[1] is not None
 
     def equation(self, eqn: Any, ins: list[_Value], dep: list[int]) -> list[_Value]:
         name = eqn.primitive.name
-        if name in SWEPT_CALLS:
-            return self.eval(*_compat.open_jaxpr(_compat.called(eqn)), ins)
         fact = ELEMENTWISE.get(name)
-        if (
-            ((name in _LINEAR or (fact is not None and fact.linear)) and not _complex_abs(eqn))
-            or (name in _BILINEAR and len(dep) == 1)
-            or (name == "div" and dep == [0])
-        ):
+        if is_linear(eqn, dep):
             return self.linear(eqn, ins, dep)
         if fact is not None and fact.curvature is not None and len(ins) == 1:
             ((y, t, s),) = self.linear(eqn, ins, dep)
@@ -190,10 +231,10 @@ class Sweep:
         """The values and first-order terms of ``eqn``'s outputs (its linearization pushed for
         every pass), and the first part ``dp(a)[d2a]`` of their second-order terms."""
         primals = [p for p, _, _ in ins]
-        fn = _partial(eqn, primals, dep)
+        fn = as_function(eqn, primals, dep)
         ys, lin = jax.linearize(fn, *(primals[i] for i in dep))
         closed = jax.make_jaxpr(lin)(*(primals[i] for i in dep))
-        firsts = [_tangent(o) for o in _eval(closed.jaxpr, closed.consts, [ins[i][1] for i in dep])]
+        firsts = [pushed(o) for o in _eval(closed.jaxpr, closed.consts, [ins[i][1] for i in dep])]
         seconds: list[Any] = [None] * len(ys)
         if any(ins[i][2] is not None for i in dep):
             s_in = [jnp.zeros_like(primals[i]) if ins[i][2] is None else ins[i][2] for i in dep]
@@ -276,7 +317,7 @@ class Sweep:
     def fallback(self, eqn: Any, ins: list[_Value], dep: list[int]) -> list[_Value]:
         """Any other equation: ``jvp`` of ``jvp`` of it, batched over the passes."""
         primals = [p for p, _, _ in ins]
-        fn = _partial(eqn, primals, dep)
+        fn = as_function(eqn, primals, dep)
         floats = [i for i, v in enumerate(eqn.outvars) if inexact(v.aval)]
         at = tuple(primals[i] for i in dep)
 
@@ -323,7 +364,7 @@ def _product(a: Passes, b: Passes) -> tuple[jax.Array, int]:
     return va * vb, 0
 
 
-def _partial(eqn: Any, primals: list[Any], dep: list[int]) -> Callable[..., list[Any]]:
+def as_function(eqn: Any, primals: list[Any], dep: list[int]) -> Callable[..., list[Any]]:
     """``eqn`` as a function of its dependent operands (the others fixed), a list of outputs."""
 
     def fn(*args: Any) -> list[Any]:
@@ -336,7 +377,7 @@ def _partial(eqn: Any, primals: list[Any], dep: list[int]) -> Callable[..., list
     return fn
 
 
-def _tangent(value: Any) -> Any:
+def pushed(value: Any) -> Any:
     """A pushed first-order value, or ``None`` where no pass reached it (a zero)."""
     if isinstance(value, Passes) or (isinstance(value, Bcast) and isinstance(value.base, Passes)):
         return value
