@@ -27,7 +27,8 @@ NEWEST_CORE_TESTS := src/divjac/_core tests/core
 # (which make test also takes on the pinned torch, by pretending), the refusal of torch.compile,
 # the transforms and the context matrix. Opt-in: its install is too heavy for every CI run.
 TORCH_FLOOR_TESTS := tests/torch/test_floor.py tests/torch/test_compile.py \
-	tests/torch/test_transforms.py tests/torch/test_contexts.py
+	tests/torch/test_transforms.py tests/torch/test_contexts.py tests/torch/test_conformance.py \
+	tests/torch/test_sparsity.py tests/torch/test_taylor.py tests/torch/test_compat_seam.py
 
 .PHONY: install demo test test-conformance test-slow test-matrix test-gpu lint typecheck pytest test-lowest test-newest test-torch-floor bench bench-quick clean
 
