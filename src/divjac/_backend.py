@@ -467,15 +467,30 @@ class Backend(abc.ABC, Generic[TracedT]):
         otherwise it spans the whole batch (``n_seed = B * n``).
         """
 
-    @abc.abstractmethod
-    def take_entries(self, compressed: Array, entries: Entries) -> Array:
-        """``compressed[which, :, within].T``: per sample (``(B, nnz)``), the entries of the
-        passes ``(k, B, m)`` at the (unique) pairs of pass and element of ``entries``."""
+    def held_entries(self, entries: Entries, like: Array) -> tuple[Array, ...] | None:
+        """The index arrays a plan of ``entries`` holds for :meth:`take_entries` and
+        :meth:`densify` (on the device of ``like``), where the plan is made ahead of a compiler
+        that runs no NumPy of it (``torch.compile``); ``None``: read from ``entries``."""
+        return None
 
     @abc.abstractmethod
-    def densify(self, values: Array, entries: Entries, shape: tuple[int, int, int]) -> Array:
+    def take_entries(
+        self, compressed: Array, entries: Entries, held: tuple[Array, ...] | None = None
+    ) -> Array:
+        """``compressed[which, :, within].T``: per sample (``(B, nnz)``), the entries of the
+        passes ``(k, B, m)`` at the (unique) pairs of pass and element of ``entries``
+        (``held``: its :meth:`held_entries`)."""
+
+    @abc.abstractmethod
+    def densify(
+        self,
+        values: Array,
+        entries: Entries,
+        shape: tuple[int, int, int],
+        held: tuple[Array, ...] | None = None,
+    ) -> Array:
         """The dense ``(B, n_out, n_in)`` array holding ``values`` (``(B, nnz)``) at the
-        nonzeros of ``entries``."""
+        nonzeros of ``entries`` (``held``: its :meth:`held_entries`)."""
 
     # --- randomness and sparse results --------------------------------------------------------
 

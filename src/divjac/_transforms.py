@@ -199,11 +199,13 @@ class _JacobianPlan:
         entries: the nonzeros and the pass and element of the pass holding each: a sparse
             plan's decompression; ``None``: dense passes. Kept with the plan, the same arrays
             at every call.
+        held: the backend's index arrays of ``entries`` (:meth:`Backend.held_entries`).
     """
 
     reverse: bool
     seeds: Seeds | None
     entries: Entries | None = None
+    held: tuple[Any, ...] | None = None
 
 
 def jacobian_values(call: Call, mode: Mode, chunk_size: int | None) -> tuple[Array, Any]:
@@ -254,7 +256,8 @@ def _pattern_plan(
     entries = _nonzeros(
         pattern, the_plan.colors, reverse=the_plan.reverse, narrow=call.backend.narrow_indices
     )
-    return _JacobianPlan(the_plan.reverse, planned, entries)
+    held = call.backend.held_entries(entries, call.xb)
+    return _JacobianPlan(the_plan.reverse, planned, entries, held)
 
 
 def _planned_jacobian(call: Call, planned: _JacobianPlan) -> tuple[Array, Any]:
@@ -265,9 +268,9 @@ def _planned_jacobian(call: Call, planned: _JacobianPlan) -> tuple[Array, Any]:
     passes, aux = compressed(call, planned.seeds)  # (k, B, n_other)
     if planned.entries is None:
         return backend.moveaxis(passes, 0, 1 if planned.reverse else 2), aux
-    values = backend.take_entries(passes, planned.entries)
+    values = backend.take_entries(passes, planned.entries, planned.held)
     shape = (call.batch_size, call.n_out, call.n_in)
-    return backend.densify(values, planned.entries, shape), aux
+    return backend.densify(values, planned.entries, shape, planned.held), aux
 
 
 def _nonzeros(

@@ -572,3 +572,26 @@ def test_second_order_terms_of_a_function_with_parameters_compile(name: str, bac
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2), _Gain()).double()
     _check_compiled(_second_order(net)[name], net, backend=backend)
+
+
+@pytest.mark.parametrize("which", ["jacobian", "hessian"])
+def test_sparse_decompression_compiles(which: str) -> None:
+    """A sparse plan's decompression under ``torch.compile(fullgraph=True)``: ``jacobian`` of a
+    convolution network with ``mode="sparse"``, a sparse Hessian of a sum over pairs of
+    coordinates. The plan's index arrays (NumPy, made ahead of dynamo's trace) were read inside
+    it: raw 'Failed to convert args/kwargs to proxy' (found by the context matrix). Equal to
+    eager, also after an in-place update of the weights."""
+    torch.manual_seed(0)
+    if which == "jacobian":
+        net = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Tanh(), nn.Conv2d(2, 1, 3, padding=1))
+        transform = dj.jacobian(net.double(), mode="sparse")
+        x = torch.randn(2, 1, 6, 6, dtype=torch.float64)
+    else:
+        net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+        transform = dj.hessian(lambda x: net(x.reshape(-1, 3, 2)).sum((1, 2)), mode="sparse")
+        x = torch.randn(2, 6, dtype=torch.float64)
+    compiled = torch.compile(lambda x: transform(x), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), transform(x), rtol=1e-12, atol=1e-14)
+    with torch.no_grad():
+        net[0].weight.mul_(0.5)
+    torch.testing.assert_close(compiled(x), transform(x), rtol=1e-12, atol=1e-14)

@@ -378,27 +378,8 @@ def test_context_matrix(case: Case) -> None:
     check(case)
 
 
-_OPEN = {
-    "hessian-sparse-solve-no_grad-float32-compiled-functional": (
-        "issue 41, open: torch.compile(fullgraph=True) of a sparse Hessian whose plan pulls rows "
-        "(a linalg.solve model) reads the plan's host indices (Entries.within) inside dynamo's "
-        "trace: raw 'Unsupported: Failed to convert args/kwargs to proxy'"
-    ),
-}
-"""Cases of the matrix that find an open divjac defect: strict expected failures, named."""
-
-
 @pytest.mark.matrix
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=_OPEN[c.id]))
-        if c.id in _OPEN
-        else c
-        for c in SLOW
-    ],
-    ids=lambda c: c.id,
-)
+@pytest.mark.parametrize("case", SLOW, ids=lambda c: c.id)
 def test_context_matrix_pairwise(case: Case) -> None:
     check(case)
 

@@ -411,11 +411,13 @@ class JaxBackend(Backend[Traced]):
 
         return read
 
-    def take_entries(self, compressed: jax.Array, entries: Entries) -> jax.Array:
+    def take_entries(
+        self, compressed: jax.Array, entries: Entries, held: tuple[jax.Array, ...] | None = None
+    ) -> jax.Array:
         """One gather at flat indices ``which * m + within`` (int32 where it fits), in bounds
         and unique (no index normalization), from the passes laid out ``(B, k * m)`` (a
         reshape, no copy, for one sample). The indices are computed in the program from the
-        plan's columns, rows' counts and colouring (:func:`_nonzeros`)."""
+        plan's columns, rows' counts and colouring (:func:`_nonzeros`; nothing is held)."""
         n_passes, batch, m = compressed.shape
         dtype = _index_dtype((n_passes, m))
         rows, cols = _nonzeros(entries)
@@ -436,7 +438,11 @@ class JaxBackend(Backend[Traced]):
         )
 
     def densify(
-        self, values: jax.Array, entries: Entries, shape: tuple[int, int, int]
+        self,
+        values: jax.Array,
+        entries: Entries,
+        shape: tuple[int, int, int],
+        held: tuple[jax.Array, ...] | None = None,
     ) -> jax.Array:
         """One scatter at the sorted, unique flat positions ``rows * n_in + cols``, sharded as
         ``values`` along the batch where its mesh axis is ``Explicit`` (JAX does not infer the

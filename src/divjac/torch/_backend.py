@@ -499,17 +499,40 @@ class TorchBackend(Backend[Traced]):
         """Masks the pushed tangent with the (indicator) tangent itself."""
         return _DiagonalSums(batch_size)
 
-    def take_entries(self, compressed: torch.Tensor, entries: Entries) -> torch.Tensor:
+    def held_entries(self, entries: Entries, like: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """Made ahead of dynamo's trace (which runs no NumPy of the plan): the index tensors,
+        constants of the compiled graph. Eagerly ``None``: made once per host array
+        (:func:`resident`)."""
+        if not Ahead.active:
+            return None
+        host = (entries.which, entries.within, entries.rows, entries.cols)
+        return tuple(torch.as_tensor(a, device=like.device) for a in host)
+
+    def take_entries(
+        self,
+        compressed: torch.Tensor,
+        entries: Entries,
+        held: tuple[torch.Tensor, ...] | None = None,
+    ) -> torch.Tensor:
         device = compressed.device
+        if held is not None:
+            return compressed[held[0], :, held[1]].T
         which, within = resident(entries.which, device), resident(entries.within, device)
         return compressed[which, :, within].T
 
     def densify(
-        self, values: torch.Tensor, entries: Entries, shape: tuple[int, int, int]
+        self,
+        values: torch.Tensor,
+        entries: Entries,
+        shape: tuple[int, int, int],
+        held: tuple[torch.Tensor, ...] | None = None,
     ) -> torch.Tensor:
         B, n_out, n_in = shape
         device = values.device
-        flat = resident(entries.rows, device) * n_in + resident(entries.cols, device)
+        if held is not None:
+            flat = held[2] * n_in + held[3]
+        else:
+            flat = resident(entries.rows, device) * n_in + resident(entries.cols, device)
         dense = values.new_zeros(B, n_out * n_in).index_copy(1, flat, values)
         return dense.reshape(B, n_out, n_in)
 
