@@ -174,9 +174,12 @@ def _by_reverse(
     ``_linalg_solve_ex``), so any derivative of a forward derivative of them is wrong, also
     where an outer sweep differentiates the program of this one (``bilaplacian``). With grad
     mode on: under the caller's ``no_grad`` the backward of the VJP is not differentiated (and
-    the solve's backward itself reads the LU)."""
+    the solve's backward itself reads the LU); its results are then detached, as the caller's
+    mode records nothing (they required grad, through the parameters, under ``no_grad``)."""
+    grad_on = torch.is_grad_enabled()
     with torch.enable_grad():
         y, pull = vjp(fn, *primals)[:2]
         zeros = tuple(torch.zeros_like(o) for o in y)
         transposed = vjp(lambda *c: pull(c), *zeros)[1]
-        return cast(tuple[Tensor, ...], transposed(tuple(tangents)))
+        result = cast(tuple[Tensor, ...], transposed(tuple(tangents)))
+    return result if grad_on else tuple(r.detach() for r in result)
