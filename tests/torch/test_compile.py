@@ -595,3 +595,17 @@ def test_sparse_decompression_compiles(which: str) -> None:
     with torch.no_grad():
         net[0].weight.mul_(0.5)
     torch.testing.assert_close(compiled(x), transform(x), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
+def test_compiled_second_order_records_nothing_without_grad(grad: str) -> None:
+    """A compiled ``hessian_diagonal`` called under ``no_grad`` / ``inference_mode``: the
+    values of eager, and no autograd history (its transposed VJPs run with grad on, through
+    the parameters; found by the context matrix)."""
+    net = _mlp()
+    diagonal = dj.hessian_diagonal(lambda x: net(x).sum(1))
+    compiled = torch.compile(lambda x: diagonal(x), fullgraph=True, backend="aot_eager")
+    with torch.no_grad() if grad == "no_grad" else torch.inference_mode():
+        got, want = compiled(_x()), diagonal(_x())
+    assert not got.requires_grad
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
