@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .._errors import InternalError
 from ._ops import ELEMENTWISE
 from ._refusals import check_differentiable_twice
 from ._tangent_passes import Passes, _eval, bind, real
@@ -87,7 +88,8 @@ def taylor_sweep(
     terms = scale * (last.front() if isinstance(last, Passes) else jnp.zeros((k, *jnp.shape(y))))
     if not collapse:
         return terms
-    assert weights is not None
+    if weights is None:
+        raise InternalError("a collapsed sweep kept apart without its weights")
     wk = weights.astype(terms.dtype)
     return (wk.reshape(wk.shape + (1,) * (terms.ndim - wk.ndim)) * terms).sum(0)
 
