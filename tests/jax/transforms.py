@@ -467,7 +467,7 @@ def _patterns() -> dict[str, list[Variant]]:
             Variant(
                 "sparse_jacobian",
                 lambda f, a, _: dj.sparse_jacobian(f, a),
-                lambda b: b.jac_full,
+                lambda b: b.jac,  # per-sample (n_out, n_in) matrices
                 differentiable=False,
                 out=lambda r: r.todense(),
             )
