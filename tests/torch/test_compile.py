@@ -4,10 +4,12 @@ parameter gradients equal eager ones (float64)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -404,18 +406,87 @@ def test_batch_norm_in_eval_mode_compiles() -> None:
 
 def test_compile_is_refused_naming_the_release(monkeypatch) -> None:
     """On a torch whose dynamo cannot evaluate divjac's setup ahead of its trace (2.11), a
-    compiled transform raises :class:`~divjac.CompileError` naming the release it needs (dynamo
-    wraps it, its message kept), and the transform still runs outside the compiled region."""
+    compiled transform raises :class:`~divjac.CompileError` naming the release it needs and the
+    upstream defect (dynamo wraps it, its message kept), and the transform still runs outside
+    the compiled region (:func:`test_compiles_says_where_dynamo_falls_short`: which torch)."""
     from divjac.torch import _backend, _compat
 
     if _compat.COMPILES:
         monkeypatch.setattr(_backend, "COMPILES", False)
     net = _mlp()
     f = dj.divergence(net)
-    with pytest.raises(Exception, match=r"CompileError: divjac under torch\.compile needs 2\.13"):
+    needs = r"CompileError: divjac under torch\.compile needs 2\.13.*pytorch/pytorch#173103"
+    with pytest.raises(Exception, match=needs):
         torch.compile(lambda x: f(x), fullgraph=True, backend="aot_eager")(_x())
     want = torch.func.vmap(lambda s: torch.func.jacrev(net)(s).trace())(_x())
     torch.testing.assert_close(f(_x()), want)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    scale: torch.Tensor
+
+    def __call__(self, row: torch.Tensor) -> torch.Tensor:
+        return row * self.scale
+
+
+def _module_to_a_constant_function(x: torch.Tensor) -> torch.Tensor:
+    """A module passed to a function dynamo evaluates as a constant (pytorch/pytorch#173103)."""
+    return x * _width(_LINEAR)
+
+
+def _truth_of_a_set_off_a_constant(x: torch.Tensor) -> torch.Tensor:
+    """A set read off the result of a function dynamo evaluates as a constant, tested."""
+    return x + 1 if _kinds().kinds else x
+
+
+def _frozen_dataclass_inside_vmap(x: torch.Tensor) -> torch.Tensor:
+    """A method of a frozen dataclass made in the region, called inside ``vmap``, reading a
+    field (pytorch/pytorch#173221)."""
+    frozen = _Frozen(x.sum())
+    return torch.func.vmap(lambda row: frozen(row))(x)
+
+
+def _locals_read(x: torch.Tensor) -> torch.Tensor:
+    """``locals()``, which divjac's public functions read to make a transform."""
+    return x * len(locals())
+
+
+@torch._dynamo.assume_constant_result
+def _width(module: nn.Module) -> int:
+    return int(module.in_features)
+
+
+@torch._dynamo.assume_constant_result
+def _kinds() -> Any:
+    return types.SimpleNamespace(kinds=frozenset({"layer"}))
+
+
+_LINEAR = nn.Linear(3, 2)
+
+
+@pytest.mark.parametrize(
+    "gap",
+    [
+        _module_to_a_constant_function,
+        _truth_of_a_set_off_a_constant,
+        _frozen_dataclass_inside_vmap,
+        _locals_read,
+    ],
+)
+def test_compiles_says_where_dynamo_falls_short(gap: Callable[..., torch.Tensor]) -> None:
+    """``COMPILES`` is false exactly on a torch whose dynamo falls short of what divjac's
+    compiled transforms need (torch 2.11: each of these fails, a ``CompileError`` is the
+    answer there); 2.13 and later compile each of them."""
+    from divjac.torch import _compat
+
+    x = torch.ones(2, 3)
+    compiled = torch.compile(gap, fullgraph=True, backend="eager")
+    if _compat.COMPILES:
+        torch.testing.assert_close(compiled(x), gap(x))
+    else:
+        with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+            compiled(x)
 
 
 class _Gain(nn.Module):

@@ -199,9 +199,10 @@ def _check_compilable(traced: Traced) -> None:
 def _refuse_compile() -> None:
     raise CompileError(
         f"divjac under torch.compile needs 2.13 or a later torch (this is {torch.__version__}, "
-        "whose dynamo cannot evaluate divjac's setup ahead of its trace). Call the divjac "
-        "transform outside the compiled region (or under torch.compiler.disable), or "
-        "upgrade to torch>=2.13."
+        "whose dynamo cannot evaluate divjac's setup ahead of its trace: it passes no module or "
+        "other object to a function marked assume_constant_result, pytorch/pytorch#173103). "
+        "Call the divjac transform outside the compiled region (or under "
+        "torch.compiler.disable), or upgrade to torch>=2.13."
     )
 
 

@@ -432,10 +432,16 @@ def release() -> tuple[int, int]:
 
 
 COMPILES = release() >= (2, 13)
-"""Whether divjac's transforms run under ``torch.compile``: from torch 2.13 on. Before it
-(2.11), dynamo's ``assume_constant_result``, which evaluates divjac's setup ahead of the trace
-(:mod:`divjac.torch._compile_setup`), takes tensors and constants only, and ``make_fx`` cannot trace a
-function passed a ``torch.Generator``."""
+"""Whether divjac's transforms run under ``torch.compile``: from torch 2.13 on. 2.11's dynamo
+falls short four times on the way (``tests/torch/test_compile.py`` checks each, on every torch):
+``assume_constant_result``, which evaluates divjac's setup ahead of the trace
+(:mod:`divjac.torch._compile_setup`), takes no module or other object as an argument
+(pytorch/pytorch#173103); a truth test of a dict or set read off its result fails (a guard on a
+constant); a method of a frozen dataclass made in the compiled region (divjac's plans, rebuilt
+there), called inside ``torch.func.vmap``, finds none of its fields (pytorch/pytorch#173221); and
+builtin ``locals()`` (which divjac's public functions read) is not traced, so no transform can be
+made there. (A ``torch.Generator`` passed to an operation is refused apart, compiled or not:
+:func:`generator_untraceable`.)"""
 
 
 def compiler_name() -> str | None:
