@@ -62,7 +62,7 @@ typecheck: install
 	$(BIN)/mypy
 
 pytest: install
-	$(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest -n 2 --durations=15
 
 test: lint typecheck pytest
 
@@ -74,13 +74,13 @@ test-conformance: install
 # The long part of the suite: the conformance matrix's op sweeps, the end-to-end calibration,
 # the examples and the other cases marked slow. .ci/run runs it after make test.
 test-slow: install
-	$(BIN)/python -m pytest -n 2 -m slow
+	$(BIN)/python -m pytest -n 2 --durations=15 -m slow
 
 # The pairwise covers of the JAX and torch context matrices over every model (marker matrix; the
 # default run of make test holds every transform, variant and axis value on the MLP). Not yet
-# in .ci/run (~21 minutes on 2 cores, past CI's 45-minute budget).
+# in .ci/run (~25 minutes on 2 cores: JAX ~17, torch ~8; past CI's 45-minute budget).
 test-matrix: install
-	$(BIN)/python -m pytest -n 2 -m matrix tests/torch/test_contexts.py tests/jax/test_contexts.py
+	$(BIN)/python -m pytest -n 2 --durations=15 --dist loadgroup -m matrix tests/torch/test_contexts.py tests/jax/test_contexts.py
 
 # The device tests (tests/accelerator, marker accelerator) on the GPUs and TPUs present, skipped
 # where none is: divjac from source, on any Python that has the frameworks (no venv, no install:

@@ -14,6 +14,11 @@ from typing import Any
 
 Row = dict[str, Any]
 Allowed = Callable[[str, Any, str, Any], bool]
+Cost = Callable[[Row], float]
+"""The estimated cost of running a row (possibly partial: the axes chosen so far)."""
+RowAllowed = Callable[[Row], bool]
+"""Whether a (partial) row may be run: a constraint among three axes or more, which leaves
+every pair of values to other rows."""
 
 
 def _always(a: str, va: Any, b: str, vb: Any) -> bool:
@@ -37,17 +42,35 @@ def _row_pairs(names: Sequence[str], row: Mapping[str, int]) -> set[tuple]:
     return {((a, row[a]), (b, row[b])) for i, a in enumerate(kept) for b in kept[i + 1 :]}
 
 
-def all_pairs(axes: Mapping[str, Sequence[Any]], allowed: Allowed = _always) -> list[Row]:
+def _unit(row: Row) -> float:
+    return 1.0
+
+
+def _any_row(row: Row) -> bool:
+    return True
+
+
+def all_pairs(
+    axes: Mapping[str, Sequence[Any]],
+    allowed: Allowed = _always,
+    cost: Cost = _unit,
+    row_allowed: RowAllowed = _any_row,
+) -> list[Row]:
     """A deterministic greedy pairwise cover of ``axes`` (name -> values).
 
     Every allowed pair of values of two axes is in some row; every row is allowed pair by pair
-    (``allowed(axis_a, value_a, axis_b, value_b)``, a constraint between two axes). Each row
-    starts from the first pair still uncovered and fills the other axes, in order, with the
-    allowed value that covers most new pairs (the first such value on a tie).
+    (``allowed(axis_a, value_a, axis_b, value_b)``, a constraint between two axes) and as a
+    whole (``row_allowed``, on the axes chosen so far). Each row
+    starts from the costliest pair still uncovered and fills the other axes, in order, with the
+    allowed value that covers most new pairs per unit of ``cost`` (of the row so far with that
+    value; the cheapest where none covers a new pair, the first on a tie): a costly value meets
+    the others in cheap rows (an expensive model in a cheap context), and every pair is still
+    held.
     """
     names = list(axes)
     uncovered = pairs_of(axes, allowed)
-    order = sorted(uncovered)
+    # the costliest pairs first, while the cheap values to complete their rows are still new
+    order = sorted(uncovered, key=lambda p: (-cost({a: axes[a][i] for a, i in p}), p))
     rows: list[Row] = []
     while uncovered:
         start = next(p for p in order if p in uncovered)
@@ -55,17 +78,19 @@ def all_pairs(axes: Mapping[str, Sequence[Any]], allowed: Allowed = _always) -> 
         for name in names:
             if name in chosen:
                 continue
-            best, gain = None, -1
+            best, score = None, (-1.0, -float("inf"))
             for index, value in enumerate(axes[name]):
                 fits = all(
                     allowed(*sorted_pair(name, value, other, axes[other][chosen[other]], names))
                     for other in chosen
                 )
-                if not fits:
+                row = {**chosen, name: index}
+                if not fits or not row_allowed({n: axes[n][i] for n, i in row.items()}):
                     continue
-                new = len(_row_pairs(names, {**chosen, name: index}) & uncovered)
-                if new > gain:
-                    best, gain = index, new
+                new = len(_row_pairs(names, row) & uncovered)
+                price = cost({n: axes[n][i] for n, i in row.items()})
+                if (new / price, -price) > score:
+                    best, score = index, (new / price, -price)
             if best is None:
                 raise ValueError(f"no allowed value of axis {name!r} fits the row {chosen}")
             chosen[name] = best

@@ -38,6 +38,20 @@ def test_every_allowed_pair_is_covered_by_allowed_rows(allowed) -> None:
     assert rows == all_pairs(AXES, **kwargs)  # deterministic
 
 
+def test_a_row_constraint_leaves_every_pair_to_other_rows() -> None:
+    """A triple of values the plain cover holds (its first row's transform, grad mode and
+    dtype) is in no row of the constrained cover; every pair is still held."""
+    first = all_pairs(AXES)[0]
+    triple = {name: first[name] for name in ("transform", "grad", "dtype")}
+
+    def row_allowed(row: dict) -> bool:
+        return any(row.get(name) != value for name, value in triple.items())
+
+    rows = all_pairs(AXES, row_allowed=row_allowed)
+    assert not missing_pairs(AXES, rows)
+    assert all(row_allowed(row) for row in rows)
+
+
 def test_each_value_holds_every_value_once_at_least() -> None:
     rows = each_value(AXES, _no_compiled_t0)
     assert len(rows) == 7

@@ -87,13 +87,53 @@ class Case:
         return f"{self.variant}-{self.model}-{self.context}-{self.argument}"
 
 
+# The relative cost of a case, from the per-case durations of a run of the cover (2 cores):
+# fourth-order transforms compile programs ~6x larger, the LSTM's and the transformer's
+# programs are the largest, a gradient or a second jit compiles again.
+_HIGH_ORDER = ("bilaplacian", "differential_operator", "derivative")
+_WEIGHTS: dict[str, dict[Any, float]] = {
+    "model": {"cnn": 1.5, "unet": 2, "transformer": 3, "lstm": 3, "solve": 1.3},
+    "context": {"vmap": 1.3, "grad": 2, "jit-grad": 1.5},
+    "argument": {"reached": 1.3, "equal": 1.3, "in_place": 1.6, "functional": 1.8},
+}
+
+
+def _cost(row: dict[str, Any]) -> float:
+    """The estimated cost of a (partial) row: the cover meets the expensive models and
+    transforms in cheap contexts."""
+    price = 6.0 if row.get("variant", "").startswith(_HIGH_ORDER) else 1.0
+    for axis, weights in _WEIGHTS.items():
+        price *= weights.get(row.get(axis), 1.0)
+    return price
+
+
+ILL_CONDITIONED = ("unet",)
+"""Models whose per-sample Jacobians are ill-conditioned (the U-Net's: condition ~2.5e6)."""
+_LOG_DET = {v.id for v in TABLE["log_abs_det"]}
+
+
+def _row_allowed(row: dict[str, Any]) -> bool:
+    """No float32 log-determinant of an ill-conditioned Jacobian: there float32 round-off moves
+    ``log|det J|`` by up to ``n eps cond`` (0.12 of -53 on the U-Net, divjac's and the brute
+    force's alike; both within 0.07 of float64's value), past any tolerance that tests it."""
+    return not (
+        row.get("context") == "float32"
+        and row.get("variant") in _LOG_DET
+        and row.get("model") in ILL_CONDITIONED
+    )
+
+
 FIRST = tuple(variants[0].id for variants in TABLE.values())
 DEFAULT = [
     Case(**row) for row in each_value({**AXES, "variant": FIRST, "model": ("mlp",)}, _allowed)
 ]
 """The default run: the MLP, every transform (its first variant) and every value of every
 other axis at least once."""
-SLOW = [c for c in (Case(**row) for row in all_pairs(AXES, _allowed)) if c not in DEFAULT]
+SLOW = [
+    c
+    for c in (Case(**row) for row in all_pairs(AXES, _allowed, _cost, _row_allowed))
+    if c not in DEFAULT
+]
 """The pairwise cover of all the axes (every model)."""
 
 
@@ -217,6 +257,28 @@ def _expected(
         return jax.jit(jax.grad(lambda *a: _total(fn(*a)), argnums=(0, *argnums))), names
     axes = (None, 0, None, *[0] * len(names))
     return jax.jit(fn if form == "value" else jax.vmap(fn, axes)), names
+
+
+def _expectation(expect: Callable[..., Any]) -> tuple[Any, ...]:
+    """What a variant's brute force computes: its code, defaults and captured values (the
+    same for the methods of one transform that compute one quantity)."""
+    cells = tuple(cell.cell_contents for cell in expect.__closure__ or ())
+    return expect.__code__, expect.__defaults__, cells
+
+
+SHARED: dict[str, str] = {}
+"""Each variant -> the first variant whose brute force is the same function: they share its
+programs and values (a fourth-order reference through the LSTM under ``grad`` is ~40 s to
+compile)."""
+for _name, _variant in VARIANTS.items():
+    SHARED[_name] = next(
+        other
+        for other in VARIANTS
+        if _expectation(VARIANTS[other].expect) == _expectation(_variant.expect)
+    )
+TRANSFORM = {v.id: name for name, variants in TABLE.items() for v in variants}
+"""Each variant -> its transform (a case's xdist group is its model and transform, so that the
+variants of a transform meet their shared references in one process)."""
 
 
 @functools.cache
@@ -372,7 +434,8 @@ def check(case: Case) -> None:
             jitted = jax.jit(lambda *a: call(*a))
 
         def want(form: str, step: Step = step) -> Any:
-            return _reference(case.model, case.variant, dtype, extra, form, step.shift, step.times)
+            variant = SHARED[case.variant]
+            return _reference(case.model, variant, dtype, extra, form, step.shift, step.times)
 
         if case.context in ("eager-then-jit", "float32", "python-float"):
             same(call(*step.args), want("value"), what)
@@ -402,7 +465,13 @@ def test_context_matrix(case: Case) -> None:
 
 
 @pytest.mark.matrix
-@pytest.mark.parametrize("case", SLOW, ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, id=c.id, marks=pytest.mark.xdist_group(f"{c.model}-{TRANSFORM[c.variant]}"))
+        for c in SLOW
+    ],
+)
 def test_context_matrix_pairwise(case: Case) -> None:
     check(case)
 
@@ -414,3 +483,4 @@ def test_the_matrix_covers_its_axes() -> None:
         assert {getattr(c, name) for c in DEFAULT} == set(values), name
     rows = [{name: getattr(c, name) for name in AXES} for c in DEFAULT + SLOW]
     assert not missing_pairs(AXES, rows, _allowed)
+    assert all(_row_allowed(row) for row in rows)
