@@ -42,6 +42,11 @@ def _row_pairs(names: Sequence[str], row: Mapping[str, int]) -> set[tuple]:
     return {((a, row[a]), (b, row[b])) for i, a in enumerate(kept) for b in kept[i + 1 :]}
 
 
+def _values(axes: Mapping[str, Sequence[Any]], indices: Mapping[str, int]) -> Row:
+    """The values of a (partial) row given by their indices."""
+    return {name: axes[name][i] for name, i in indices.items()}
+
+
 def _unit(row: Row) -> float:
     return 1.0
 
@@ -60,17 +65,16 @@ def all_pairs(
 
     Every allowed pair of values of two axes is in some row; every row is allowed pair by pair
     (``allowed(axis_a, value_a, axis_b, value_b)``, a constraint between two axes) and as a
-    whole (``row_allowed``, on the axes chosen so far). Each row
-    starts from the costliest pair still uncovered and fills the other axes, in order, with the
-    allowed value that covers most new pairs per unit of ``cost`` (of the row so far with that
-    value; the cheapest where none covers a new pair, the first on a tie): a costly value meets
-    the others in cheap rows (an expensive model in a cheap context), and every pair is still
-    held.
+    whole (``row_allowed``, on the axes chosen so far). Each row starts from the costliest pair
+    still uncovered and fills the other axes, in order, with the allowed value that covers most
+    new pairs per unit of ``cost`` (of the row so far with that value; the cheapest where none
+    covers a new pair, the first on a tie): a costly value meets the others in cheap rows (an
+    expensive model in a cheap context), and every pair is still held.
     """
     names = list(axes)
     uncovered = pairs_of(axes, allowed)
     # the costliest pairs first, while the cheap values to complete their rows are still new
-    order = sorted(uncovered, key=lambda p: (-cost({a: axes[a][i] for a, i in p}), p))
+    order = sorted(uncovered, key=lambda p: (-cost(_values(axes, dict(p))), p))
     rows: list[Row] = []
     while uncovered:
         start = next(p for p in order if p in uncovered)
@@ -85,10 +89,11 @@ def all_pairs(
                     for other in chosen
                 )
                 row = {**chosen, name: index}
-                if not fits or not row_allowed({n: axes[n][i] for n, i in row.items()}):
+                values = _values(axes, row)
+                if not fits or not row_allowed(values):
                     continue
                 new = len(_row_pairs(names, row) & uncovered)
-                price = cost({n: axes[n][i] for n, i in row.items()})
+                price = cost(values)
                 if (new / price, -price) > score:
                     best, score = index, (new / price, -price)
             if best is None:

@@ -269,16 +269,14 @@ def _expectation(expect: Callable[..., Any]) -> tuple[Any, ...]:
     return expect.__code__, expect.__defaults__, cells
 
 
-SHARED: dict[str, str] = {}
+_FIRST_COMPUTING: dict[tuple[Any, ...], str] = {}
+SHARED = {
+    name: _FIRST_COMPUTING.setdefault(_expectation(variant.expect), name)
+    for name, variant in VARIANTS.items()
+}
 """Each variant -> the first variant whose brute force is the same function: they share its
 programs and values (a fourth-order reference through the LSTM under ``grad`` is ~40 s to
 compile)."""
-for _name, _variant in VARIANTS.items():
-    SHARED[_name] = next(
-        other
-        for other in VARIANTS
-        if _expectation(VARIANTS[other].expect) == _expectation(_variant.expect)
-    )
 TRANSFORM = {v.id: name for name, variants in TABLE.items() for v in variants}
 """Each variant -> its transform (a case's xdist group is its model and transform, so that the
 variants of a transform meet their shared references in one process)."""
