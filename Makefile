@@ -31,8 +31,7 @@ TORCH_FLOOR_TESTS := tests/torch/test_floor.py tests/torch/test_compile.py \
 	tests/torch/test_sparsity.py tests/torch/test_taylor.py tests/torch/test_compat_seam.py
 
 # Every venv of the version matrix (test-lowest's and test-newest's); .ci/run builds them at
-# once with `make -j` beside the dev venv (pip mostly waits on the disk: 108 s for the five
-# together, 190 s one after the other).
+# once with `make -j` beside the dev venv (pip mostly waits on the disk).
 VERSION_VENVS := $(foreach v,lowest-core lowest-jax newest-torch newest-jax newest-core,.venv-$(v)/.divjac-installed)
 
 .PHONY: install version-venvs demo test test-conformance test-slow test-matrix test-gpu lint typecheck pytest test-lowest test-newest test-torch-floor bench bench-quick clean

@@ -474,13 +474,9 @@ class Row:
     @classmethod
     def parse(cls, line: str) -> Row:
         """The row of a table line (a note's own ``|`` is escaped: ``\\|``)."""
-        cells = re.split(r"(?<!\\) ?\| ?", line)[1:-1]
-        name, detection, *verdicts = cells[: 2 + len(CHECKS)]
+        name, detection, *cells, note = re.split(r"(?<!\\) ?\| ?", line)[1:-1]
         inverse = {symbol: verdict for verdict, symbol in _SYMBOLS.items()}
-        verdicts = [inverse.get(v, v) for v in verdicts]
-        return cls(
-            name.strip("`"), detection, tuple(verdicts), " | ".join(cells[2 + len(CHECKS) :])
-        )
+        return cls(name.strip("`"), detection, tuple(inverse.get(c, c) for c in cells), note)
 
     @property
     def rule(self) -> str:
@@ -544,7 +540,7 @@ def render(rows: Iterable[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:  # pragma: no cover - the slow test runs the same
+def main() -> None:  # pragma: no cover - the slow tests run the same sweep
     DOC.write_text(render(Row.of(sweep_op(op)) for op in differentiable_ops()))
 
 
