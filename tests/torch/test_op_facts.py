@@ -17,7 +17,7 @@ from divjac.torch._interpret import REGISTRY
 from divjac.torch._rules import register_elementwise
 from divjac.torch._taylor import sparse as _taylor_sparse
 from divjac.torch._taylor.sparse import sparse_laplacian
-from divjac.torch._taylor.sweep import _program, second_order_sweep
+from divjac.torch._taylor.sweep import program_of, second_order_sweep
 
 D = torch.float64
 N, DIM, WIDTH = 6, 2, 5  # particles of 2 coordinates: an element depends on 2 of the 12 inputs
@@ -91,6 +91,6 @@ def test_a_registered_elementwise_operation_reaches_every_transform(registered):
     np.testing.assert_allclose(got, ref, rtol=1e-10)
     # Kept sparse through it, as through a built-in element-wise operation.
     as_sin = _per_particle(torch.sin)
-    share = _taylor_sparse._layouts(_program(u, x), x).share
-    assert share == _taylor_sparse._layouts(_program(as_sin, x), x).share
+    share = _taylor_sparse._layouts(program_of(u, x), x).share
+    assert share == _taylor_sparse._layouts(program_of(as_sin, x), x).share
     np.testing.assert_allclose(laplacian(u, method="exact")(x), ref, rtol=1e-10)

@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from divjac.torch import laplacian
 from divjac.torch._taylor import sparse as _taylor_sparse
 from divjac.torch._taylor.sparse import sparse_laplacian
-from divjac.torch._taylor.sweep import _program
+from divjac.torch._taylor.sweep import program_of
 from tests.reference import block_architectures
 
 D = torch.float64
@@ -48,7 +48,7 @@ def _check(u, x, rtol=1e-10):
 
 
 def _share(u, x):
-    program = _program(u, x)
+    program = program_of(u, x)
     return _taylor_sparse._layouts(program, x).share
 
 

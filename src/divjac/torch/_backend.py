@@ -42,7 +42,7 @@ from ._detect import trace
 from ._kernels import differentiable_kernels
 from ._passes import Passes, Tape, _checkpointed, on_graph, recomputed, split_aux
 from ._resident import resident
-from ._taylor import sparse as _taylor_sparse, sweep as _taylor
+from ._taylor import high as _taylor_high, sparse as _taylor_sparse, sweep as _taylor
 from ._traced import TensorSpec, Traced
 
 __all__ = ["BACKEND", "TorchBackend"]
@@ -424,6 +424,29 @@ class TorchBackend(Backend[Traced]):
             traced=traced,
             point=point,
         )
+
+    def taylor_sweep(
+        self,
+        f: Callable[[torch.Tensor], torch.Tensor],
+        x: torch.Tensor,
+        directions: torch.Tensor,
+        order: int,
+        *,
+        weights: torch.Tensor | None,
+        chunk: int,
+    ) -> torch.Tensor | None:
+        """Chunks of ``chunk`` directions, one after the other; ``None`` where the program
+        has an operation without a rule of :mod:`divjac.torch._taylor.high` (or cannot run)."""
+        parts = []
+        for start in range(0, int(directions.shape[0]), chunk):
+            w = None if weights is None else weights[start : start + chunk]
+            part = _taylor_high.taylor_sweep(
+                f, x, directions[start : start + chunk], order, weights=w
+            )
+            if part is None:
+                return None
+            parts.append(part)
+        return torch.cat(parts) if weights is None else functools.reduce(torch.add, parts)
 
     def sparse_laplacian(
         self,

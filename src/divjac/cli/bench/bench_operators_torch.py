@@ -5,7 +5,7 @@ The rows of ``bench_operators`` (P21, P23, P24) in torch, float32, without autog
 baseline is the cheapest nested ``jacfwd`` a user writes: the ``k``-th ``jacfwd`` of
 ``s -> u(x + s @ basis)`` over the coordinates the partial involves, ``vmap`` over them and
 the samples. ``--quick`` runs P21 at ``d = 8`` and P24 up to ``d = 32`` only, once each.
-(jet-for-pytorch 1.0 needs Python 3.12 or newer: not compared here.)
+(jet-for-pytorch, which needs Python 3.12 or newer, is compared in ``bench_operators_jet``.)
 """
 
 from __future__ import annotations

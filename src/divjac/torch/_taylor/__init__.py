@@ -8,5 +8,7 @@
 - :mod:`.moves`: operations that move, take, join or pad elements;
 - :mod:`.reductions`: softmax, log-sum-exp, variances, norms and normalizations;
 - :mod:`.generic`: any other operation, by ``torch.func``;
-- :mod:`.sparse`: the sweep that stores first-order terms sparse (the exact sparse Laplacian).
+- :mod:`.sparse`: the sweep that stores first-order terms sparse (the exact sparse Laplacian);
+- :mod:`.high`: the collapsed sweep of order 3 and 4 (``differential_operator``), over the
+  same program.
 """

@@ -72,6 +72,13 @@ _REWRITTEN: dict[Any, Callable[..., Any]] = {
 }
 
 
+def pushed_form(target: Any) -> Callable[..., Any]:
+    """The form of an operation that forward derivatives are pushed through: a normalization
+    kernel composed (:func:`~divjac.torch._kernels.composed_norm`), :data:`_REWRITTEN`'s, or the
+    operation itself."""
+    return composed_norm(target) or _REWRITTEN.get(target, target)
+
+
 def generic(sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """Any operation, by ``torch.func``: the first-order terms by ``jvp``, the second-order
     ones by ``jvp`` of ``jvp`` (zero for :data:`_LINEAR` operations), batched over the
@@ -82,7 +89,7 @@ def generic(sw: Sweep, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[st
     floating = [i for i, o in enumerate(outs) if inexact(o)]
     if not floating:
         return y, None
-    op = composed_norm(target) or _REWRITTEN.get(target, target)
+    op = pushed_form(target)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     node_leaves = pytree.tree_leaves((node.args, node.kwargs))
     pos = [i for i, n in enumerate(node_leaves) if sw.jet(n) is not None]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, Protocol, overload
 
 import torch
 import torch.fx
@@ -44,6 +44,17 @@ def registrar(table: dict[Any, Rule]) -> Callable[..., Callable[[Rule], Rule]]:
         return register
 
     return targets
+
+
+class Propagation(Protocol):
+    """What runs a program (:meth:`divjac.torch._taylor.sweep.Program.evaluate`): the terms
+    of the values by node, and how a node's value and terms are computed."""
+
+    jets: dict[torch.fx.Node, Any]
+
+    def apply(
+        self, rule: Rule, node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> tuple[Any, Any]: ...
 
 
 class Sweep:

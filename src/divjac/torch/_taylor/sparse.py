@@ -41,7 +41,7 @@ from .._aten import bind, dims, inexact, packet
 from .._ops import is_elementwise
 from .._traced import Traced
 from .jets import Jet, Rule, Sweep, lift
-from .sweep import Plan, Program, _plan, _program
+from .sweep import Plan, Program, _plan, program_of
 
 __all__ = ["sparse_laplacian"]
 
@@ -82,8 +82,8 @@ def sparse_laplacian(
     """The exact per-sample Laplacian ``[B, *out]`` of the uncoupled batch-first ``f`` at ``x``
     by the sparse sweep, where its work is at most half that of ``passes`` dense directions
     and at most ``budget`` directions' worth (``None`` otherwise, and where the graph cannot
-    be run: :func:`~divjac.torch._taylor.sweep._program`, which may run ``point``'s trace)."""
-    program = _program(f, x, point=point)
+    be run: :func:`~divjac.torch._taylor.sweep.program_of`, which may run ``point``'s trace)."""
+    program = program_of(f, x, point=point)
     if program is None or x.is_complex():
         return None
     layouts = _layouts(program, x)

@@ -63,7 +63,7 @@ from .._trace_keys import Reached
 from .._traced import Traced
 from . import arithmetic, moves, reductions
 from .generic import _by_reverse, generic
-from .jets import Jet, Rule, Sweep
+from .jets import Jet, Propagation, Rule, Sweep
 
 __all__ = ["second_order_sweep"]
 
@@ -92,9 +92,9 @@ def second_order_sweep(
         collapse: return the weighted sum over ``k`` of the second-order terms (``[B, *out]``)
             instead of each of them (``[K, B, *out]``, unweighted).
         traced: the trace of the call whose batch-first function ``f`` is, with no other
-            tensor argument bound (see :func:`_program`).
+            tensor argument bound (see :func:`program_of`).
         point: the call whose batch-first function (without its aux) ``f`` is (see
-            :func:`_program`).
+            :func:`program_of`).
 
     Returns:
         ``(y, first, second)`` as in :func:`divjac.jax._taylor.second_order_sweep`.
@@ -107,7 +107,7 @@ def second_order_sweep(
     ``_fw_primal``; an outer forward sweep of an inner reverse one crashes inductor.
     """
     v = directions.to(x.dtype)
-    program = _program(f, x, traced, point)
+    program = program_of(f, x, traced, point)
     if program is None:
         random = not torch.compiler.is_compiling() and _traced(f, x).draws_random
         if random:  # every chunk of directions of the call sees the first chunk's draws
@@ -268,7 +268,7 @@ class Program:
         second = y.new_zeros((M, *y.shape)) if second is None else second.expand(M, *y.shape)
         return y, first, second
 
-    def evaluate(self, x: Tensor, sweep: Sweep, seed: Any) -> tuple[Tensor, Any]:
+    def evaluate(self, x: Tensor, sweep: Propagation, seed: Any) -> tuple[Tensor, Any]:
         """The graph's output at ``x`` and its jet, the input's jet being ``seed`` (the jets of
         the steps are :meth:`Sweep.apply`'s)."""
         gm = self.traced.gm
@@ -347,7 +347,7 @@ def _rewind(f: Callable[[Tensor], Tensor], device: torch.device) -> None:
         state.rewind()
 
 
-def _program(
+def program_of(
     f: Callable[[Tensor], Tensor],
     x: Tensor,
     traced: Traced | None = None,
@@ -388,7 +388,7 @@ def _program(
             constants[name] = t
         return Program(traced, plan, constants, inputs)
     if given is not None:  # other captured tensors: found by the walk of f, on f's own trace
-        return _program(f, x)
+        return program_of(f, x)
     found = _captured(traced, walked[0] if walked else reach(f, []))
     return None if found is None else Program(traced, plan, found)
 
