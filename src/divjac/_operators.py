@@ -42,7 +42,8 @@ from ._second_order_sweep import (
     _sweep,
     _values,
     one_sample_at_a_time,
-    sweep_chunk,
+    powers,
+    weighted_sum,
 )
 from ._transforms import per_argnum, tuple_of
 
@@ -177,44 +178,12 @@ def _weights(call: Call, plan: partials.OrderPlan, coefficients: tuple[np.ndarra
 # --- the directional derivatives ----------------------------------------------------------------
 
 
-def _weighted_sum(weights: Array, terms: Array) -> Array:
-    """``sum_k weights[k] terms[k]``: weights ``[K]`` or ``[K, B]``, terms ``[K, B, *out]``."""
-    w = weights if weights.ndim == 2 else weights[:, None]
-    return (w.reshape(*w.shape, *(1,) * (terms.ndim - 2)) * terms).sum(0)
-
-
 def _first(call: Call, directions: Array) -> Array:
     """``J v`` ``[K, B, *out]`` for the directions ``[K, B, *in]`` (JVPs)."""
     K = int(directions.shape[0])
     linear = call.backend.linearize(call, reverse=False)
     chunk = call.backend.ahead(Call.chunk, call, K, None, False)
     return linear.passes(directions, lambda c: c, lambda c, t, pushed: pushed, chunk, shared=False)
-
-
-def _powers(
-    call: Call, order: int, directions: Array, weights: Array | None, chunk_size: int | None
-) -> Array:
-    """``(v . grad)^order u`` for ``order`` 3 or 4: each term ``[K, B, *out]`` with
-    ``weights=None``, else ``sum_k w_k (v_k . grad)^order u`` ``[B, *out]``. One collapsed
-    Taylor sweep of that order where the backend has one, else the first- or second-order
-    term of the second-order sweep, along ``v``, of the second-order sweep along ``v``."""
-    backend, f, traced = call.backend, _values(call), call.traced
-    chunk = sweep_chunk(call, int(directions.shape[0]), chunk_size)
-    swept = backend.taylor_sweep(f, call.xb, directions, order, weights=weights, chunk=chunk)
-    if swept is not None:
-        return swept
-
-    def power(v: Array) -> Array:
-        def second(xb: Array) -> Array:
-            return backend.second_order_sweep(
-                f, xb, v[None], weights=None, collapse=True, traced=traced
-            )[2]
-
-        swept = backend.second_order_sweep(second, call.xb, v[None], weights=None, collapse=False)
-        return swept[order - 2][0]
-
-    terms = backend.map_stacked(power, directions, chunk)
-    return terms if weights is None else _weighted_sum(weights, terms)
 
 
 def _order_terms(call: Call, order: int, directions: Array, chunk_size: int | None) -> Array:
@@ -228,7 +197,7 @@ def _order_terms(call: Call, order: int, directions: Array, chunk_size: int | No
         return _first(call, full)
     if order == 2:
         return _sweep(call, directions, None, collapse=False, chunk_size=chunk_size)
-    return _powers(call, order, directions, None, chunk_size)
+    return powers(call, order, directions, None, chunk_size)
 
 
 def _order_value(
@@ -246,8 +215,8 @@ def _order_value(
     if order == 2:
         return _sweep(call, directions, weights, collapse=True, chunk_size=chunk)
     if order == 1:  # coupled: a JVP per sample and direction
-        return _weighted_sum(weights, _order_terms(call, 1, directions, chunk))
-    return _powers(call, order, directions, weights, chunk)
+        return weighted_sum(weights, _order_terms(call, 1, directions, chunk))
+    return powers(call, order, directions, weights, chunk)
 
 
 def _exact_values(

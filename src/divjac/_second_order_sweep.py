@@ -296,3 +296,36 @@ def check_options(opts: Options, coupling: Coupling, methods: Any, fname: str) -
     check_option("distribution", opts.distribution, Distribution, fname=fname)
     check_option("coupling", coupling, Coupling, fname=fname)
     check_num_probes(opts.num_probes, fname=fname)
+
+
+def weighted_sum(weights: Array, terms: Array) -> Array:
+    """``sum_k weights[k] terms[k]``: weights ``[K]`` or ``[K, B]``, terms ``[K, B, *out]``."""
+    w = weights if weights.ndim == 2 else weights[:, None]
+    return (w.reshape(*w.shape, *(1,) * (terms.ndim - 2)) * terms).sum(0)
+
+
+def powers(
+    call: Call, order: int, directions: Array, weights: Array | None, chunk_size: int | None
+) -> Array:
+    """``(v . grad)^order u`` for ``order`` 3 or 4 (the operators' higher orders, the
+    Hutchinson bi-Laplacian's terms): each term ``[K, B, *out]`` with
+    ``weights=None``, else ``sum_k w_k (v_k . grad)^order u`` ``[B, *out]``. One collapsed
+    Taylor sweep of that order where the backend has one, else the first- or second-order
+    term of the second-order sweep, along ``v``, of the second-order sweep along ``v``."""
+    backend, f, traced = call.backend, _values(call), call.traced
+    chunk = sweep_chunk(call, int(directions.shape[0]), chunk_size)
+    swept = backend.taylor_sweep(f, call.xb, directions, order, weights=weights, chunk=chunk)
+    if swept is not None:
+        return swept
+
+    def power(v: Array) -> Array:
+        def second(xb: Array) -> Array:
+            return backend.second_order_sweep(
+                f, xb, v[None], weights=None, collapse=True, traced=traced
+            )[2]
+
+        swept = backend.second_order_sweep(second, call.xb, v[None], weights=None, collapse=False)
+        return swept[order - 2][0]
+
+    terms = backend.map_stacked(power, directions, chunk)
+    return terms if weights is None else weighted_sum(weights, terms)

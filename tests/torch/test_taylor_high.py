@@ -54,8 +54,17 @@ def _pairs(x):  # a sum over pairs of coordinates: views of transposed and broad
     return (torch.tanh(pairs.transpose(1, 2) @ W2[:2, :2]).reshape(x.shape[0], -1) ** 2).sum(1)
 
 
+KERNEL = _randn(2, 1, 3, 3) / 2
+
+
+def _conv(x):  # a convolution (linear in its input but for the bias), reshapes
+    h = torch.nn.functional.conv2d(x.reshape(-1, 1, 2, 2), KERNEL.to(x.dtype), padding=1)
+    return torch.tanh(h + 0.1).reshape(x.shape[0], -1).sum(1)
+
+
 FUNCTIONS = {
-    "mlp": _mlp, "products": _products, "custom": _custom, "generic": _generic, "pairs": _pairs
+    "mlp": _mlp, "products": _products, "custom": _custom, "generic": _generic, "pairs": _pairs,
+    "conv": _conv,
 }  # fmt: skip
 
 
@@ -90,6 +99,15 @@ def test_taylor_sweep_is_nested_jacfwd(name, order):
             got = taylor_sweep(f, x, v, order, weights=weights)
             assert got is not None, "the sweep has a rule for every operation here"
             torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_float32_convolution():
+    """(Four nested ``jvp`` of a float32 convolution fail in torch 2.13: the sweep pushes a
+    convolution as a linear map.)"""
+    x, v = _randn(B, N), _randn(K, 1, N)
+    got = taylor_sweep(_conv, x.float(), v.float(), 4, weights=None)
+    assert got is not None and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), _brute(_conv, x, v, 4), rtol=1e-4, atol=1e-4)
 
 
 def test_an_operation_without_a_rule_falls_back_to_nested_sweeps():

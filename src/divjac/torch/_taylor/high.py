@@ -191,6 +191,10 @@ class HighSweep:
             mapped = aten.reshape.default if target in _VIEWS else target
             fn = lambda c: mapped(c, *rest, **kwargs)  # noqa: E731
             return value, self.linear(cast(Series, series[0]), args[0].shape, fn)
+        if target is aten.convolution.default and dependent == [0]:  # linear but the bias
+            weight, rest = args[1], args[3:]
+            conv = lambda c: target(c, weight, None, *rest)  # noqa: E731
+            return value, self.linear(cast(Series, series[0]), args[0].shape, conv)
         if target in (aten.add.Tensor, aten.sub.Tensor):
             alpha = kwargs.get("alpha", 1) * (-1 if target is aten.sub.Tensor else 1)
             return value, self._sum(series[0], series[1], alpha, ndim)
@@ -288,7 +292,10 @@ class HighSweep:
                 levels = _next_level(levels)
             return levels(torch.zeros((), dtype=a0[0].dtype, device=a0[0].device))
 
-        derivatives = vmap(along, in_dims=(1,))(coefficients)  # levels of [R, *out]
+        try:
+            derivatives = vmap(along, in_dims=(1,))(coefficients)  # levels of [R, *out]
+        except RuntimeError as err:  # (torch 2.13: four nested jvp of a float32 convolution)
+            raise Unsupported(f"{target}: nested jvp failed ({err})") from err
         top_linear: tuple[Tensor, ...] | None = None
         if not self.apart and any(series[i].top is not None for i in dependent):  # type: ignore[union-attr]
             tangents = tuple(full(series[i].top, args[i], ()) for i in dependent)  # type: ignore[union-attr]
