@@ -32,8 +32,6 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-import numpy as np
-
 from ._backend import Array, Backend
 from ._call import (
     BiLaplacianMethod,
@@ -500,7 +498,7 @@ def _bilaplacian_values(call: Call, opts: Options, randomness: Any) -> tuple[Arr
         # The mean of (v . grad)^4 u / 3: one collapsed fourth-order sweep of the probes, each
         # weighted 1 / 3k (or each probe's nested second-order sweeps, the probes a batch axis:
         # one program traced, whatever their number).
-        weights = call.backend.asarray(np.full(k, 1 / (3 * k)), like=call.xb)
+        weights = call.backend.zeros_like(probes.reshape(k, -1)[:, 0]) + 1 / (3 * k)  # (on device)
         return powers(call, 4, probes, weights, opts.chunk_size), None
     basis, weights = _basis(call, None), None
     if coupled:
