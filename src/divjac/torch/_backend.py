@@ -437,16 +437,7 @@ class TorchBackend(Backend[Traced]):
     ) -> torch.Tensor | None:
         """Chunks of ``chunk`` directions, one after the other; ``None`` where the program
         has an operation without a rule of :mod:`divjac.torch._taylor.high` (or cannot run)."""
-        parts = []
-        for start in range(0, int(directions.shape[0]), chunk):
-            w = None if weights is None else weights[start : start + chunk]
-            part = _taylor_high.taylor_sweep(
-                f, x, directions[start : start + chunk], order, weights=w
-            )
-            if part is None:
-                return None
-            parts.append(part)
-        return torch.cat(parts) if weights is None else functools.reduce(torch.add, parts)
+        return _taylor_high.taylor_sweep(f, x, directions, order, weights=weights, chunk=chunk)
 
     def sparse_laplacian(
         self,

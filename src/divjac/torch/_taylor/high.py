@@ -25,6 +25,7 @@ Any other operation depending on the input, a program that draws random numbers 
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -38,11 +39,11 @@ from torch.func import jvp, vmap
 from ..._errors import InternalError
 from .._aten import forward_derivative_inexact, forward_derivative_wrong, lacks_forward_derivative
 from .._kernels import without_overlap
-from .._ops import is_elementwise
+from .._ops import DERIVATIVES, is_elementwise
 from .._traced import Traced
 from .generic import pushed_form
 from .jets import add as _add, lift
-from .sweep import program_of
+from .sweep import Program, program_of
 
 __all__ = ["taylor_sweep"]
 
@@ -67,8 +68,9 @@ class Series:
 class HighSweep:
     """The series of one run (the ``sweep`` of :meth:`Program.evaluate`)."""
 
-    def __init__(self, order: int, w: Tensor | None, apart: bool) -> None:
+    def __init__(self, order: int, k: int, w: Tensor | None, apart: bool) -> None:
         self.order = order
+        self.k = k
         self.w = w
         self.apart = apart
         self.jets: dict[torch.fx.Node, Any] = {}
@@ -83,16 +85,25 @@ class HighSweep:
             terms = terms * self.w.reshape(-1, *([1] * (terms.ndim - 1)))
         return terms.sum(0)
 
-    def linear(self, s: Series, shape: Sequence[int], fn: Callable[[Tensor], Tensor]) -> Series:
-        """The series of a linear map ``fn`` of one value of shape ``shape``: each
-        per-direction coefficient (broadcast to that shape) mapped by a ``vmap`` of ``fn``."""
+    def full(self, c: Tensor | None, like: Tensor, per_direction: bool) -> Tensor:
+        """Terms broadcast to the shape of the value ``like`` (zeros for ``None``), with the
+        directions' axis in front when ``per_direction``."""
+        lead = (self.k,) if per_direction else ()
+        if c is None:
+            return like.new_zeros((*lead, *like.shape))
+        return (
+            lift(c, like.ndim).expand(*lead, *like.shape) if per_direction else c.expand(like.shape)
+        )
+
+    def linear(self, s: Series, like: Tensor, fn: Callable[[Tensor], Tensor]) -> Series:
+        """The series of a linear map ``fn`` of the value ``like``: each per-direction
+        coefficient (broadcast to its shape) mapped by a ``vmap`` of ``fn``."""
 
         def mapped(c: Tensor | None, per_direction: bool) -> Tensor | None:
             if c is None:
                 return None
-            if not per_direction:
-                return fn(c.expand(*shape))
-            return vmap(fn)(lift(c, len(shape)).expand(c.shape[0], *shape))
+            full = self.full(c, like, per_direction)
+            return vmap(fn)(full) if per_direction else fn(full)
 
         return Series([mapped(c, True) for c in s.low], mapped(s.top, self.apart))
 
@@ -124,17 +135,19 @@ class HighSweep:
         p: Callable[[Tensor], Tensor],
         a0: Tensor,
         s: Series,
-        closed: Callable[[Tensor], list[Tensor]] | None = None,
+        known: Sequence[Tensor] = (),
     ) -> Series:
         """The series of the element-wise ``p(a)``: ``z_k = sum_q p^(q)(a_0) / q! [t^k]
         (a(t) - a_0)^q``; the top's terms of ``q >= 2`` hold only per-direction coefficients.
-        ``p``'s derivatives are ``closed(a_0)`` (the first four), else nested ``jvp`` of ``p``."""
+        ``p``'s derivatives at ``a_0`` are the ``known`` ones (its first), the others by nested
+        ``jvp`` of ``p``."""
         K = self.order
-        derivatives = closed(a0) if closed is not None else []
+        derivatives = list(known[:K])
         g = p
-        for _ in range(len(derivatives), K):
+        for q in range(1, K + 1):
             g = _derivative(g)
-            derivatives.append(g(a0))
+            if q > len(derivatives):
+                derivatives.append(g(a0))
         # powers[q - 1][k - 1]: [t^k] of (a(t) - a_0)^q per direction, k <= K (without the
         # top: the powers q >= 2 never reach it)
         first = [*s.low, None]
@@ -190,11 +203,11 @@ class HighSweep:
             # (a coefficient may be broadcast or transposed where the value is not: reshaped)
             mapped = aten.reshape.default if target in _VIEWS else target
             fn = lambda c: mapped(c, *rest, **kwargs)  # noqa: E731
-            return value, self.linear(cast(Series, series[0]), args[0].shape, fn)
+            return value, self.linear(cast(Series, series[0]), args[0], fn)
         if target is aten.convolution.default and dependent == [0]:  # linear but the bias
             weight, rest = args[1], args[3:]
             conv = lambda c: target(c, weight, None, *rest)  # noqa: E731
-            return value, self.linear(cast(Series, series[0]), args[0].shape, conv)
+            return value, self.linear(cast(Series, series[0]), args[0], conv)
         if target in (aten.add.Tensor, aten.sub.Tensor):
             alpha = kwargs.get("alpha", 1) * (-1 if target is aten.sub.Tensor else 1)
             return value, self._sum(series[0], series[1], alpha, ndim)
@@ -212,9 +225,8 @@ class HighSweep:
 
             s = cast(Series, series[i])
             lifted = Series([lift(c, ndim) for c in s.low], s.top)
-            formula = _CLOSED.get(target) if i == 0 else None
-            closed = None if formula is None else lambda z: formula(z, value, *args[1:])
-            return value, self.compose(p, args[i], lifted, closed)
+            known = _closed(target, args[0], value, args[1:], kwargs) if i == 0 else []
+            return value, self.compose(p, args[i], lifted, known)
         return value, self.generic(node, args, kwargs, series, value)
 
     def generic(
@@ -257,20 +269,12 @@ class HighSweep:
             found = out if isinstance(out, list | tuple) else (out,)
             return tuple(o for o, keep in zip(found, inexact, strict=True) if keep)
 
-        def full(c: Tensor | None, like: Tensor, lead: tuple[int, ...]) -> Tensor:
-            if c is None:
-                return like.new_zeros((*lead, *like.shape))
-            return lift(c, like.ndim).expand(*lead, *like.shape) if lead else c.expand(like.shape)
-
         a0 = [without_overlap(args[i]) for i in dependent]
-        R = next(
-            int(c.shape[0]) for i in dependent for c in series[i].low if c is not None  # type: ignore[union-attr]
-        ) if any(c is not None for i in dependent for c in series[i].low) else 1  # type: ignore[union-attr]  # fmt: skip
         count = K if self.apart else K - 1
         coefficients = [
             torch.stack(
                 [
-                    full(series[i].low[k] if k < K - 1 else series[i].top, args[i], (R,))  # type: ignore[union-attr]
+                    self.full(series[i].low[k] if k < K - 1 else series[i].top, args[i], True)  # type: ignore[union-attr]
                     for k in range(count)
                 ]
             )
@@ -298,7 +302,7 @@ class HighSweep:
             raise Unsupported(f"{target}: nested jvp failed ({err})") from err
         top_linear: tuple[Tensor, ...] | None = None
         if not self.apart and any(series[i].top is not None for i in dependent):  # type: ignore[union-attr]
-            tangents = tuple(full(series[i].top, args[i], ()) for i in dependent)  # type: ignore[union-attr]
+            tangents = tuple(self.full(series[i].top, args[i], False) for i in dependent)  # type: ignore[union-attr]
             top_linear = jvp(lambda *ops: call(ops), tuple(a0), tangents)[1]
         per_output: list[Series | None] = []
         j = 0
@@ -359,11 +363,12 @@ class HighSweep:
     def _quotient(self, args: Sequence[Any], series: list[Any], ndim: int) -> Series:
         a0, b0 = args[:2]
         if series[1] is None:
-            return self.linear(series[0], a0.shape, lambda c: c / b0)
+            return self.linear(series[0], a0, lambda c: c / b0)
         b = series[1]
         lifted = Series([lift(c, b0.ndim) for c in b.low], b.top)
         r0 = torch.reciprocal(b0)
-        reciprocal = self.compose(torch.reciprocal, b0, lifted, lambda z: _powers_of(z, r0, -1.0))
+        known = _closed(aten.reciprocal.default, b0, r0, (), {})
+        reciprocal = self.compose(torch.reciprocal, b0, lifted, known)
         return self._lifted_product(series[0], a0, reciprocal, r0, ndim)
 
     def _cat(
@@ -374,16 +379,11 @@ class HighSweep:
         found = [self.jets.get(p) if isinstance(p, torch.fx.Node) else None for p in pieces]  # type: ignore[union-attr]
         if not all(s is None or isinstance(s, Series) for s in found):
             raise Unsupported("cat")
-        R = next(int(c.shape[0]) for s in found if s for c in (*s.low, s.top) if c is not None)
 
         def joined(cs: list[Tensor | None], apart: bool) -> Tensor | None:
             if all(c is None for c in cs):
                 return None
-            lead = (R,) if apart else ()
-            full = [
-                c.expand(*lead, *v.shape) if c is not None else v.new_zeros((*lead, *v.shape))
-                for c, v in zip(cs, values, strict=True)
-            ]
+            full = [self.full(c, v, apart) for c, v in zip(cs, values, strict=True)]
             return torch.cat(full, dim=dim + 1 if apart and dim >= 0 else dim)
 
         K = self.order
@@ -410,50 +410,78 @@ def _derivative(g: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
     return lambda z: jvp(g, (z,), (torch.ones_like(z),))[1]
 
 
-def _tanh(z: Tensor, y: Tensor) -> list[Tensor]:
-    d1 = 1 - y * y
-    d2 = -2 * y * d1
-    d3 = -2 * (d1 * d1 + y * d2)
-    return [d1, d2, d3, -2 * (3 * d1 * d2 + y * d3)]
+def _closed(
+    target: Any, z: Tensor, y: Tensor, rest: Sequence[Any], kwargs: dict[str, Any]
+) -> list[Tensor]:
+    """The derivatives of the element-wise ``target`` at ``z`` (``y`` its value) known in closed
+    form: the first two from the op-fact table (:data:`divjac.torch._ops.DERIVATIVES`; zero
+    past the first for a piecewise-linear function), the third and fourth from
+    :data:`_HIGHER` where it has them (else none: nested ``jvp``)."""
+    found = DERIVATIVES.get(target)
+    if found is None:
+        return []
+    d1, d2 = found(z, y, *rest, **kwargs)
+    if d2 is None:
+        zero = torch.zeros_like(d1)
+        return [d1, zero, zero, zero]
+    higher = _HIGHER.get(target)
+    return [d1, d2] if higher is None else [d1, d2, *higher(z, y, d1, d2, *rest)]
 
 
-def _sigmoid(z: Tensor, s: Tensor) -> list[Tensor]:
-    d1 = s * (1 - s)
-    d2 = d1 * (1 - 2 * s)
+def _power(c: float) -> Callable[..., tuple[Tensor, Tensor]]:
+    """The third and fourth derivatives of ``z ** c`` from the second (``z != 0``)."""
+
+    def higher(z: Tensor, y: Tensor, d1: Tensor, d2: Tensor) -> tuple[Tensor, Tensor]:
+        d3 = (c - 2) * d2 / z
+        return d3, (c - 3) * d3 / z
+
+    return higher
+
+
+def _pow(z: Tensor, y: Tensor, d1: Tensor, d2: Tensor, c: Any) -> tuple[Tensor, Tensor]:
+    """``z ** c``'s, zero past a non-negative integer ``c`` (defined at ``z = 0``)."""
+    out = []
+    for q in (3, 4):
+        if float(c) == int(c) and 0 <= c < q:
+            out.append(torch.zeros_like(d2))
+        else:
+            out.append(math.prod(c - i for i in range(q)) * z ** (c - q))
+    return out[0], out[1]
+
+
+def _sigmoid_higher(s: Tensor, d1: Tensor, d2: Tensor) -> tuple[Tensor, Tensor]:
     d3 = d2 * (1 - 2 * s) - 2 * d1 * d1
-    return [d1, d2, d3, d3 * (1 - 2 * s) - 6 * d1 * d2]
+    return d3, d3 * (1 - 2 * s) - 6 * d1 * d2
 
 
-def _silu(z: Tensor, y: Tensor) -> list[Tensor]:
+def _silu(z: Tensor, y: Tensor, d1: Tensor, d2: Tensor) -> tuple[Tensor, Tensor]:
+    """``z s(z)``: its ``n``-th derivative is ``z s^(n) + n s^(n - 1)``, ``s`` the sigmoid."""
     s = torch.sigmoid(z)
-    ds = [s, *_sigmoid(z, s)]  # s^(0) .. s^(4)
-    return [z * ds[n] + n * ds[n - 1] for n in range(1, 5)]
+    s1 = s * (1 - s)
+    s2 = s1 * (1 - 2 * s)
+    s3, s4 = _sigmoid_higher(s, s1, s2)
+    return z * s3 + 3 * s2, z * s4 + 4 * s3
 
 
-def _powers_of(z: Tensor, y: Tensor, c: Any) -> list[Tensor]:
-    """The derivatives of ``z ** c`` (zero past a non-negative integer ``c``)."""
-    out, factor = [], 1.0
-    for q in range(1, 5):
-        factor *= c - q + 1
-        whole = float(c) == int(c) and c >= 0
-        out.append(torch.zeros_like(y) if whole and q > c else factor * z ** (c - q))
-    return out
+def _tanh(z: Tensor, y: Tensor, d1: Tensor, d2: Tensor) -> tuple[Tensor, Tensor]:
+    d3 = -2 * (d1 * d1 + y * d2)
+    return d3, -2 * (3 * d1 * d2 + y * d3)
 
 
-# The first four derivatives of element-wise operations, from the input and the output.
-_CLOSED: dict[Any, Callable[..., list[Tensor]]] = {
+# The third and fourth derivatives of element-wise operations, from the input, the value and
+# the first two derivatives.
+_HIGHER: dict[Any, Callable[..., tuple[Tensor, Tensor]]] = {
     aten.tanh.default: _tanh,
-    aten.sigmoid.default: _sigmoid,
+    aten.sigmoid.default: lambda z, y, d1, d2: _sigmoid_higher(y, d1, d2),
     aten.silu.default: _silu,
-    aten.exp.default: lambda z, y: [y, y, y, y],
-    aten.sin.default: lambda z, y: [torch.cos(z), -y, -torch.cos(z), y],
-    aten.cos.default: lambda z, y: [-torch.sin(z), -y, torch.sin(z), y],
-    aten.log.default: lambda z, y: [1 / z, -1 / z**2, 2 / z**3, -6 / z**4],
-    aten.reciprocal.default: lambda z, y: _powers_of(z, y, -1.0),
-    aten.sqrt.default: lambda z, y: _powers_of(z, y, 0.5),
-    aten.rsqrt.default: lambda z, y: _powers_of(z, y, -0.5),
-    aten.pow.Tensor_Scalar: _powers_of,
-    aten.relu.default: lambda z, y: [(z > 0).to(z.dtype), *[torch.zeros_like(z)] * 3],
+    aten.exp.default: lambda z, y, d1, d2: (y, y),
+    aten.sin.default: lambda z, y, d1, d2: (-d1, y),
+    aten.cos.default: lambda z, y, d1, d2: (-d1, y),
+    aten.log.default: lambda z, y, d1, d2: (-2 * d2 / z, -6 * d1**4),
+    aten.reciprocal.default: _power(-1.0),
+    aten.sqrt.default: _power(0.5),
+    aten.rsqrt.default: _power(-0.5),
+    aten.pow.Tensor_Scalar: _pow,
 }
 
 
@@ -483,27 +511,41 @@ def taylor_sweep(
     order: int,
     *,
     weights: Tensor | None,
+    chunk: int,
 ) -> Tensor | None:
-    """``(v_k . grad)^order f`` of a batch-first per-sample function: each term ``[K, B, *out]``
-    with ``weights=None``, else their sum with the weights ``[K]`` or ``[K, B]``; ``None`` where
-    the program cannot be run or holds an operation without a rule here."""
+    """``(v_k . grad)^order f`` of a batch-first per-sample function, ``chunk`` directions at a
+    time: each term ``[K, B, *out]`` with ``weights=None``, else their sum with the weights
+    ``[K]`` or ``[K, B]``; ``None`` where the program cannot be run or holds an operation
+    without a rule here."""
     if order < 2:
         raise InternalError(f"taylor_sweep: order {order} (2 or more)")
     program = program_of(f, x)
     if program is None or program.traced in _UNSUPPORTED:
         return None
+    parts = []
+    for start in range(0, int(directions.shape[0]), chunk):
+        w = None if weights is None else weights[start : start + chunk]
+        try:
+            part = _run(program, x, directions[start : start + chunk], order, w)
+        except Unsupported:
+            _UNSUPPORTED.add(program.traced)
+            return None
+        parts.append(part)
+    return torch.cat(parts) if weights is None else functools.reduce(torch.add, parts)
+
+
+def _run(
+    program: Program, x: Tensor, directions: Tensor, order: int, weights: Tensor | None
+) -> Tensor:
+    """One chunk of directions of :func:`taylor_sweep`."""
     k = int(directions.shape[0])
     v = directions.to(x.dtype)  # [K, 1, *in] stays shared until an operation mixes in the samples
     per_sample = weights is not None and weights.ndim == 2
     apart = weights is None or per_sample
     w = None if apart or weights is None else weights.to(x.dtype)
-    sweep = HighSweep(order, w, apart)
+    sweep = HighSweep(order, k, w, apart)
     seed = Series([v, *[None] * (order - 2)], None)
-    try:
-        y, out = program.evaluate(x, sweep, seed)
-    except Unsupported:
-        _UNSUPPORTED.add(program.traced)
-        return None
+    y, out = program.evaluate(x, sweep, seed)
     top = out.top if isinstance(out, Series) else None
     if top is None:
         top = y.new_zeros((k, *y.shape) if apart else y.shape)
