@@ -245,7 +245,7 @@ def test_the_transforms_sit_above_the_backend_interface():
             "divjac._transforms",
             "divjac._divergence",
         }
-    assert graph["divjac._backend"] <= {"divjac._core.detection"}
+    assert graph["divjac._backend"] <= {"divjac._core.detection", "divjac._core.plan"}
     assert "divjac._backend" in graph["divjac._call"]
 
 

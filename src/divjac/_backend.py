@@ -23,6 +23,7 @@ from typing import Any, Generic, TypeAlias, TypeVar
 import numpy as np
 
 from ._core.detection import Traced
+from ._core.plan import Chunks
 
 __all__ = ["Array", "Backend", "Entries", "Finish", "Linear", "Point", "Seed", "TracedT"]
 
@@ -160,11 +161,11 @@ class Linear(abc.ABC):
 
     @abc.abstractmethod
     def passes(
-        self, inputs: Array, seed: Seed, finish: Finish, chunk: int, *, shared: bool
+        self, inputs: Array, seed: Seed, finish: Finish, chunks: Chunks, *, shared: bool
     ) -> Array:
         """``stack([finish(c, t, push(t)) for c in inputs])`` with ``t = seed(c)``.
 
-        ``chunk`` passes are run at once. With ``shared``, ``seed`` gives one sample's tangent
+        ``chunks.size`` passes are run at once (checkpointed: :meth:`Backend.checkpointed`). With ``shared``, ``seed`` gives one sample's tangent
         (shape ``seed_sample``), the same in every sample; otherwise a whole batch of them.
         """
 
@@ -182,6 +183,9 @@ class Backend(abc.ABC, Generic[TracedT]):
             a pass's bytes in the CPU's cache at once (what chunks them on the host).
         narrow_indices: the index arrays of a plan (the nonzeros of a sparse Jacobian, the
             pass and element holding each) may be int32 where their values fit, not int64.
+        cache_chunks_on_graph: where a gradient will flow through the passes and all of them
+            fit the memory budget at once, they still run in the CPU cache's chunks, which
+            keep their graphs (not checkpointed: :meth:`divjac._call.Call.chunk`).
     """
 
     array_noun: str
@@ -191,6 +195,7 @@ class Backend(abc.ABC, Generic[TracedT]):
     randomness_example: str
     sweep_cache_share: int = 1
     narrow_indices: bool = False
+    cache_chunks_on_graph: bool = False
 
     # --- arrays and dtypes --------------------------------------------------------------------
 
@@ -341,13 +346,12 @@ class Backend(abc.ABC, Generic[TracedT]):
         through the passes."""
         return point.traced.pass_elements
 
-    def checkpointed(
-        self, point: Point[TracedT], n_chunks: int
-    ) -> Callable[[Callable[..., R]], Callable[..., R]]:
-        """A wrapper of the work of one of ``n_chunks`` chunks of passes or directions (a
-        function of arrays) such that, differentiated, a chunk keeps its inputs rather than its
-        intermediates and the backward recomputes it: with gradients, memory then follows the
-        chunk size, at the cost of computing every chunk twice. The identity by default."""
+    def checkpointed(self, chunks: Chunks) -> Callable[[Callable[..., R]], Callable[..., R]]:
+        """A wrapper of the work of one chunk of passes or directions (a function of arrays)
+        such that, differentiated, a chunk keeps its inputs rather than its intermediates and
+        the backward recomputes it, where ``chunks`` are checkpointed: with gradients, memory
+        then follows the chunk size, at the cost of computing every chunk twice. The identity
+        by default."""
         return lambda run: run
 
     def pull_hessian_rows(self, point: Point[TracedT]) -> bool:

@@ -16,6 +16,7 @@ from . import _transforms as T
 from ._backend import Array, Backend
 from ._call import Call, Coupling, DiagonalMethod, Distribution, Mode, Spec, check_option, prepare
 from ._core import estimators as est
+from ._core.plan import Chunks
 from ._divergence import draw, itself, split_randomness
 from ._second_order_sweep import (
     Options,
@@ -173,7 +174,7 @@ def _diagonal_values(
 
 def _colored(
     call: Call, method: str, hutchinson: bool, chunk_size: int | None
-) -> tuple[Array, Callable[[Array], Array], tuple[bool, int]] | None:
+) -> tuple[Array, Callable[[Array], Array], tuple[bool, Chunks]] | None:
     """The seeds of the Hessian-vector products of the exact diagonal (the inputs and
     indicator of :meth:`~divjac._backend.Backend.indicators`), one per diagonal colour, or
     one per element where the sweep cannot push forward derivatives, and how they run
@@ -198,7 +199,7 @@ def own_products(
     grad_spec: Spec,
     inputs: Array,
     seed: Callable[[Array], Array],
-    how: tuple[bool, int],
+    how: tuple[bool, Chunks],
     *,
     shared: bool,
     times_tangent: bool = True,
@@ -218,7 +219,7 @@ def own_products(
     return linear.passes(inputs, seed, own, chunk, shared=shared)
 
 
-def gradient_passes(call: Call, n_passes: int, chunk_size: int | None) -> tuple[bool, int]:
+def gradient_passes(call: Call, n_passes: int, chunk_size: int | None) -> tuple[bool, Chunks]:
     """Whether the Hessian-vector products of ``call``'s function are pulled (see
     :meth:`~divjac._backend.Backend.pull_hessian_rows`), and how many run at once (chunked
     in the CPU's cache on the host, as first-order passes). A setup:

@@ -142,7 +142,7 @@ def _laplacian_values(call: Call, opts: Options, randomness: Any) -> tuple[Array
         # 1.75x faster; particles: 4 colors, their passes 1.3x faster than sparse).
         n = call.n_in
         passes = n if planned.colors is None else int(planned.colors.max(initial=0)) + 1
-        budget = call.backend.ahead(Call.chunk, call, n, opts.chunk_size, False)  # by memory
+        budget = call.backend.ahead(Call.chunk, call, n, opts.chunk_size, False).size  # memory
         lap = call.backend.sparse_laplacian(_values(call), call.xb, passes, budget, call)
         if lap is not None:
             return lap, (call.backend.zeros_like(lap) if opts.return_stderr else None)
@@ -455,7 +455,7 @@ def _nested(
         )[2]
 
     K = int(outer.shape[0])
-    chunk = sweep_chunk(call, K, chunk_size)
+    chunk = sweep_chunk(call, K, chunk_size).size
     parts = [
         backend.second_order_sweep(
             second,

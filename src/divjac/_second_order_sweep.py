@@ -17,6 +17,7 @@ import numpy as np
 from ._backend import Array, Backend
 from ._call import Call, Coupling, Distribution, Spec, check_num_probes, check_option, prepare
 from ._core import checks, estimators as est
+from ._core.plan import Chunks
 from ._divergence import is_probes, probe_count
 from ._errors import NumProbesError, OptionError, OutputError
 from ._transforms import auto_detects
@@ -217,7 +218,8 @@ def _sweep(
     # On the host, chunks of directions that stay in the CPU's cache, as first-order passes
     # (Call.chunk): the exact Laplacian of a tanh MLP d = 256 -> 256 -> 256 -> 1 at B = 256,
     # against all 256 directions in one chunk, torch 198-210 -> 153 ms, JAX 119 -> 99 ms.
-    chunk = sweep_chunk(call, K, chunk_size)
+    chunks = sweep_chunk(call, K, chunk_size)
+    chunk = chunks.size
     if K == 0:  # an empty sample: no direction, every second-order term is zero
         passes = () if collapse else (0,)
         zeros = np.zeros((*passes, call.batch_size, *call.out_sample))
@@ -227,7 +229,7 @@ def _sweep(
     def run(xb: Array, v: Array, w: Array | None) -> Array:
         return backend.second_order_sweep(f, xb, v, weights=w, collapse=collapse, point=call)[2]
 
-    swept = backend.checkpointed(call, -(-K // chunk))(run)
+    swept = backend.checkpointed(chunks)(run)
     parts = []
     for start in range(0, K, chunk):
         w = None if weights is None else weights[start : start + chunk]
@@ -237,7 +239,7 @@ def _sweep(
     return parts[0] if len(parts) == 1 else backend.concatenate(parts)
 
 
-def sweep_chunk(call: Call, k: int, chunk_size: int | None) -> int:
+def sweep_chunk(call: Call, k: int, chunk_size: int | None) -> Chunks:
     """Directions of a second-order sweep run at once (:meth:`Call.chunk`, a pass holding
     the backend's :attr:`~divjac._backend.Backend.sweep_cache_share` of its bytes in cache)."""
     backend = call.backend
@@ -313,7 +315,7 @@ def powers(
     Taylor sweep of that order where the backend has one, else the first- or second-order
     term of the second-order sweep, along ``v``, of the second-order sweep along ``v``."""
     backend, f, traced = call.backend, _values(call), call.traced
-    chunk = sweep_chunk(call, int(directions.shape[0]), chunk_size)
+    chunk = sweep_chunk(call, int(directions.shape[0]), chunk_size).size
     swept = backend.taylor_sweep(f, call.xb, directions, order, weights=weights, chunk=chunk)
     if swept is not None:
         return swept

@@ -120,13 +120,13 @@ class Seeds:
         reverse: the passes pull rows (VJPs) rather than push columns (JVPs).
         inputs: the input of every pass (rows of a seed matrix, or pass indices).
         indicator: a pass's flat indicator from its input.
-        chunk: how many passes run at once.
+        chunk: how many passes run at once, and whether each chunk is checkpointed.
     """
 
     reverse: bool
     inputs: Array
     indicator: Callable[[Array], Array]
-    chunk: int
+    chunk: plan.Chunks
 
 
 def seeds(

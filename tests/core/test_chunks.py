@@ -1,5 +1,5 @@
 """How many passes run at once when the caller does not say: the memory budget, and on the
-host the CPU's cache (where the backward does not recompute each chunk)."""
+host the CPU's cache (under a gradient only in torch, where all passes fit the budget at once)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,9 @@ def test_jax_passes_under_a_gradient_are_not_cut_to_the_cache(monkeypatch):
 def test_torch_rows_of_a_convolution_network_are_pulled_one_at_a_time(monkeypatch):
     """A 10-class convolution network's Jacobian pulls its 10 rows one at a time where they
     are large (here: every pass, the cache made tiny); an MLP's rows stay batched (chunks of
-    at least 8); the values are those of a loop of backward passes."""
+    at least 8); the values are those of a loop of backward passes. On the autograd graph
+    (the parameters require grad) the same chunks keep their graphs, not checkpointed: the
+    gradients through the Jacobian are those of the loop's, with ``create_graph``."""
     torch = pytest.importorskip("torch")
     from torch import nn
 
@@ -106,6 +108,13 @@ def test_torch_rows_of_a_convolution_network_are_pulled_one_at_a_time(monkeypatc
         return chunks[-1]
 
     monkeypatch.setattr(plan, "choose_chunk_size", spy)
+    from divjac.torch import _passes
+
+    checkpoints = []
+    checkpoint = _passes.checkpoint
+    monkeypatch.setattr(
+        _passes, "checkpoint", lambda *a, **k: checkpoints.append(1) or checkpoint(*a, **k)
+    )
     torch.manual_seed(0)
     d = torch.float64
     conv = nn.Sequential(
@@ -123,3 +132,18 @@ def test_torch_rows_of_a_convolution_network_are_pulled_one_at_a_time(monkeypatc
         out = net(xg)
         rows = [torch.autograd.grad(out[:, k].sum(), xg, retain_graph=True)[0] for k in range(10)]
         torch.testing.assert_close(jac, torch.stack(rows, 1))
+        chunks.clear()
+        ours = jacobian(net)(x)
+        assert chunks == [chunk]
+        assert not checkpoints
+        unused = {"allow_unused": True, "materialize_grads": True}  # the last bias
+        grads = torch.autograd.grad(ours.square().sum(), list(net.parameters()), **unused)
+        out = net(xg)
+        rows = [
+            torch.autograd.grad(out[:, k].sum(), xg, retain_graph=True, create_graph=True)[0]
+            for k in range(10)
+        ]
+        loss = torch.stack(rows, 1).square().sum()
+        expected = torch.autograd.grad(loss, list(net.parameters()), **unused)
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got, want)

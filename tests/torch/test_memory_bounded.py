@@ -168,26 +168,44 @@ def chunks(monkeypatch) -> list[int]:
     return chosen
 
 
-def test_cache_sized_chunks_only_where_the_backward_does_not_recompute_them(chunks, checkpoints):
-    """On the host, passes off the autograd graph run in chunks that fit the CPU's cache;
-    on it, each chunk would be recomputed by the backward, so the memory budget alone chunks
-    them (no checkpoint where they all fit)."""
+def test_cache_sized_chunks_keep_their_graphs_where_all_passes_fit(chunks, checkpoints):
+    """On the host, passes run in chunks that fit the CPU's cache, on the autograd graph too
+    where all of them fit the memory budget at once: those chunks keep their graphs (no
+    checkpoint, nothing recomputed). The gradients are those of one chunk."""
     net = _cnn().eval()
     x = torch.randn(2, 2, 4, 4, dtype=D)
     transform = dj.divergence(net, method="exact")
     with torch.no_grad():
         off = transform(x)
-    on = transform(x)
-    on.sum().backward()
-    assert chunks == [8, 32]  # 32 passes: at the floor of 8 off the graph, one chunk on it
+    on = _grads(net, x, transform)
+    assert chunks == [8, 8]  # 32 passes: at the floor of 8, off the graph and on it
     assert checkpoints[0] == 0
-    torch.testing.assert_close(on.detach(), off)
+    torch.testing.assert_close(on[0], off)
+    _assert_same(on, _grads(net, x, dj.divergence(net, method="exact", chunk_size=32)))
 
 
-def test_second_order_sweeps_fit_the_cache_off_the_graph(chunks, checkpoints):
+def test_chunks_past_the_budget_are_checkpointed(chunks, checkpoints, monkeypatch):
+    """Where the passes on the graph do not all fit the memory budget, the budget alone chunks
+    them (not the cache), and each chunk is checkpointed: the gradients are those of one
+    chunk."""
+    from divjac._core import plan
+
+    net = _cnn().eval()
+    x = torch.randn(2, 2, 4, 4, dtype=D)
+    whole = _grads(net, x, dj.divergence(net, method="exact", chunk_size=32))
+    monkeypatch.setattr(plan, "memory_budget", lambda *args, **kwargs: 1)  # no pass fits
+    chunks.clear()
+    chunked = _grads(net, x, dj.divergence(net, method="exact"))
+    assert chunks == [1]
+    assert checkpoints[0] == 32
+    _assert_same(chunked, whole)
+
+
+def test_second_order_sweeps_fit_the_cache(chunks, checkpoints):
     """The directions of a Laplacian's and a Hessian diagonal's sweeps are chunked for the CPU's
-    cache as first-order passes are (torch, tanh MLP d = 64 at B = 256: 1.3x faster), and by
-    the memory budget alone where a gradient flows through them, with the same values."""
+    cache as first-order passes are (torch, tanh MLP d = 64 at B = 256: 1.3x faster), on the
+    autograd graph too where they all fit the memory budget (not checkpointed), with the same
+    values."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(20, 16), nn.Tanh(), nn.Linear(16, 1)).to(D)
     x = torch.randn(3, 20, dtype=D)
@@ -205,7 +223,7 @@ def test_second_order_sweeps_fit_the_cache_off_the_graph(chunks, checkpoints):
             off = transform(x)
         assert chunks[-1] == 7  # 20 directions, 8 fit: 3 even chunks
         on = transform(x)
-        assert chunks[-1] == 20  # one chunk: nothing recomputed
+        assert chunks[-1] == 7  # the same chunks, which keep their graphs
         on.sum().backward()
         torch.testing.assert_close(off, expected)
         torch.testing.assert_close(on.detach(), off)

@@ -33,6 +33,7 @@ __all__ = [
     "SPARSE_SWEEP_CONV_COST",
     "SPARSE_SWEEP_MOVE_COST",
     "STOCHASTIC_METHODS",
+    "Chunks",
     "Plan",
     "choose_chunk_size",
     "color_classes",
@@ -161,6 +162,22 @@ class Plan:
     @property
     def is_sparse(self) -> bool:
         return self.colors is not None
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """How the passes (or directions) of a call run.
+
+    Attributes:
+        size: passes run at once.
+        count: the number of chunks.
+        checkpointed: each chunk is checkpointed: a gradient flows through the passes, and the
+            backward recomputes each chunk from its inputs (memory follows the chunk size).
+    """
+
+    size: int
+    count: int = 1
+    checkpointed: bool = False
 
 
 def jacobian_plan(

@@ -23,6 +23,7 @@ from jax.experimental import sparse as jsparse
 
 from .._backend import Array, Backend, Entries, Finish, Linear, Point, Seed
 from .._core import nonzero_codes, plan
+from .._core.plan import Chunks
 from .._errors import OptionError
 from . import _compat, _sharding, _sparse_taylor, _taylor, _taylor_high
 from ._detect import Traced, is_array, trace
@@ -62,7 +63,7 @@ class _Linearized(Linear):
         self._seed_sample = point.out_sample if reverse else point.in_sample
 
     def passes(
-        self, inputs: jax.Array, seed: Seed, finish: Finish, chunk: int, *, shared: bool
+        self, inputs: jax.Array, seed: Seed, finish: Finish, chunks: Chunks, *, shared: bool
     ) -> jax.Array:
         if int(inputs.shape[0]) == 1 and not shared:
             # One pass (Hutchinson's single probe): a plain JVP or VJP without a pass axis,
@@ -78,7 +79,7 @@ class _Linearized(Linear):
             ts = jax.vmap(seed)(cs)
             return jax.vmap(finish)(cs, ts, pushed(ts))
 
-        k = int(inputs.shape[0])
+        k, chunk = int(inputs.shape[0]), chunks.size
         if chunk >= k:
             return run(inputs)
         # Differentiated (training through the passes), a chunk keeps its input, not its
@@ -268,11 +269,11 @@ class JaxBackend(Backend[Traced]):
         under ``jit`` or not): each chunk is checkpointed (:meth:`checkpointed`)."""
         return point.traced.differentiated(jax.tree_util.tree_leaves((point.args, point.kwargs)))
 
-    def checkpointed(
-        self, point: Point[Traced], n_chunks: int
-    ) -> Callable[[Callable[..., R]], Callable[..., R]]:
-        """``jax.checkpoint`` for more than one chunk (a no-op where nothing is differentiated)."""
-        if n_chunks < 2:
+    def checkpointed(self, chunks: Chunks) -> Callable[[Callable[..., R]], Callable[..., R]]:
+        """``jax.checkpoint`` for more than one chunk: under a gradient every chunk of JAX's
+        bounds memory (:attr:`~divjac._backend.Backend.cache_chunks_on_graph` is off), and
+        elsewhere it is a no-op that traces a chunk's sweep once per shape."""
+        if chunks.count < 2:
             return lambda run: run
         return lambda run: cast(Callable[..., R], jax.checkpoint(run))
 

@@ -9,6 +9,8 @@ instead, cached in :data:`CACHE` on everything the program depends on:
 
 - the transform and its options, and the registered rules (their
   :func:`~divjac._core.rules.generation`: a rule registered after a call is used by the next);
+- the ``DIVJAC_*`` settings (:func:`divjac._core.settings.read`): a memory budget set between
+  calls plans the next;
 - the traced program of the caller's function at these arguments (traced anew at every call, as
   a jitted call would be while tracing: a new closure over updated weights, a module whose flags
   changed, a dict whose arrays were replaced all give the program they make now), its structure
@@ -39,6 +41,7 @@ import numpy as np
 
 from .._core import rules
 from .._core.detection import LRU
+from .._core.settings import read as read_settings
 from . import _compat
 from ._detect import GRADIENT, digest, fingerprint, is_array, is_differentiated
 from ._jaxpr import is_inexact
@@ -89,13 +92,14 @@ def compiled_when_eager(
             hash((options, _static_key(leaves, arrays)))
         except TypeError:
             return transformed(*args, **kwargs)  # an unhashable option or argument: not cached
+        now = read_settings()  # the memory plan compiled in
         fresh = state(f)
         if fresh is not None:  # the program also depends on the registered rules (patterns)
             fresh = ((rules.generation(), fresh[0]), fresh[1])
         reused = last[0] if last else None
         if fresh is not None and reused is not None and reused.valid(fresh[0], treedef, leaves):
             dyn = [leaf for leaf, d in zip(leaves, reused.dynamic, strict=True) if d]
-            program = CACHE.get((reused.key, _differentiated(dyn, reused.weights)))
+            program = CACHE.get((reused.key, _differentiated(dyn, reused.weights), now))
             if program is not None:
                 return program(reused.weights, list(args[:skip]), dyn, reused.others)
         fun = functional(f)
@@ -130,7 +134,7 @@ def compiled_when_eager(
             signature = _signature(leaves, dynamic)
             last.append(_Trace(*fresh, treedef, signature, dynamic, key, inputs[0], out.others))
         differentiated = _differentiated(dyn, inputs[0])
-        program = CACHE.get((key, differentiated))
+        program = CACHE.get((key, differentiated, now))
         if program is not None:
             return program(*inputs, out.others)
         program = _Program(make, closed, weights, leaves, dynamic, treedef, out, differentiated)
@@ -142,7 +146,7 @@ def compiled_when_eager(
             # differentiated once f's trace is over, as in jacfwd(jit(f)): the transform runs f
             # itself instead, as under the caller's jit.
             return transformed(*args, **kwargs)
-        CACHE.put((key, differentiated), program)
+        CACHE.put((key, differentiated, now), program)
         return result
 
     return call

@@ -24,6 +24,7 @@ from torch import nn
 from .._backend import Backend, Entries, Linear, Point
 from .._core import settings
 from .._core.detection import LRU
+from .._core.plan import Chunks
 from .._errors import CompileError, FastPathWarning, OptionError, warn_at_caller
 from . import _ddp
 from ._compat import (
@@ -214,6 +215,10 @@ class TorchBackend(Backend[Traced]):
     input_cast_hint = "x.float()"
     output_cast_hint = "cast integer or boolean results with .float()"
     randomness_example = "torch.Generator().manual_seed(0)"
+    # Training through the exact divergence of an MLP d -> 256 -> 256 -> d, 2 threads: 1.2-1.3x
+    # faster in the cache's chunks than in one chunk (d = 64, B = 256; d = 256, B = 64); JAX's
+    # ran as fast as one chunk (and it keeps its default: one chunk under a gradient).
+    cache_chunks_on_graph = True
 
     def is_array(self, x: Any) -> bool:
         return isinstance(x, torch.Tensor)
@@ -374,10 +379,8 @@ class TorchBackend(Backend[Traced]):
             return point.traced.graph_elements
         return point.traced.pass_elements
 
-    def checkpointed(
-        self, point: Point[Traced], n_chunks: int
-    ) -> Callable[[Callable[..., R]], Callable[..., R]]:
-        return _checkpointed(point, n_chunks)
+    def checkpointed(self, chunks: Chunks) -> Callable[[Callable[..., R]], Callable[..., R]]:
+        return _checkpointed(chunks)
 
     def pull_hessian_rows(self, point: Point[Traced]) -> bool:
         """Also where the gradient runs an operation whose forward derivative PyTorch computes
@@ -701,7 +704,7 @@ def _measured_reverse(backend: TorchBackend, point: Point[Traced]) -> bool:
             tangents,
             _as_is,
             _last,
-            _TIMED,
+            Chunks(_TIMED),
             shared=True,
         )
         try:

@@ -23,6 +23,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .._backend import Finish, Linear, Point, Seed
+from .._core.plan import Chunks
 from .._errors import OptionError
 from ._compat import pytree
 from ._compile_setup import compiling
@@ -57,7 +58,7 @@ class Passes(Linear):
             self.value, self.aux = y, aux
 
     def passes(
-        self, inputs: torch.Tensor, seed: Seed, finish: Finish, chunk: int, *, shared: bool
+        self, inputs: torch.Tensor, seed: Seed, finish: Finish, chunks: Chunks, *, shared: bool
     ) -> torch.Tensor:
         point = self._point
         xb, B = without_overlap(point.xb), point.batch_size
@@ -75,10 +76,9 @@ class Passes(Linear):
         attention, fused, rnn, norms, layouts, scatters = differentiable_kernels(
             traced, forward=not self._reverse
         )
+        chunk = chunks.size
         n_chunks = -(-n_passes // chunk)
-        checkpointed = _checkpointed(
-            point, n_chunks, _pass_contexts(traced, forward=not self._reverse)
-        )
+        checkpointed = _checkpointed(chunks, _pass_contexts(traced, forward=not self._reverse))
         with quiet, attention, fused, rnn, norms, layouts, scatters:
             if self._reverse:
                 if self._vjp is None:
@@ -226,7 +226,7 @@ class Tape(Linear):
         return pulled
 
     def passes(
-        self, inputs: torch.Tensor, seed: Seed, finish: Finish, chunk: int, *, shared: bool
+        self, inputs: torch.Tensor, seed: Seed, finish: Finish, chunks: Chunks, *, shared: bool
     ) -> torch.Tensor:
         B = self._point.batch_size
 
@@ -254,8 +254,8 @@ class Tape(Linear):
             n_passes = int(inputs.shape[0])
             if not n_passes:
                 return _no_passes(one, inputs)
-            n_chunks = -(-n_passes // chunk)
-            run = _checkpointed(self._point, n_chunks, _pass_contexts(traced))(pulled)
+            chunk = chunks.size
+            run = _checkpointed(chunks, _pass_contexts(traced))(pulled)
             for lo in range(0, n_passes, chunk):
                 parts.append(run(inputs if chunk >= n_passes else inputs[lo : lo + chunk]))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -289,19 +289,19 @@ def recomputed(point: Point[Traced]) -> bool:
 
 
 def _checkpointed(
-    point: Point[Traced],
-    n_chunks: int,
+    chunks: Chunks,
     contexts: Callable[[], Sequence[contextlib.AbstractContextManager[Any]]] | None = None,
 ) -> Callable[[Callable[..., R]], Callable[..., R]]:
-    """A wrapper of the work of one chunk (a function of its tensors) for results that go on
-    the autograd graph in more than one chunk (the identity where they do not, and under
-    ``torch.compile``, whose partitioner chooses what to recompute): ``torch.utils.checkpoint``
+    """A wrapper of the work of one chunk (a function of its tensors) where ``chunks`` are
+    checkpointed (:meth:`~divjac._call.Call.chunk`: results on the autograd graph, in chunks
+    that bound their memory; the identity elsewhere, and under ``torch.compile``, whose
+    partitioner chooses what to recompute): ``torch.utils.checkpoint``
     keeps a chunk's result and its inputs, not its graph, and the backward recomputes the
     chunk with the random numbers it drew, within ``contexts()`` (the kernels and frozen
     running statistics that the chunk ran within). Peak memory then follows the chunk size
     (one chunk's graph at a time, and the function's own, which a tape keeps), at the cost of
     computing every chunk twice when a gradient is taken."""
-    if n_chunks < 2 or not recomputed(point):
+    if not chunks.checkpointed:
         return lambda run: run
 
     @contextlib.contextmanager
