@@ -228,3 +228,24 @@ def test_second_order_sweeps_fit_the_cache(chunks, checkpoints):
         torch.testing.assert_close(off, expected)
         torch.testing.assert_close(on.detach(), off)
     assert checkpoints[0] == 0
+
+
+def test_compiled_chunks_past_the_budget_are_not_checkpointed(chunks, checkpoints, monkeypatch):
+    """Under ``torch.compile`` the plan is made ahead of dynamo's trace, outside it: chunks the
+    budget cuts on the graph are still not checkpointed there (dynamo's partitioner chooses
+    what to recompute, and ``torch.utils.checkpoint`` with a context cannot be traced). The
+    values and gradients are those of one eager chunk."""
+    from divjac._core import plan
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 2, 3, padding=1))
+    net = net.to(D)
+    x = torch.randn(2, 2, 4, 4, dtype=D)
+    whole = _grads(net, x, dj.divergence(net, method="exact", chunk_size=32))
+    monkeypatch.setattr(plan, "memory_budget", lambda *args, **kwargs: 1)  # no pass fits
+    chunks.clear()
+    transform = torch.compile(dj.divergence(net, method="exact"), backend="aot_eager")
+    compiled = _grads(net, x, transform)
+    assert chunks and chunks[-1] == 1
+    assert checkpoints[0] == 0
+    _assert_same(compiled, whole)

@@ -301,7 +301,7 @@ def _checkpointed(
     running statistics that the chunk ran within). Peak memory then follows the chunk size
     (one chunk's graph at a time, and the function's own, which a tape keeps), at the cost of
     computing every chunk twice when a gradient is taken."""
-    if not chunks.checkpointed:
+    if not chunks.checkpointed or compiling():  # (planned ahead of dynamo's trace)
         return lambda run: run
 
     @contextlib.contextmanager
