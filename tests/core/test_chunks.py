@@ -147,3 +147,19 @@ def test_torch_rows_of_a_convolution_network_are_pulled_one_at_a_time(monkeypatc
         expected = torch.autograd.grad(loss, list(net.parameters()), **unused)
         for got, want in zip(grads, expected, strict=True):
             torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "inf", "nan"])
+def test_a_setting_that_is_not_a_positive_size_is_named(monkeypatch, value):
+    """A ``DIVJAC_*_MB`` setting that is not a positive number of megabytes is refused with
+    its name and a value that works; an empty one counts as unset."""
+    from divjac._core import settings
+    from divjac._errors import OptionError
+
+    monkeypatch.setenv("DIVJAC_MEMORY_BUDGET_MB", value)
+    with pytest.raises(OptionError, match=r"DIVJAC_MEMORY_BUDGET_MB=.*e\.g\. DIVJAC_MEMORY"):
+        settings.read()
+    monkeypatch.setenv("DIVJAC_MEMORY_BUDGET_MB", "")
+    assert settings.read().memory_budget is None
+    monkeypatch.setenv("DIVJAC_MEMORY_BUDGET_MB", "2.5")
+    assert settings.read().memory_budget == int(2.5 * MIB)

@@ -19,8 +19,11 @@ them here only when called alone.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
+
+from .._errors import OptionError
 
 __all__ = ["Settings", "read"]
 
@@ -45,8 +48,20 @@ class Settings:
 
 
 def _bytes(name: str) -> int | None:
-    configured = os.environ.get(name)
-    return None if configured is None else int(float(configured) * _MB)
+    """``name``'s megabytes in bytes; unset or empty: ``None`` (the default applies)."""
+    configured = os.environ.get(name, "").strip()
+    if not configured:
+        return None
+    try:
+        megabytes = float(configured)
+    except ValueError:
+        megabytes = math.nan
+    if not megabytes > 0 or math.isinf(megabytes):
+        raise OptionError(
+            f"{name}={configured!r} is not a positive number of megabytes: set it to one "
+            f"(e.g. {name}=2048) or unset it for the default."
+        )
+    return int(megabytes * _MB)
 
 
 def read() -> Settings:
