@@ -165,8 +165,9 @@ class Linear(abc.ABC):
     ) -> Array:
         """``stack([finish(c, t, push(t)) for c in inputs])`` with ``t = seed(c)``.
 
-        ``chunks.size`` passes are run at once (checkpointed: :meth:`Backend.checkpointed`). With ``shared``, ``seed`` gives one sample's tangent
-        (shape ``seed_sample``), the same in every sample; otherwise a whole batch of them.
+        ``chunks.size`` passes are run at once (checkpointed: :meth:`Backend.checkpointed`).
+        With ``shared``, ``seed`` gives one sample's tangent (shape ``seed_sample``), the same
+        in every sample; otherwise a whole batch of them.
         """
 
 
