@@ -61,15 +61,24 @@ class Entries:
             coupled call, with ``reverse``).
         reverse: passes are rows (VJPs): a nonzero is at its column of its row's pass;
             otherwise at its row of its column's pass.
+        grid: the per-sample shape of the rows and of the columns where they are the same
+            (a backend may then find the pattern to be a stencil on it), else ``None``.
     """
 
     def __init__(
-        self, indptr: np.ndarray, cols: np.ndarray, colors: np.ndarray | None, *, reverse: bool
+        self,
+        indptr: np.ndarray,
+        cols: np.ndarray,
+        colors: np.ndarray | None,
+        *,
+        reverse: bool,
+        grid: tuple[int, ...] | None = None,
     ) -> None:
         self.indptr = indptr
         self.cols = cols
         self.colors = None if colors is None else colors.astype(cols.dtype, copy=False)
         self.reverse = reverse
+        self.grid = grid
 
     @property
     def n_rows(self) -> int:

@@ -282,7 +282,9 @@ def _nonzeros(
     csr = pattern.csr if pattern.csr.has_sorted_indices else pattern.csr.sorted_indices()
     fits = narrow and max(csr.shape) < np.iinfo(np.int32).max
     dtype = np.int32 if fits else np.int64
-    return Entries(csr.indptr, csr.indices.astype(dtype, copy=False), colors, reverse=reverse)
+    grid = pattern.in_shape if pattern.in_shape == pattern.out_shape else None
+    cols = csr.indices.astype(dtype, copy=False)
+    return Entries(csr.indptr, cols, colors, reverse=reverse, grid=grid)
 
 
 def _coupled_jacobian(call: Call, reverse: bool, chunk_size: int | None) -> tuple[Array, Any]:

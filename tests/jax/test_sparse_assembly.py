@@ -5,15 +5,20 @@ asdex and sparsejac, single (``batch_axis=None``) and batched."""
 from __future__ import annotations
 
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import assume, given
 from jax import lax
 from jax.scipy.signal import convolve2d
 
+from divjac._backend import Entries
+from divjac._core.nonzero_codes import BLOCK
 from divjac.jax import _backend, jacobian, sparse_jacobian
+from tests.core.test_nonzero_codes import box, stencils
 
 
 def _heat(u):
@@ -175,3 +180,64 @@ def test_a_batched_blur_convolves_one_samples_seeds_not_a_copy_per_sample(rng):
     dense = jax.vmap(jax.jacfwd(lambda img: blurs(img[None], kernel)[0].reshape(-1)))(x)
     got = fn(x, kernel).todense()
     np.testing.assert_allclose(np.asarray(got), np.asarray(dense.reshape(4, 256, 256)), atol=1e-12)
+
+
+@given(stencils())
+def test_a_stencils_nonzeros_are_made_from_its_grid_alone(case):
+    # a box stencil's rows and columns, made in the program from the rows' pointers and the
+    # stencil (no constant the size of the nonzeros), are its CSR's, in CSR order
+    shape, lo, hi = case
+    pattern = box(shape, lo, hi)
+    assume(pattern.nnz > 0)
+    indptr, cols = pattern.indptr.astype(np.int32), pattern.indices.astype(np.int32)
+    entries = Entries(indptr, cols, None, reverse=False, grid=shape)
+    with (  # any number of nonzeros, and of rows a block
+        mock.patch.object(_backend, "STENCIL_MIN_NONZEROS", 0),
+        mock.patch.object(_backend, "MAX_STENCIL_SPAN", BLOCK),
+    ):
+        assert isinstance(_backend._encoded(entries), _backend._OnStencil)
+    rows, got = jax.jit(lambda: _backend._nonzeros(entries))()
+    np.testing.assert_array_equal(np.asarray(rows), np.repeat(np.arange(len(indptr) - 1),
+                                                              np.diff(indptr)))  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(got), cols)
+
+
+def _conv_hwc(w, x):
+    """A 'SAME' 3x3 convolution of one ``(H, W, C)`` image mixing its channels, then tanh."""
+    dims = ("NHWC", "HWIO", "NHWC")
+    return jnp.tanh(lax.conv_general_dilated(x[None], w, (1, 1), "SAME", dimension_numbers=dims)[0])
+
+
+def test_a_convolutions_jacobian_is_made_as_a_stencil_without_per_nonzero_constants(
+    rng, monkeypatch
+):
+    # a blur and a channel-mixing convolution: their patterns are stencils on the image's grid
+    # (H, W) / (H, W, C), so the compiled program holds no constant the size of the nonzeros
+    # (seeds made from the pass index; per-pixel tables at most: colours, rows' pointers); the
+    # Jacobians equal jacfwd's, single and batched
+    monkeypatch.setattr(_backend, "SEED_MATRIX_ELEMENTS", 0)
+    monkeypatch.setattr(_backend, "STENCIL_MIN_NONZEROS", 0)
+    kernel = jnp.asarray(rng.uniform(size=(5, 5)))
+    w = jnp.asarray(rng.normal(size=(3, 3, 2, 2)))
+    cases = [
+        (lambda img, k: convolve2d(img, k, mode="same"), (12, 16), kernel),
+        (lambda img, w: _conv_hwc(w, img), (7, 6, 2), w),
+    ]
+    for single, shape, extra in cases:
+        x = jnp.asarray(rng.normal(size=shape))
+        fn = jax.jit(sparse_jacobian(single, batch_axis=None))
+        text = fn.lower(x, extra).as_text()
+        sizes = [
+            int(np.prod([int(d) for d in dims.split("x")[:-1]]))
+            for dims in re.findall(r"stablehlo\.constant dense<.*?> : tensor<([^>]*)>", text)
+        ]
+        got = fn(x, extra)
+        assert max(sizes, default=0) <= x.size + 1 < got.nse  # the rows' pointers
+        expected = jax.jacfwd(single)(x, extra).reshape(x.size, x.size)
+        np.testing.assert_allclose(np.asarray(got.todense()).reshape(x.size, -1), expected,
+                                   atol=1e-12)  # fmt: skip
+        xs = jnp.stack([x, 2 * x + 1])
+        batched = jax.jit(sparse_jacobian(jax.vmap(single, in_axes=(0, None))))(xs, extra)
+        loop = np.stack([np.asarray(jax.jacfwd(single)(z, extra)).reshape(x.size, -1) for z in xs])
+        np.testing.assert_allclose(np.asarray(batched.todense()).reshape(loop.shape), loop,
+                                   atol=1e-12)  # fmt: skip

@@ -13,6 +13,7 @@ import math
 import sys
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import jax
@@ -519,16 +520,20 @@ class JaxBackend(Backend[Traced]):
 
 
 def _nonzeros(entries: Entries) -> tuple[jax.Array, jax.Array]:
-    """The rows and columns of the plan's nonzeros, made in the program elementwise from
-    compact constants (:mod:`~divjac._core.nonzero_codes`: three bytes a nonzero on a stencil),
-    which XLA fuses into their users, with no temporary the size of the nonzeros; JAX copies a
-    program's constants two to three times over while lowering and compiling it. Behind an
-    optimization barrier, which XLA does not fold through: folded at compile time, they would
-    be constants again (and folding them takes minutes)."""
+    """The rows and columns of the plan's nonzeros, made in the program elementwise, which XLA
+    fuses into their users, with no temporary the size of the nonzeros: on a box stencil from
+    the rows' pointers and the stencil's offsets (:func:`_stencil_nonzeros`), otherwise from
+    compact constants (:mod:`~divjac._core.nonzero_codes`: three bytes a nonzero on a
+    stencil); JAX copies a program's constants two to three times over while lowering and
+    compiling it. The constants are behind an optimization barrier, which XLA does not fold
+    through: folded at compile time, they would be constants again (and folding them takes
+    minutes)."""
     dtype = entries.cols.dtype
     if entries.nnz == 0:
         return jnp.zeros(0, dtype), jnp.zeros(0, dtype)
     codes = _encoded(entries)
+    if isinstance(codes, _OnStencil):
+        return _stencil_nonzeros(codes, entries)
     nnz, block = entries.nnz, nonzero_codes.BLOCK
     starts = _unfolded(codes.starts)
     first = jnp.broadcast_to(starts[:, None], (starts.size, block)).reshape(-1)
@@ -537,14 +542,93 @@ def _nonzeros(entries: Entries) -> tuple[jax.Array, jax.Array]:
     return rows, rows + cols if codes.offsets else cols
 
 
-_ENCODED: weakref.WeakKeyDictionary[Entries, nonzero_codes.Codes] = weakref.WeakKeyDictionary()
+@dataclass(frozen=True)
+class _OnStencil:
+    """A plan's pattern that is a box stencil: the stencil, the row of every ``BLOCK``-th
+    nonzero and the most rows a block spans past its first
+    (:func:`~divjac._core.nonzero_codes.block_rows`)."""
+
+    stencil: nonzero_codes.Stencil
+    starts: np.ndarray
+    span: int
 
 
-def _encoded(entries: Entries) -> nonzero_codes.Codes:
-    """The compact constants of :func:`_nonzeros`, made once per plan (kept with it)."""
+STENCIL_MIN_NONZEROS = 1 << 20
+"""The fewest nonzeros of a stencil's pattern for them to be decoded from the stencil: below,
+their codes (a few MB at most) cost less than the decoding's arithmetic, which each device of
+a sharded batch repeats."""
+
+MAX_STENCIL_SPAN = 8
+"""The most rows past its block's first a nonzero of a stencil may lie for the stencil's
+decoding (one lookup of the rows' pointers a row): past it (rows of fewer than about
+``BLOCK / 8`` nonzeros), the codes; so too past ``2**23`` nonzeros a row (the decoding's float32
+quotient)."""
+
+
+def _stencil_nonzeros(found: _OnStencil, entries: Entries) -> tuple[jax.Array, jax.Array]:
+    """The rows and columns of a box stencil's nonzeros in CSR order, each from its index
+    alone: its row is its block's first, moved past each row's end it lies beyond (looked up
+    in the rows' pointers, ``span`` times), and its column the digit of its place in the row
+    along each axis of the row's box, clipped to the grid (no table: the box's first column
+    and length along an axis follow from the row's coordinate)."""
+    dtype = entries.cols.dtype
+    stencil = found.stencil
+    blocks = (found.starts.size, nonzero_codes.BLOCK)
+    block = lax.broadcasted_iota(dtype, blocks, 0)
+    p = (block * nonzero_codes.BLOCK + lax.broadcasted_iota(dtype, blocks, 1)).reshape(-1)
+    p = p[: entries.nnz]
+    indptr = _unfolded(entries.indptr.astype(dtype, copy=False))
+    row = _at(_unfolded(found.starts), block.reshape(-1)[: entries.nnz])
+    for _ in range(found.span):
+        row = row + (p >= _at(indptr, row + 1)).astype(dtype)
+    place = p - _at(indptr, row)
+    col = jnp.zeros_like(p)
+    k = len(stencil.shape)
+    for a in reversed(range(k)):
+        stride, size = math.prod(stencil.shape[a + 1 :]), stencil.shape[a]
+        at = row if stride == 1 else lax.div(row, dtype.type(stride))
+        at = at if a == 0 else lax.rem(at, dtype.type(size))
+        first = jnp.maximum(at + stencil.lo[a], 0)
+        if a == 0:  # the place's last digit
+            col = col + (first + place) * stride
+            break
+        length = jnp.minimum(at + stencil.hi[a], size - 1) - first + 1
+        # the quotient in float32 (exact: the place is below the box's size, under 2**23),
+        # vectorized where an integer division by a variable is not
+        quotient = ((place.astype(np.float32) + 0.5) / length.astype(np.float32)).astype(dtype)
+        col = col + (first + place - quotient * length) * stride
+        place = quotient
+    # one array, written by one loop, that its users read: XLA does not recompute a gather for
+    # each of several users, and would keep each lookup's result, the size of the nonzeros
+    both = lax.optimization_barrier(jnp.stack([row, col], axis=1))
+    return both[:, 0], both[:, 1]
+
+
+_ENCODED: weakref.WeakKeyDictionary[Entries, nonzero_codes.Codes | _OnStencil] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _encoded(entries: Entries) -> nonzero_codes.Codes | _OnStencil:
+    """How :func:`_nonzeros` makes the plan's nonzeros: from the stencil the pattern is on its
+    grid, or from compact constants; found once per plan (kept with it)."""
     if entries not in _ENCODED:
-        _ENCODED[entries] = nonzero_codes.encode(entries.indptr, entries.cols)
+        _ENCODED[entries] = _on_stencil(entries) or nonzero_codes.encode(
+            entries.indptr, entries.cols
+        )
     return _ENCODED[entries]
+
+
+def _on_stencil(entries: Entries) -> _OnStencil | None:
+    """The stencil the plan's pattern is on its grid, where decoding it pays (see
+    :data:`STENCIL_MIN_NONZEROS` and :data:`MAX_STENCIL_SPAN`)."""
+    if entries.grid is None or entries.nnz < STENCIL_MIN_NONZEROS:
+        return None
+    found = nonzero_codes.stencil(entries.indptr, entries.cols, entries.grid)
+    if found is None or found.box() >= 2**23:
+        return None
+    starts, span = nonzero_codes.block_rows(entries.indptr, entries.nnz, entries.cols.dtype)
+    return _OnStencil(found, starts, span) if span <= MAX_STENCIL_SPAN else None
 
 
 def _unfolded(host: np.ndarray) -> jax.Array:
