@@ -103,7 +103,9 @@ def _free_port() -> int:
 
 def _run() -> list[dict[str, Any]]:
     env = os.environ.copy()
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"
+    env["XLA_FLAGS"] = (
+        f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={LOCAL_DEVICES}"
+    )
     env["JAX_PLATFORMS"] = "cpu"
     port = _free_port()
     reports = []

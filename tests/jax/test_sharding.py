@@ -252,7 +252,9 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _run() -> dict[str, Any]:
     env = os.environ.copy()
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+    env["XLA_FLAGS"] = (
+        f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
+    )
     env["JAX_PLATFORMS"] = "cpu"
     result = subprocess.run(
         [sys.executable, __file__],
