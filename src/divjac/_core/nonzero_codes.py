@@ -90,10 +90,14 @@ def encode(indptr: np.ndarray, cols: np.ndarray) -> Codes:
     return Codes(starts, rows, codes, True)
 
 
-def _chunks(indptr: np.ndarray, dtype: np.dtype) -> Iterator[tuple[int, int, np.ndarray]]:
-    """``(lo, hi, rows)``: the rows of the nonzeros ``lo:hi``, whole rows at a time."""
+def _chunks(
+    indptr: np.ndarray, dtype: np.dtype, entries: int | None = None
+) -> Iterator[tuple[int, int, np.ndarray]]:
+    """``(lo, hi, rows)``: the rows of the nonzeros ``lo:hi``, whole rows at a time (about
+    ``entries`` nonzeros, :data:`_CHUNK_ENTRIES` by default)."""
     n_rows, counts = len(indptr) - 1, np.diff(indptr)
-    per_chunk = max(1, _CHUNK_ENTRIES // max(int(counts.max(initial=1)), 1))
+    size = _CHUNK_ENTRIES if entries is None else entries
+    per_chunk = max(1, size // max(int(counts.max(initial=1)), 1))
     for a in range(0, n_rows, per_chunk):
         b = min(a + per_chunk, n_rows)
         lo, hi = int(indptr[a]), int(indptr[b])
@@ -136,17 +140,18 @@ def stencil(indptr: np.ndarray, cols: np.ndarray, shape: tuple[int, ...]) -> Ste
     within each row) is on the grid ``shape``, or ``None``. The offsets are the extremes of
     ``c - r`` over the nonzeros; the pattern is that stencil where every row holds as many
     nonzeros as its box (all of them then, being unique and within it). One pass over the
-    nonzeros, a chunk of rows at a time."""
+    nonzeros, a chunk of rows at a time (a sixteenth of the codes' chunks: a few MB of
+    temporaries in the columns' integers)."""
     n = int(np.prod(shape, dtype=np.int64))
     if len(indptr) != n + 1 or cols.size == 0 or n == 0:
         return None
     lo = np.full(len(shape), np.iinfo(np.int64).max)
     hi = np.full(len(shape), np.iinfo(np.int64).min)
-    for lo_nz, hi_nz, row in _chunks(indptr, np.dtype(np.int64)):
-        own = np.unravel_index(row, shape)
-        other = np.unravel_index(cols[lo_nz:hi_nz].astype(np.int64, copy=False), shape)
-        for a, (r, c) in enumerate(zip(own, other, strict=True)):
-            gap = c - r
+    strides = [math.prod(shape[a + 1 :]) for a in range(len(shape))]
+    for lo_nz, hi_nz, row in _chunks(indptr, cols.dtype, _CHUNK_ENTRIES // 16):
+        col = cols[lo_nz:hi_nz]
+        for a, (stride, size) in enumerate(zip(strides, shape, strict=True)):
+            gap = col // stride % size - row // stride % size  # along axis a
             lo[a], hi[a] = min(lo[a], int(gap.min())), max(hi[a], int(gap.max()))
     found = Stencil(tuple(shape), tuple(lo.tolist()), tuple(hi.tolist()))
     return found if np.array_equal(found.counts(), np.diff(indptr)) else None
